@@ -1,0 +1,40 @@
+# Shoal: `make serve` and `make test` set the project up on a fresh machine, then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.shoal-setup
+TORCH  := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast lint typecheck bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: anything that pulls an unpinned torch would fetch a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev,operator,kernels]' $(TORCH)
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/shoal serve --host 127.0.0.1 --port 8000
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy shoal runtime operator kernels
+
+bench: setup
+	$(PY) bench/offline_throughput.py
+	$(PY) bench/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,63 @@
+"""Attention backend interface: the only thing the model knows about paged KV.
+
+The model runner builds one ``AttentionMetadata`` per step (``backend.build_metadata``,
+where flashinfer would ``plan()``), and every layer calls ``backend.forward``, which writes
+the new K/V through ``slot_mapping`` and attends over each request's context read through
+its block table. Backends (torch reference, Triton, flashinfer) drop in without touching
+the model.
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` each
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B+1] on device
+    seq_lens: torch.Tensor  # int32 [B]: context length after this step
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies: backends that loop over requests on CPU avoid device syncs
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # backend-specific prepared state (flashinfer wrappers, split decode/prefill, ...)
+    extra: object | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Called once per step before the forward pass; may fill ``meta.extra``."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...

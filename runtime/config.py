@@ -1,0 +1,42 @@
+"""Engine configuration: one typed object built from CLI flags (vLLM's names) or kwargs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: str | None = None
+    model_revision: str = ""  # part of every block hash: a new revision never reuses old KV
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on GPU)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # None: from config.json
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes of KV cache (CPU); None: a default budget
+    num_kv_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_logprobs: int = 20
+    rank_timeout: float = 30.0  # seconds a rank may make no progress before the engine is fatal
+    kv_events_endpoint: str | None = None  # zmq PUB address for block stored/removed events
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]
