@@ -1,0 +1,218 @@
+"""Paged attention over a flat mixed batch, in one launch.
+
+The batch is varlen: request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]``
+(a prefill chunk, possibly after a cached prefix, or one decode token) and attends over
+``seq_lens[r]`` cached tokens read through its block table. The new K/V must already be in
+the cache (``reshape_and_cache`` runs first), so a prefix hit, a chunk continuation and a
+decode are the same computation: the query at position ``p`` sees keys ``<= p``.
+
+Grid: (request, query tile, kv head). A program loads the query tile's rows for every
+query head that shares its kv head (GQA), so each K/V page is read once for the group,
+then walks the pages causally reachable from the tile with an online softmax (flash
+attention's running max and sum). Programs whose tile lies past the request's query length
+exit at once; a pure-decode batch launches ``num_reqs * num_kv_heads`` programs.
+
+Uses only long-stable ``tl.*`` calls (load/store/dot/exp2/where/max/sum), so the same
+source runs on triton 3.6 (GPU machine) and 3.9 (interpreter here).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from shoal.kernels.launch import check_launchable
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    sliding_window,  # ignored unless USE_WINDOW
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,  # cache block size, one page per loop iteration
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # the interpreter's tl.dot mis-multiplies bfloat16 operands
+):
+    req = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # tokens cached before this step's first query
+
+    # row m of the tile = (query token m // GROUP_PAD, head m % GROUP_PAD of this kv group)
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+
+    token = (q_start + q_idx).to(tl.int64)
+    q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    q_pos = context_len + q_idx
+
+    # keys this tile can see: up to its last query, back to the window of its first
+    last_q = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    kv_end = context_len + last_q + 1
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+    page_start = kv_start // PAGE
+    page_end = (kv_end + PAGE - 1) // PAGE
+
+    # finite start for the running max: a tile with every key masked gives p = 0, not NaN
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    slots = tl.arange(0, PAGE)
+    head_base = kv_head.to(tl.int64) * stride_ch
+
+    for page_idx in range(page_start, page_end):
+        page = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt + page_idx).to(tl.int64)
+        k_pos = page_idx * PAGE + slots
+        k_valid = k_pos < kv_end
+        page_base = page * stride_cb + head_base
+        k = tl.load(
+            k_cache_ptr + page_base + slots[None, :] * stride_cs + dims[:, None],
+            mask=dim_valid[:, None] & k_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_D, PAGE]
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + page_base + slots[:, None] * stride_cs + dims[None, :],
+            mask=k_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [PAGE, BLOCK_D]
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    o_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _tile_rows(max_query_len: int, group_pad: int) -> int:
+    """Rows per program: 16 (tl.dot's minimum on GPU) for decode, 64 for prefill tiles."""
+    rows = 16 if max_query_len * group_pad <= 16 else 64
+    return max(rows, group_pad)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # int32 [B+1]
+    seq_lens: torch.Tensor,  # int32 [B]
+    block_tables: torch.Tensor,  # int32 [B, max_blocks]
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every request's query rows over its paged context; see module doc."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not fit queries {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two for the Triton kernel, got {block_size}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,) or block_tables.shape[0] != num_reqs:
+        raise ValueError("query_start_loc must be [B+1] and block_tables [B, max_blocks]")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides and be contiguous in head_dim")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    check_launchable(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    if q.device.type == "cuda" and block_size < 16:
+        raise ValueError(f"block_size must be at least 16 on GPU (tl.dot), got {block_size}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = _tile_rows(max_query_len, group_pad) // group_pad
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        out,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2_E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        PAGE=block_size,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+    )
+    return out

@@ -1,0 +1,114 @@
+"""Plain torch references for every Triton kernel in this package.
+
+They are written for clarity, not speed: loops over requests, explicit gathers, float32
+math. Tests compare each kernel against its reference on random inputs; the torch attention
+backend of the runtime is a separate implementation, so the two do not share mistakes.
+
+Shapes (the paged KV layout of ``runtime/attention/backend.py``, NHD):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping:     [T]   block_id * block_size + offset; negative = padding, not written
+  query_start_loc:  [B+1] where each request's query tokens start in the flat batch
+  seq_lens:         [B]   context length including this step's tokens
+  block_tables:     [B, max_blocks]
+
+Sliding window ``W``: the query at position ``p`` sees the keys at positions ``(p - W, p]``
+(the last ``W`` tokens, itself included), as in HF Mistral/Qwen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[t]
+        v_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of one request: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len)
+    blocks = block_table.to(torch.long)[positions // block_size]
+    return cache[blocks, positions % block_size]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B+1]
+    seq_lens: torch.Tensor,  # [B]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new queries over its whole cached context."""
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[r], starts[r + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        keys = gather_context(k_cache, block_tables[r], seq_len).float()
+        values = gather_context(v_cache, block_tables[r], seq_len).float()
+        keys = keys.repeat_interleave(group, dim=1)  # [S, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[q_start:q_end].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)  # [Q, 1]
+        key_pos = torch.arange(seq_len).unsqueeze(0)  # [1, S]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in float32, cast back to the input dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def rotary_ref(
+    x: torch.Tensor,  # [T, num_heads, head_dim]
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos half, then sin half
+) -> torch.Tensor:
+    """Neox-style rotary embedding (rotate the two halves of the head), as Llama/Qwen use."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions.long()].float().split(half, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def head_rms_norm_rotary_ref(
+    x: torch.Tensor,  # [T, num_heads, head_dim]
+    weight: torch.Tensor,  # [head_dim]
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm followed by rotary, the pair the fused kernel computes."""
+    return rotary_ref(rms_norm_ref(x, weight, eps), positions, cos_sin_cache)
