@@ -1,0 +1,69 @@
+"""Which attention backend runs: a pure rule, so it is tested without a GPU.
+
+``auto``: flashinfer when it imports on a CUDA device, else triton on CUDA, else torch.
+An explicit choice is honoured where it can run at all, and refused with a reason where it
+cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
+CUDA or the interpreter (``TRITON_INTERPRET=1``, tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
+
+
+def choose_attention_backend(
+    requested: str,
+    device_type: str,
+    flashinfer_available: bool,
+    triton_available: bool,
+    triton_interpreted: bool = False,
+) -> str:
+    """Resolve ``--attention-backend`` to a concrete backend name, or raise ValueError."""
+    if requested not in BACKEND_NAMES:
+        raise ValueError(
+            f"unknown attention backend {requested!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    on_cuda = device_type == "cuda"
+    if requested == "auto":
+        if on_cuda and flashinfer_available:
+            return "flashinfer"
+        if on_cuda and triton_available:
+            return "triton"
+        return "torch"
+    if requested == "flashinfer":
+        if not on_cuda:
+            raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {device_type}")
+        if not flashinfer_available:
+            raise ValueError("the flashinfer attention backend was requested but flashinfer is not installed")
+    if requested == "triton":
+        if not triton_available:
+            raise ValueError("the triton attention backend was requested but triton is not installed")
+        if not on_cuda and not triton_interpreted:
+            raise ValueError(
+                f"the triton attention backend needs a CUDA device, not {device_type} "
+                "(or TRITON_INTERPRET=1 for tests)"
+            )
+    return requested
+
+
+def module_available(name: str) -> bool:
+    """Installed, without importing it (importing flashinfer without CUDA has crashed)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def choose_for_device(requested: str, device_type: str) -> str:
+    """The rule applied to this machine."""
+    return choose_attention_backend(
+        requested,
+        device_type,
+        flashinfer_available=device_type == "cuda" and module_available("flashinfer"),
+        triton_available=module_available("triton"),
+        triton_interpreted=triton_interpreted(),
+    )
