@@ -1,0 +1,251 @@
+"""``shoal make-model``: HF-format checkpoints with random weights, made offline.
+
+Each checkpoint is what a real model directory holds (config.json, model.safetensors,
+generation_config.json, tokenizer.json, tokenizer_config.json with a chat template), built
+with transformers' own config and model classes so HF transformers loads it unchanged and
+serves as the reference. The byte-level BPE tokenizer is trained in seconds on the Python
+standard library's own source files, read in a fixed order, so a seed gives the same bytes.
+
+Random weights give near-flat logits; a larger ``initializer_range`` makes greedy argmax a
+clear choice, and a zeroed EOS row keeps generation from stopping early in benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3")
+SIZES = ("tiny", "small", "bench")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+EOS_TOKEN_IDS = [IM_END_ID, ENDOFTEXT_ID]
+INITIALIZER_RANGE = 0.15
+CORPUS_BYTES = 3_000_000
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    max_position_embeddings: int = 4096
+
+
+def size_spec(arch: str, size: str) -> SizeSpec:
+    """Shapes per (arch, size). qwen3 tiny/small use a head_dim unrelated to hidden/heads;
+    llama tiny has a single KV head so TP=2 must replicate it."""
+    _check_choice("arch", arch, ARCHS)
+    _check_choice("size", size, SIZES)
+    if size == "tiny":
+        kv = {"llama": 1, "qwen2": 2, "qwen3": 2}[arch]
+        head_dim = 32 if arch == "qwen3" else None
+        return SizeSpec(1024, 64, 2, 4, kv, 128, head_dim)
+    if size == "small":
+        head_dim = 48 if arch == "qwen3" else None
+        return SizeSpec(4096, 256, 4, 8, 4, 768, head_dim)
+    return SizeSpec(8192, 512, 8, 8, 4, 1536)
+
+
+def count_params(arch: str, size: str) -> int:
+    """Parameter count from the shapes alone (no weights built)."""
+    s = size_spec(arch, size)
+    head_dim = s.head_dim or s.hidden_size // s.num_heads
+    q, kv = s.num_heads * head_dim, s.num_kv_heads * head_dim
+    attn = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    if arch == "qwen2":
+        attn += q + 2 * kv  # qkv bias
+    if arch == "qwen3":
+        attn += 2 * head_dim  # q/k norm
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    layer = attn + mlp + 2 * s.hidden_size
+    embed = s.vocab_size * s.hidden_size
+    lm_head = 0 if _tied(arch) else embed
+    return embed + lm_head + s.num_layers * layer + s.hidden_size
+
+
+def _tied(arch: str) -> bool:
+    return arch == "qwen2"
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+def hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    s = size_spec(arch, size)
+    common = dict(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+        intermediate_size=s.intermediate_size, max_position_embeddings=s.max_position_embeddings,
+        rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE, tie_word_embeddings=_tied(arch),
+        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+    )
+    if arch == "llama":
+        # llama3 rope scaling with a short original context so every band of the rule is used
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512}
+        return LlamaConfig(**common, rope_parameters=rope)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                           use_sliding_window=False)
+    return Qwen3Config(**common, head_dim=s.head_dim or s.hidden_size // s.num_heads,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       use_sliding_window=False)
+
+
+def training_corpus(max_bytes: int = CORPUS_BYTES) -> list[str]:
+    """Standard-library sources in sorted order: available offline, same on every run."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not texts:
+        raise RuntimeError(f"no training text found under {stdlib}")
+    return texts
+
+
+def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    return tokenizer
+
+
+def _tokenizer_config() -> dict:
+    added = {
+        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": SPECIAL_TOKENS[IM_END_ID],
+        "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
+        "unk_token": None,
+        "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID]],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _make_confident(model, arch: str, seed: int) -> None:
+    """Random biases and norm gains (so the reference test exercises them), EOS rows zeroed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * INITIALIZER_RANGE)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        rows = model.get_output_embeddings().weight
+        rows[EOS_TOKEN_IDS] = 0.0
+
+
+def make_model(arch: str, size: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(arch, size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _make_confident(model, arch, seed)
+    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
+    model.generation_config.pad_token_id = ENDOFTEXT_ID
+    model.generation_config.bos_token_id = ENDOFTEXT_ID
+    model.save_pretrained(out)
+    train_tokenizer(config.vocab_size).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": SPECIAL_TOKENS[IM_END_ID], "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
+        "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID]]}, indent=2) + "\n")
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHOAL_CACHE_DIR", Path.home() / ".cache" / "shoal"))
+
+
+def cached_model(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+    """Build once into the cache; concurrent builders race safely (temp dir, then rename)."""
+    _check_choice("arch", arch, ARCHS)
+    _check_choice("size", size, SIZES)
+    target = cache_dir() / "models" / f"{arch}-{size}-s{seed}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_model(arch, size, tmp, seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race to a complete build: fine
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "make-model", help="write an HF-format checkpoint with random weights and a tokenizer")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    out = make_model(args.arch, args.size, args.out, args.seed)
+    print(f"wrote {args.arch}-{args.size} ({count_params(args.arch, args.size):,} parameters) "
+          f"to {out}")
+    return 0
