@@ -1,0 +1,125 @@
+"""Section ``attention``: every available backend vs the torch reference on real shapes.
+
+Qwen3-0.6B attention (16 query heads, 8 KV heads, head_dim 128, bf16, block 16) on a
+decode batch of 64 and on a mixed step (prefill chunks after a cached prefix plus
+decodes). For each backend: the largest deviation from ``kernels.reference`` and the time
+of one layer's ``forward`` (KV write + attention); flashinfer's ``plan`` runs once per step
+in ``build_metadata``/first layer and is left out, as it is amortised over all layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from common import log, time_ms
+
+
+@dataclass
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+def cases(smoke: bool) -> dict[str, list[tuple[int, int]]]:
+    """(cached context, new query tokens) per request."""
+    gen = torch.Generator().manual_seed(0)
+    if smoke:
+        return {"decode": [(int(c), 1) for c in torch.randint(4, 40, (3,), generator=gen)],
+                "mixed": [(4, 9), (17, 1), (30, 1)]}
+    decode_ctx = torch.randint(512, 1536, (64,), generator=gen)
+    mixed_ctx = torch.randint(512, 1536, (60,), generator=gen)
+    return {"decode": [(int(c), 1) for c in decode_ctx],
+            "mixed": [(256, 512)] * 4 + [(int(c), 1) for c in mixed_ctx]}
+
+
+def build_batch(requests, shapes: Shapes, device: str):
+    from shoal.runtime.attention.backend import AttentionMetadata
+
+    bs = shapes.block_size
+    blocks_needed = [-(-(ctx + q) // bs) for ctx, q in requests]
+    num_blocks = sum(blocks_needed) + 1
+    order = torch.randperm(num_blocks)
+    tables, slots, starts, cursor = [], [], [0], 0
+    width = max(blocks_needed)
+    for (ctx, q_len), n in zip(requests, blocks_needed, strict=True):
+        table = order[cursor:cursor + n].tolist()
+        cursor += n
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q_len)]
+        tables.append(table + [0] * (width - n))
+        starts.append(starts[-1] + q_len)
+    seq_lens = [ctx + q for ctx, q in requests]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(q for _, q in requests),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    shape = (num_blocks, bs, shapes.num_kv_heads, shapes.head_dim)
+    k_cache = torch.randn(shape, device=device).to(shapes.dtype)
+    v_cache = torch.randn(shape, device=device).to(shapes.dtype)
+    tokens = starts[-1]
+    q = torch.randn(tokens, shapes.num_heads, shapes.head_dim, device=device).to(shapes.dtype)
+    k = torch.randn(tokens, shapes.num_kv_heads, shapes.head_dim, device=device).to(shapes.dtype)
+    v = torch.randn(tokens, shapes.num_kv_heads, shapes.head_dim, device=device).to(shapes.dtype)
+    return meta, k_cache, v_cache, q, k, v
+
+
+def available_backends(device: str) -> dict[str, object]:
+    backends: dict[str, object] = {}
+    candidates = {
+        "torch": ("shoal.runtime.attention.torch_backend", "TorchAttentionBackend"),
+        "triton": ("shoal.runtime.attention.triton_backend", "TritonAttentionBackend"),
+    }
+    if device == "cuda":
+        candidates["flashinfer"] = ("shoal.runtime.attention.flashinfer_backend", "FlashInferBackend")
+    for name, (module, cls) in candidates.items():
+        try:
+            backends[name] = getattr(importlib.import_module(module), cls)()
+        except Exception as exc:  # noqa: BLE001 - a missing backend is a row in the table
+            log(f"backend {name} unavailable: {type(exc).__name__}: {exc}")
+    return backends
+
+
+def run(smoke: bool) -> dict:
+    from shoal.kernels.reference import paged_attention_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = (Shapes(4, 2, 16, 16, torch.float32) if smoke and device == "cpu"
+              else Shapes(16, 8, 128, 16, torch.bfloat16))
+    scale = shapes.head_dim ** -0.5
+    backends = available_backends(device)
+    results: dict[str, dict] = {}
+    for case, requests in cases(smoke).items():
+        torch.manual_seed(1)
+        meta, k_cache, v_cache, q, k, v = build_batch(requests, shapes, device)
+        reference = None
+        for name, backend in backends.items():
+            row = f"{case}/{name}"
+            try:
+                kc, vc = k_cache.clone(), v_cache.clone()
+                step_meta = backend.build_metadata(meta)
+                out = backend.forward(q, k, v, kc, vc, step_meta, scale)
+                if reference is None:  # the cache now holds this step's K/V
+                    reference = paged_attention_ref(q, kc, vc, meta.query_start_loc, meta.seq_lens,
+                                                    meta.block_tables, scale)
+                error = (out.float() - reference.float()).abs().max().item()
+                iters = 2 if smoke else 20
+                ms = time_ms(lambda b=backend, m=step_meta, kc=kc, vc=vc: b.forward(q, k, v, kc, vc, m, scale),
+                             device, warmup=1 if smoke else 5, iters=iters)
+                results[row] = {"max_abs_error": error, "us_per_layer": ms * 1e3,
+                                "tokens": int(q.shape[0]), "requests": len(requests)}
+                log(f"{row}: max |err| {error:.3g}, {ms * 1e3:.1f} us per layer")
+            except Exception as exc:  # noqa: BLE001 - one backend failing keeps the others
+                results[row] = {"error": f"{type(exc).__name__}: {exc}"}
+                log(f"{row} failed: {exc!r}")
+    return {"device": device, "shapes": repr(shapes), "rows": results}

@@ -1,0 +1,114 @@
+"""The benchmark's final table, with the issue's three targets checked from the numbers."""
+
+from __future__ import annotations
+
+
+def _fmt(value, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _section_error(name: str, result: dict | None) -> str | None:
+    if result is None:
+        return f"{name}: no result"
+    if "error" in result:
+        return f"{name}: ERROR {result['error']}"
+    return None
+
+
+def render_env(env: dict) -> list[str]:
+    return [
+        "== environment",
+        f"device {env.get('device')} | python {env.get('python')} | torch {env.get('torch')} | "
+        f"triton {env.get('triton')} | flashinfer installed: {env.get('flashinfer_installed')}",
+        f"device copy bandwidth (read+write): {_fmt(env.get('copy_bandwidth_gbps'), '.0f')} GB/s",
+    ]
+
+
+def render_attention(att: dict) -> list[str]:
+    lines = [f"== attention, one layer ({att.get('shapes')})",
+             f"{'case/backend':<22}{'max|err|':>12}{'us/layer':>12}{'vs flashinfer':>15}"]
+    rows = att.get("rows", {})
+    for key, row in rows.items():
+        if "error" in row:
+            lines.append(f"{key:<22}  ERROR {row['error'][:100]}")
+            continue
+        case = key.split("/")[0]
+        fi = rows.get(f"{case}/flashinfer", {}).get("us_per_layer")
+        ratio = row["us_per_layer"] / fi if fi else None
+        lines.append(f"{key:<22}{_fmt(row['max_abs_error']):>12}{_fmt(row['us_per_layer'], '.1f'):>12}"
+                     f"{_fmt(ratio, '.2f'):>15}")
+    return lines
+
+
+def render_decode(dec: dict) -> list[str]:
+    lines = [f"== decode step ({dec.get('model')}, context {dec.get('context_len')} tokens/request)",
+             f"{'batch':>6}{'eager ms':>11}{'graphs ms':>11}{'floor ms':>10}{'graphs/floor':>14}{'eager/graphs':>14}"]
+    for row in dec.get("rows", []):
+        eager, graphs, floor = row.get("eager_ms"), row.get("graphs_ms"), row.get("floor_ms")
+        lines.append(
+            f"{row['batch']:>6}{_fmt(eager, '.2f'):>11}{_fmt(graphs, '.2f'):>11}{_fmt(floor, '.2f'):>10}"
+            f"{_fmt(graphs / floor if graphs and floor else None, '.2f'):>14}"
+            f"{_fmt(eager / graphs if eager and graphs else None, '.2f'):>14}"
+        )
+    return lines
+
+
+def render_throughput(thr: dict) -> list[str]:
+    lines = [f"== offline throughput ({thr.get('workload')})",
+             f"{'mode':<10}{'requests':>9}{'out tokens':>12}{'seconds':>9}{'out tok/s':>11}"]
+    for mode, row in thr.get("rows", {}).items():
+        if "error" in row:
+            lines.append(f"{mode:<10}  ERROR {row['error'][:100]}")
+            continue
+        lines.append(f"{mode:<10}{row['requests']:>9}{row['output_tokens']:>12}"
+                     f"{_fmt(row['seconds'], '.1f'):>9}{_fmt(row['output_tok_s'], '.0f'):>11}")
+    return lines
+
+
+def targets(results: dict) -> list[str]:
+    lines = ["== targets"]
+    dec = results.get("decode") or {}
+    rows = {r["batch"]: r for r in dec.get("rows", [])}
+    b64 = rows.get(64, {})
+    if b64.get("graphs_ms") and b64.get("floor_ms"):
+        ratio = b64["graphs_ms"] / b64["floor_ms"]
+        lines.append(f"decode b64 with graphs within 2x of floor: {'PASS' if ratio <= 2 else 'FAIL'} ({ratio:.2f}x)")
+    else:
+        lines.append("decode b64 with graphs within 2x of floor: not measured")
+    b1 = rows.get(1, {})
+    if b1.get("graphs_ms") and b1.get("eager_ms"):
+        speedup = b1["eager_ms"] / b1["graphs_ms"]
+        lines.append(f"graphs >= 1.5x eager at batch 1: {'PASS' if speedup >= 1.5 else 'FAIL'} ({speedup:.2f}x)")
+    else:
+        lines.append("graphs >= 1.5x eager at batch 1: not measured")
+    att = (results.get("attention") or {}).get("rows", {})
+    ratios = []
+    for case in ("decode", "mixed"):
+        tri = att.get(f"{case}/triton", {}).get("us_per_layer")
+        fi = att.get(f"{case}/flashinfer", {}).get("us_per_layer")
+        if tri and fi:
+            ratios.append((case, tri / fi))
+    if ratios:
+        worst = max(r for _, r in ratios)
+        detail = ", ".join(f"{c} {r:.2f}x" for c, r in ratios)
+        lines.append(f"triton within 1.5x of flashinfer: {'PASS' if worst <= 1.5 else 'FAIL'} ({detail})")
+    else:
+        lines.append("triton within 1.5x of flashinfer: n/a (flashinfer not run)")
+    return lines
+
+
+def render_table(results: dict) -> str:
+    lines: list[str] = []
+    renderers = {"env": render_env, "attention": render_attention, "decode": render_decode,
+                 "throughput": render_throughput}
+    for name, render in renderers.items():
+        result = results.get(name)
+        error = _section_error(name, result)
+        lines += [error] if error else render(result)
+        lines.append("")
+    lines += targets(results)
+    return "\n".join(lines)
