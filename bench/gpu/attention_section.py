@@ -9,6 +9,7 @@ in ``build_metadata``/first layer and is left out, as it is amortised over all l
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -114,8 +115,8 @@ def run(smoke: bool) -> dict:
                                                     meta.block_tables, scale)
                 error = (out.float() - reference.float()).abs().max().item()
                 iters = 2 if smoke else 20
-                ms = time_ms(lambda b=backend, m=step_meta, kc=kc, vc=vc: b.forward(q, k, v, kc, vc, m, scale),
-                             device, warmup=1 if smoke else 5, iters=iters)
+                step = functools.partial(backend.forward, q, k, v, kc, vc, step_meta, scale)
+                ms = time_ms(step, device, warmup=1 if smoke else 5, iters=iters)
                 results[row] = {"max_abs_error": error, "us_per_layer": ms * 1e3,
                                 "tokens": int(q.shape[0]), "requests": len(requests)}
                 log(f"{row}: max |err| {error:.3g}, {ms * 1e3:.1f} us per layer")
