@@ -1,0 +1,33 @@
+"""Names the operator shares with the CRD, the chart and the pods it renders."""
+
+from __future__ import annotations
+
+GROUP = "serving.shoal.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+# Pod readiness gate: True only after the operator saw the pod's /ready answer 200.
+ENGINE_READY_CONDITION = f"{GROUP}/engine-ready"
+
+# Labels on every child; the selector labels never change for the life of a service.
+LABEL_SERVICE = f"{GROUP}/inference-service"
+LABEL_COMPONENT = f"{GROUP}/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "shoal-operator"
+COMPONENT_ENGINE = "engine"
+COMPONENT_ROUTER = "router"
+
+# Annotation on engine pods: when the operator last recycled a crash-looping pod (and how often).
+ANNOTATION_RECYCLES = f"{GROUP}/recycles"
+
+# Annotation on the engine pod template: hash of the pod spec, so status can count updated pods.
+ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+ENGINE_CONTAINER = "engine"
+FIELD_MANAGER = MANAGER
+
+DEFAULT_RUNTIME_IMAGE = "ghcr.io/shoal-dev/shoal-runtime:0.1.0"

@@ -1,0 +1,88 @@
+"""kopf wiring: a timer per InferenceService runs the reconcile round; spec changes run it at once.
+
+Handlers are registered into a registry built at start-up (no import-time globals), with the
+round interval chosen on the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import kopf
+from shoal.operator.constants import GROUP, PLURAL, VERSION
+from shoal.operator.kube import ApiError, KubeClient
+from shoal.operator.kubeconfig import ClusterAccess
+from shoal.operator.reconcile import ReconcileContext, reconcile
+
+log = logging.getLogger("shoal.operator")
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    access: ClusterAccess
+    interval: float = 5.0  # seconds between rounds per object
+    engine_port: int = 8000
+    probe_timeout: float = 2.0
+
+
+def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    state: dict[str, ReconcileContext] = {}
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.level = logging.WARNING  # our own Events say what happened
+        settings.watching.server_timeout = 300
+        state["ctx"] = ReconcileContext(
+            kube=KubeClient(options.access),
+            http=httpx.AsyncClient(timeout=options.probe_timeout),
+            engine_port=options.engine_port, probe_timeout=options.probe_timeout)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        ctx = state.pop("ctx", None)
+        if ctx is not None:
+            await ctx.kube.close()
+            await ctx.http.aclose()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        a = options.access
+        return kopf.ConnectionInfo(
+            server=a.server, ca_path=a.ca_path, insecure=a.insecure, token=a.token,
+            certificate_path=a.cert_path, private_key_path=a.key_path,
+            default_namespace=a.default_namespace)
+
+    async def run_round(body: kopf.Body, why: str) -> None:
+        ctx = state["ctx"]
+        try:
+            await reconcile(ctx, _plain(body))
+        except (ApiError, httpx.HTTPError) as exc:
+            # Transient API trouble: the next round retries from scratch (level-based).
+            raise kopf.TemporaryError(f"{why}: {exc}", delay=options.interval) from exc
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=options.interval, registry=registry,
+                errors=kopf.ErrorsMode.IGNORED)
+    async def periodic(body: kopf.Body, **_: Any) -> None:
+        await run_round(body, "periodic round")
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def on_change(body: kopf.Body, type: str | None, **_: Any) -> None:
+        # Only spec changes (generation ahead of what status saw) need an immediate round;
+        # status-only updates (our own writes) wait for the timer.
+        if type == "DELETED":
+            return
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        if meta.get("generation") != status.get("observedGeneration") or not status:
+            await run_round(body, "spec change")
+
+    return registry
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """A detached deep copy: rounds may run while kopf updates its view of the object."""
+    return copy.deepcopy({key: body.get(key) or {} for key in ("metadata", "spec", "status")})

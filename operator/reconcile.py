@@ -1,0 +1,222 @@
+"""One reconciliation round of an InferenceService: the I/O edge around the pure functions.
+
+Level-based: every round reads the whole world (object, pods, engine endpoints) and writes the
+whole desired state (children by server-side apply, pod gates, status), so a round after an
+operator restart or a missed event converges the same way as any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from shoal.operator.autoscale import Recommendation, ScaleDecision, decide_scale
+from shoal.operator.backoff import RecycleState, after_recycle, after_round, may_recycle
+from shoal.operator.constants import ENGINE_PORT, ENGINE_READY_CONDITION
+from shoal.operator.engine_probe import probe_engine
+from shoal.operator.events import render_event
+from shoal.operator.kube import KINDS, ApiError, KubeClient
+from shoal.operator.meta import (
+    Owner,
+    engine_name,
+    engine_selector,
+    label_selector_string,
+    router_name,
+)
+from shoal.operator.render import render_children
+from shoal.operator.render_engine import template_hash
+from shoal.operator.render_router import service_url
+from shoal.operator.replica import ProbeResult, ReplicaState, observe_replica, probe_target
+from shoal.operator.spec import ServiceSpec, SpecError, parse_spec
+from shoal.operator.status import build_status
+
+log = logging.getLogger("shoal.operator")
+
+POD = KINDS[("v1", "Pod")]
+ISVC = KINDS[("serving.shoal.dev/v1alpha1", "InferenceService")]
+EVENT = KINDS[("v1", "Event")]
+
+
+@dataclass
+class ReconcileContext:
+    """What a round needs besides the object: the API client and the probing settings."""
+
+    kube: KubeClient
+    http: httpx.AsyncClient
+    engine_port: int = ENGINE_PORT
+    probe_timeout: float = 2.0
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_failures(previous: list[dict[str, Any]], replicas: list[ReplicaState]
+                 ) -> list[ReplicaState]:
+    """Replicas whose failure reason is new since the last status (one Event per incident)."""
+    before = {e.get("name"): (e.get("lastFailure") or {}).get("reason") for e in previous}
+    return [r for r in replicas
+            if r.failure is not None and before.get(r.name) != r.failure.reason]
+
+
+def gate_patches(pods: list[dict[str, Any]], replicas: list[ReplicaState], now: datetime
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """(pod name, status patch) for each pod whose readiness gate differs from its /ready."""
+    stamp = now.isoformat().replace("+00:00", "Z")
+    wanted = {r.name: r for r in replicas}
+    patches = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        replica = wanted.get(meta.get("name"))
+        if replica is None or meta.get("deletionTimestamp"):
+            continue
+        current = next((c for c in (pod.get("status") or {}).get("conditions") or []
+                        if c.get("type") == ENGINE_READY_CONDITION), None)
+        status = "True" if replica.ready else "False"
+        if current is not None and current.get("status") == status:
+            continue
+        reason = "EngineReady" if replica.ready else f"Engine{replica.phase.capitalize()}"
+        patches.append((meta["name"], {"status": {"conditions": [{
+            "type": ENGINE_READY_CONDITION, "status": status, "reason": reason,
+            "message": f"/ready: {replica.phase}", "lastTransitionTime": stamp,
+            "lastProbeTime": stamp,
+        }]}}))
+    return patches
+
+
+async def _event(ctx: ReconcileContext, owner: Owner, kind: str, reason: str, msg: str) -> None:
+    try:
+        await ctx.kube.create(render_event(owner, kind, reason, msg, _now()))
+    except (ApiError, httpx.HTTPError) as exc:  # an Event is best effort; never fail the round
+        log.warning("event %s for %s/%s not posted: %s", reason, owner.namespace, owner.name, exc)
+
+
+async def _probe_all(ctx: ReconcileContext, pods: list[dict[str, Any]]
+                     ) -> list[ProbeResult | None]:
+    async def one(pod: dict[str, Any]) -> ProbeResult | None:
+        target = probe_target(pod)
+        if target is None:
+            return None
+        return await probe_engine(ctx.http, target, ctx.engine_port)
+    return list(await asyncio.gather(*(one(p) for p in pods)))
+
+
+async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
+                          replicas: int) -> str:
+    children = render_children(owner, spec, replicas)
+    for child in children:
+        await ctx.kube.apply(child)
+    if not spec.routing.enabled:  # a router turned off leaves nothing behind
+        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "ServiceAccount"),
+                                  ("rbac.authorization.k8s.io/v1", "Role"),
+                                  ("rbac.authorization.k8s.io/v1", "RoleBinding")):
+            await ctx.kube.delete(KINDS[(api_version, kind)], owner.namespace,
+                                  router_name(owner))
+    engine = next(c for c in children if c["kind"] == "Deployment"
+                  and c["metadata"]["name"] == engine_name(owner))
+    return template_hash(engine["spec"]["template"]["spec"])
+
+
+async def _autoscale(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
+                     status: dict[str, Any], ready: int, kv: float | None, waiting: int
+                     ) -> ScaleDecision | None:
+    if spec.autoscaling is None:
+        return None
+    history = tuple(Recommendation(float(r["at"]), int(r["replicas"]))
+                    for r in (status.get("autoscaler") or {}).get("recommendations") or [])
+    current = spec.replicas if spec.replicas else spec.autoscaling.min_replicas
+    decision = decide_scale(spec.autoscaling, current, ready, kv, waiting, history, time.time())
+    if decision.replicas != current:
+        # The same field the scale subresource (HPA/KEDA) writes: one knob for desired replicas.
+        await ctx.kube.merge_patch(ISVC, owner.namespace, owner.name,
+                                   {"spec": {"replicas": decision.replicas}})
+        await _event(ctx, owner, "Normal", "Scaled",
+                     f"replicas {current} -> {decision.replicas}: {decision.reason}")
+    return decision
+
+
+async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, Any]:
+    """Run one round; returns the status written."""
+    owner = Owner.from_body(body)
+    meta = body.get("metadata") or {}
+    generation = int(meta.get("generation") or 0)
+    previous: dict[str, Any] = dict(body.get("status") or {})
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except SpecError as exc:
+        status = {"phase": "Failed", "observedGeneration": generation, "conditions": [{
+            "type": "Ready", "status": "False", "reason": "InvalidSpec", "message": str(exc),
+            "lastTransitionTime": _now().isoformat().replace("+00:00", "Z")}]}
+        if (previous.get("conditions") or [{}])[0].get("message") != str(exc):
+            await _event(ctx, owner, "Warning", "InvalidSpec", str(exc))
+            await ctx.kube.merge_patch(ISVC, owner.namespace, owner.name, {"status": status},
+                                       subresource="status")
+        return status
+
+    desired = spec.replicas if spec.autoscaling is None or spec.replicas else \
+        spec.autoscaling.min_replicas
+    current_hash = await _apply_children(ctx, owner, spec, desired)
+
+    pods = [p for p in await ctx.kube.list(POD, owner.namespace, engine_selector(owner))]
+    probes = await _probe_all(ctx, pods)
+    now = _now()
+    replicas = [observe_replica(p, r, now, spec.startup_timeout_seconds)
+                for p, r in zip(pods, probes, strict=True)]
+
+    for pod_name, patch in gate_patches(pods, replicas, now):
+        await ctx.kube.strategic_patch(POD, owner.namespace, pod_name, patch,
+                                       subresource="status")
+    for r in new_failures(previous.get("replicaStatus") or [], replicas):
+        assert r.failure is not None
+        await _event(ctx, owner, "Warning", r.failure.reason, f"{r.name}: {r.failure.message}")
+
+    saved = previous.get("recycle") or {}
+    recycle = RecycleState(count=int(saved.get("count") or 0), last_at=saved.get("lastAt"))
+    for r in replicas:
+        if r.failure is not None and may_recycle(r.failure.reason, recycle, time.time()):
+            if await ctx.kube.delete(POD, owner.namespace, r.name):
+                recycle = after_recycle(recycle, time.time())
+                await _event(ctx, owner, "Warning", "Recycled",
+                             f"{r.name} deleted after {r.failure.reason} (attempt "
+                             f"{recycle.count}); the Deployment starts a fresh pod")
+
+    status = build_status(
+        replicas=replicas, desired=desired, current_hash=current_hash, generation=generation,
+        served_name=spec.model.served_name, url=service_url(owner),
+        selector=label_selector_string(engine_selector(owner)), previous=previous, now=now)
+    recycle = after_round(recycle, status["readyReplicas"] >= desired and desired > 0)
+    status["recycle"] = {"count": recycle.count, "lastAt": recycle.last_at}
+
+    decision = await _autoscale(ctx, owner, spec, previous, status["readyReplicas"],
+                                status["kvCacheUsage"], status["waitingRequests"])
+    if decision is not None:
+        status["autoscaler"] = {
+            "recommendation": decision.recommendation,
+            "recommendations": [{"at": r.at, "replicas": r.replicas} for r in decision.history],
+        }
+        if decision.replicas != desired:
+            await ctx.kube.apply(next(c for c in render_children(owner, spec, decision.replicas)
+                                      if c["kind"] == "Deployment"
+                                      and c["metadata"]["name"] == engine_name(owner)))
+            status["desiredReplicas"] = decision.replicas
+            status["ready"] = f"{status['readyReplicas']}/{decision.replicas}"
+
+    if previous.get("phase") != status["phase"]:
+        level = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
+        await _event(ctx, owner, level, f"Phase{status['phase']}",
+                     f"{status['ready']} replicas ready; phase {previous.get('phase') or 'new'}"
+                     f" -> {status['phase']}")
+    if _changed(previous, status):
+        await ctx.kube.merge_patch(ISVC, owner.namespace, owner.name, {"status": status},
+                                   subresource="status")
+    return status
+
+
+def _changed(previous: dict[str, Any], status: dict[str, Any]) -> bool:
+    return any(previous.get(k) != v for k, v in status.items())
+

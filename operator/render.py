@@ -1,0 +1,39 @@
+"""All children of one InferenceService, in apply order (dependencies first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.operator.meta import Owner
+from shoal.operator.render_engine import (
+    render_engine_deployment,
+    render_engine_headless_service,
+)
+from shoal.operator.render_extras import render_cache_pvc, render_pdb, render_service_monitor
+from shoal.operator.render_router import (
+    render_frontend_service,
+    render_router_deployment,
+    render_router_rbac,
+)
+from shoal.operator.spec import ServiceSpec
+
+
+def render_children(owner: Owner, spec: ServiceSpec, engine_replicas: int) -> list[dict[str, Any]]:
+    children: list[dict[str, Any]] = []
+    pvc = render_cache_pvc(owner, spec)
+    if pvc is not None:
+        children.append(pvc)
+    children.append(render_engine_headless_service(owner))
+    children.append(render_engine_deployment(owner, spec, engine_replicas))
+    children.append(render_pdb(owner))
+    if spec.routing.enabled:
+        children += render_router_rbac(owner)
+        children.append(render_router_deployment(owner, spec))
+    children.append(render_frontend_service(owner, spec))
+    if spec.service_monitor:
+        children.append(render_service_monitor(owner))
+    return children
+
+
+def child_key(child: dict[str, Any]) -> tuple[str, str, str]:
+    return child["apiVersion"], child["kind"], child["metadata"]["name"]

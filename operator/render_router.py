@@ -1,0 +1,127 @@
+"""Pure rendering of the router (`shoal route`) and the Service clients call.
+
+The router discovers engines from the EndpointSlices of the headless engine Service, so it gets
+its own ServiceAccount with read access to EndpointSlices in this namespace only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.operator.constants import (
+    COMPONENT_ENGINE,
+    COMPONENT_ROUTER,
+    ENGINE_PORT,
+    ROUTER_PORT,
+)
+from shoal.operator.meta import (
+    Owner,
+    child_metadata,
+    engine_name,
+    engine_selector,
+    router_name,
+    selector_labels,
+)
+from shoal.operator.render_engine import container_security_context, pod_security_context
+from shoal.operator.spec import ServiceSpec
+
+SERVICE_PORT = 80
+
+
+def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
+    return [
+        "route", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+        "--policy", spec.routing.policy,
+        "--discovery", "kubernetes",
+        "--namespace", owner.namespace,
+        "--service", engine_name(owner),
+        "--engine-port", str(ENGINE_PORT),
+    ]
+
+
+def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
+    name = router_name(owner)
+    metadata = child_metadata(owner, name, COMPONENT_ROUTER)
+    probe = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}
+    container = {
+        "name": "router",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["shoal"],
+        "args": router_args(owner, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, **probe},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, **probe},
+        "securityContext": container_security_context(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": spec.routing.replicas,
+            "selector": {"matchLabels": selector_labels(owner, COMPONENT_ROUTER)},
+            "template": {
+                "metadata": {"labels": dict(metadata["labels"])},
+                "spec": {
+                    "serviceAccountName": name,
+                    "securityContext": pod_security_context(),
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def render_frontend_service(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
+    """`<name>`: the router when routing is on, else the engines directly."""
+    if spec.routing.enabled:
+        component, selector, target = COMPONENT_ROUTER, selector_labels(
+            owner, COMPONENT_ROUTER), ROUTER_PORT
+    else:
+        component, selector, target = COMPONENT_ENGINE, engine_selector(owner), ENGINE_PORT
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, owner.name, component),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": target,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def render_router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    name = router_name(owner)
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+    return [account, role, binding]
+
+
+def service_url(owner: Owner) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc.cluster.local"

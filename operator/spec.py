@@ -1,0 +1,306 @@
+"""InferenceService spec as typed dataclasses, parsed with the CRD's defaults and rules.
+
+The API server already enforces the CRD schema and its CEL rules; parsing again here keeps the
+operator honest against servers that do not (and gives each error the field's path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.operator.constants import DEFAULT_RUNTIME_IMAGE
+from shoal.operator.model_uri import ModelSource, ModelUriError, parse_model_uri
+
+ROUTING_POLICIES = ("cache-affinity", "least-load", "round-robin")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class SpecError(ValueError):
+    """A spec value the operator cannot act on; ``field`` is its path, e.g. spec.replicas."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"{field_path}: {message}")
+        self.field = field_path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    source: ModelSource
+    served_name: str
+    hf_token_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    image: str = DEFAULT_RUNTIME_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    enforce_eager: bool = False
+    max_queued_requests: int | None = None
+    shutdown_timeout_seconds: int = 30
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = 1  # per replica = tensor-parallel size
+    gpu_resource_name: str = "nvidia.com/gpu"
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_kv_cache_usage: float = 0.8
+    target_waiting_requests: float = 4.0
+    scale_down_delay_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    enabled: bool = True
+    policy: str = "cache-affinity"
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    claim_name: str | None = None  # an existing PVC
+    size: str | None = None  # or: the operator creates <name>-model-cache of this size
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    runtime: RuntimeSpec
+    resources: ResourcesSpec
+    replicas: int
+    autoscaling: AutoscalingSpec | None
+    routing: RoutingSpec
+    startup_timeout_seconds: int
+    scheduling: SchedulingSpec
+    storage: StorageSpec | None
+    api_key_secret: tuple[str, str] | None  # (secret name, key)
+    service_monitor: bool
+
+
+class _Reader:
+    """Typed getters over one mapping that name the field on error."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise SpecError(path, "must be an object")
+        self.data, self.path = data, path
+
+    def _at(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self.data.get(key), self._at(key))
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def integer(self, key: str, default: int | None, minimum: int | None = None,
+                maximum: int | None = None) -> int | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(self._at(key), f"must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise SpecError(self._at(key), f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise SpecError(self._at(key), f"must be <= {maximum}, got {value}")
+        return value
+
+    def number(self, key: str, default: float | None, low: float, high: float,
+               low_open: bool = False) -> float | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SpecError(self._at(key), f"must be a number, got {value!r}")
+        if value > high or value < low or (low_open and value == low):
+            side = "(" if low_open else "["
+            raise SpecError(self._at(key), f"must be in {side}{low}, {high}], got {value}")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(self._at(key), f"must be true or false, got {value!r}")
+        return value
+
+    def string(self, key: str, default: str | None, choices: tuple[str, ...] = ()) -> str | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise SpecError(self._at(key), f"must be a string, got {value!r}")
+        if choices and value not in choices:
+            raise SpecError(self._at(key), f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self.data.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise SpecError(self._at(key), "must be a list of strings")
+        return tuple(value)
+
+
+def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
+    root = _Reader(spec, "spec")
+    model = _parse_model(root.sub("model"))
+    runtime = _parse_runtime(root.sub("runtime"))
+    res = root.sub("resources")
+    resources = ResourcesSpec(
+        gpus=res.integer("gpus", 1, minimum=0, maximum=64) or 0,
+        gpu_resource_name=res.string("gpuResourceName", "nvidia.com/gpu") or "nvidia.com/gpu",
+        cpu=_quantity(res, "cpu"),
+        memory=_quantity(res, "memory"),
+    )
+    if resources.gpus == 0 and runtime.device == "cuda":
+        raise SpecError("spec.resources.gpus", "must be >= 1 when spec.runtime.device is cuda")
+    autoscaling = _parse_autoscaling(root.sub("autoscaling")) if root.has("autoscaling") else None
+    replicas = root.integer("replicas", 1, minimum=0) or 0
+    if autoscaling is not None and root.has("replicas"):
+        if not autoscaling.min_replicas <= replicas <= autoscaling.max_replicas:
+            raise SpecError("spec.replicas", "must lie within autoscaling min/max replicas")
+    rt = root.sub("routing")
+    routing = RoutingSpec(
+        enabled=rt.boolean("enabled", True),
+        policy=rt.string("policy", "cache-affinity", ROUTING_POLICIES) or "cache-affinity",
+        replicas=rt.integer("replicas", 1, minimum=1) or 1,
+    )
+    startup = root.sub("startup").integer("timeoutSeconds", 1800, minimum=30, maximum=86400)
+    sch = root.sub("scheduling")
+    tolerations = sch.data.get("tolerations") or []
+    if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+        raise SpecError("spec.scheduling.tolerations", "must be a list of objects")
+    node_selector = sch.data.get("nodeSelector") or {}
+    if not isinstance(node_selector, dict):
+        raise SpecError("spec.scheduling.nodeSelector", "must be a map of strings")
+    scheduling = SchedulingSpec(
+        node_selector={str(k): str(v) for k, v in node_selector.items()},
+        tolerations=tuple(tolerations),
+        affinity=sch.data.get("affinity"),
+        priority_class_name=sch.string("priorityClassName", None),
+    )
+    storage = _parse_storage(root.sub("storage")) if root.has("storage") else None
+    auth = root.sub("auth").sub("apiKeySecretRef")
+    api_key = None
+    if auth.data:
+        name = auth.string("name", None)
+        if not name:
+            raise SpecError("spec.auth.apiKeySecretRef.name", "is required")
+        api_key = (name, auth.string("key", "api-key") or "api-key")
+    return ServiceSpec(
+        model=model, runtime=runtime, resources=resources, replicas=replicas,
+        autoscaling=autoscaling, routing=routing, startup_timeout_seconds=startup or 1800,
+        scheduling=scheduling, storage=storage, api_key_secret=api_key,
+        service_monitor=root.sub("monitoring").boolean("serviceMonitor", False),
+    )
+
+
+def _parse_model(m: _Reader) -> ModelSpec:
+    uri = m.string("uri", None)
+    if not uri:
+        raise SpecError("spec.model.uri", "is required")
+    try:
+        source = parse_model_uri(uri)
+    except ModelUriError as exc:
+        raise SpecError("spec.model.uri", str(exc)) from exc
+    token = m.sub("hfTokenSecretRef").string("name", None)
+    return ModelSpec(uri=uri, source=source,
+                     served_name=m.string("servedName", None) or source.default_served_name,
+                     hf_token_secret=token)
+
+
+def _parse_runtime(r: _Reader) -> RuntimeSpec:
+    env = r.data.get("env") or []
+    if not isinstance(env, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) for e in env
+    ):
+        raise SpecError("spec.runtime.env", "must be a list of {name, value}")
+    return RuntimeSpec(
+        image=r.string("image", DEFAULT_RUNTIME_IMAGE) or DEFAULT_RUNTIME_IMAGE,
+        image_pull_policy=r.string("imagePullPolicy", "IfNotPresent",
+                                   ("Always", "IfNotPresent", "Never")) or "IfNotPresent",
+        max_model_len=r.integer("maxModelLen", None, minimum=16),
+        max_num_seqs=r.integer("maxNumSeqs", None, minimum=1),
+        max_num_batched_tokens=r.integer("maxNumBatchedTokens", None, minimum=16),
+        gpu_memory_utilization=r.number("gpuMemoryUtilization", None, 0.0, 1.0, low_open=True),
+        block_size=r.integer("blockSize", 16, minimum=1, maximum=256) or 16,
+        prefix_caching=r.boolean("prefixCaching", True),
+        dtype=r.string("dtype", "auto", DTYPES) or "auto",
+        device=r.string("device", "auto", DEVICES) or "auto",
+        enforce_eager=r.boolean("enforceEager", False),
+        max_queued_requests=r.integer("maxQueuedRequests", None, minimum=1),
+        shutdown_timeout_seconds=r.integer("shutdownTimeoutSeconds", 30, minimum=0,
+                                           maximum=3600) or 0,
+        extra_args=r.strings("extraArgs"),
+        env=tuple((e["name"], str(e.get("value", ""))) for e in env),
+    )
+
+
+def _parse_autoscaling(a: _Reader) -> AutoscalingSpec:
+    low = a.integer("minReplicas", 1, minimum=0) or 0
+    high = a.integer("maxReplicas", None, minimum=1)
+    if high is None:
+        raise SpecError("spec.autoscaling.maxReplicas", "is required")
+    if low > high:
+        raise SpecError("spec.autoscaling.minReplicas",
+                        f"must be <= spec.autoscaling.maxReplicas ({low} > {high})")
+    return AutoscalingSpec(
+        min_replicas=low, max_replicas=high,
+        target_kv_cache_usage=a.number("targetKVCacheUsage", 0.8, 0.0, 1.0, low_open=True) or 0.8,
+        target_waiting_requests=a.number("targetWaitingRequests", 4.0, 0.0, 1e6, low_open=True)
+        or 4.0,
+        scale_down_delay_seconds=a.integer("scaleDownDelaySeconds", 300, minimum=0) or 0,
+    )
+
+
+def _parse_storage(s: _Reader) -> StorageSpec:
+    claim, size = s.string("claimName", None), _quantity(s, "size")
+    if bool(claim) == bool(size):
+        raise SpecError("spec.storage", "set exactly one of claimName and size")
+    return StorageSpec(
+        claim_name=claim, size=size, storage_class_name=s.string("storageClassName", None),
+        access_mode=s.string("accessMode", "ReadWriteMany",
+                             ("ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany")) or "ReadWriteMany",
+    )
+
+
+def _quantity(r: _Reader, key: str) -> str | None:
+    value = r.data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str) or value == "":
+        raise SpecError(f"{r.path}.{key}", f"must be a quantity such as 8 or 16Gi, got {value!r}")
+    return str(value)
