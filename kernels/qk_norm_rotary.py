@@ -1,0 +1,95 @@
+"""Fused per-head RMSNorm + rotary embedding (Qwen3's q/k path) in one pass over memory.
+
+Qwen3 normalises every query and key head over ``head_dim`` and then rotates it; done as
+two torch ops that is four reads/writes of q and k per layer, here one read and one write.
+One program per token handles all of its heads. Rotary is the neox form used by Llama and
+Qwen: the head's two halves ``(x1, x2)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``,
+with ``cos_sin_cache[position] = [cos | sin]`` (each ``head_dim / 2`` wide).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from shoal.kernels.launch import check_launchable
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    x_ptr,
+    out_ptr,
+    weight_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_cs,
+    eps,
+    num_heads: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    base = x_ptr + token * stride_xt + heads * stride_xh
+    x1 = tl.load(base + dims, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + dims, mask=mask, other=0.0).to(tl.float32)
+
+    mean_square = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+    inv_rms = 1.0 / tl.sqrt(mean_square + eps)
+    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    # round to the input dtype between the two ops, as the unfused model does
+    n1 = (x1 * inv_rms[:, None] * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    n2 = (x2 * inv_rms[:, None] * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * stride_cs + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    out_base = out_ptr + token * stride_ot + heads * stride_oh
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_base + dims, (n1 * cos - n2 * sin).to(out_ty), mask=mask)
+    tl.store(out_base + HALF + dims, (n2 * cos + n1 * sin).to(out_ty), mask=mask)
+
+
+def qk_norm_rotary(
+    x: torch.Tensor,  # [T, num_heads, head_dim]
+    weight: torch.Tensor,  # [head_dim]
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    eps: float,
+    out: torch.Tensor | None = None,  # may be x itself: each program reads before it writes
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
+    if weight.shape != (head_dim,):
+        raise ValueError(f"weight must be [{head_dim}], got {tuple(weight.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    check_launchable(x, weight, positions, cos_sin_cache, out)
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("x, out and cos_sin_cache must be contiguous in their last dimension")
+    half = head_dim // 2
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        x, out, weight.contiguous(), positions, cos_sin_cache,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0),
+        eps,
+        num_heads=num_heads,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return out
