@@ -45,9 +45,10 @@ def _qk_norm_rotary_kernel(
     inv_rms = 1.0 / tl.sqrt(mean_square + eps)
     w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    # round to the input dtype between the two ops, as the unfused model does
-    n1 = (x1 * inv_rms[:, None] * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
-    n2 = (x2 * inv_rms[:, None] * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # round where HF's RMSNorm rounds: after normalising, and after scaling by the weight
+    x_ty = x_ptr.dtype.element_ty
+    n1 = ((x1 * inv_rms[:, None]).to(x_ty).to(tl.float32) * w1).to(x_ty).to(tl.float32)
+    n2 = ((x2 * inv_rms[:, None]).to(x_ty).to(tl.float32) * w2).to(x_ty).to(tl.float32)
 
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * stride_cs + dims, mask=dims < HALF, other=0.0).to(tl.float32)
