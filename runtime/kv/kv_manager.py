@@ -1,0 +1,207 @@
+"""Per-request block tables over the block pool, with prefix caching by chained hashes.
+
+The scheduler asks for the slots a step needs (``allocate_slots``: all or nothing), looks up
+a waiting request's cached prefix (``find_cached_prefix``), reports progress so blocks that
+became full get hashed and shareable (``cache_full_blocks``), and frees a request's blocks
+when it finishes or is preempted. Only full blocks are ever hashed, so only full blocks are
+shared; a shared block is read-only because nobody appends into a full block.
+
+Block tables also live in one persistent int32 array, one row per request holding blocks,
+so building a step's ``block_tables`` is a single fancy-indexing copy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Protocol
+
+import numpy as np
+from shoal.runtime.kv.block_hash import NONE_HASH, hash_block
+from shoal.runtime.kv.block_pool import BlockPool, KVBlock
+from shoal.runtime.kv.events import KVEvent
+
+
+class KVInvariantError(AssertionError):
+    """The KV bookkeeping is inconsistent: a bug, never a user error."""
+
+
+class KVSequence(Protocol):
+    """What the manager needs of a request (structural, so kv imports no scheduler)."""
+
+    req_id: str
+    all_token_ids: list[int]
+    block_hashes: list[int]  # hashes of the leading full blocks, extended by the manager
+    extra_digest: bytes  # ExtraKeys(...).digest(): model revision, adapter, cache salt
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading table blocks already offered to the cache
+        self.rows: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.block_table_array = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def num_blocks_of(self, req_id: str) -> int:
+        table = self.tables.get(req_id)
+        return 0 if table is None else len(table)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(req_id, [])]
+
+    # -- prefix cache -------------------------------------------------------------------
+    def find_cached_prefix(self, seq: KVSequence) -> list[KVBlock]:
+        """Cached blocks matching the sequence's leading full blocks. The last token is never
+        served from cache: the step that computes it produces the next token's logits."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(seq.all_token_ids) - 1) // self.block_size
+        self._ensure_hashes(seq, max_blocks)
+        hits: list[KVBlock] = []
+        cached = self.pool.cached
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _ensure_hashes(self, seq: KVSequence, num_blocks: int) -> None:
+        hashes = seq.block_hashes
+        have = len(hashes)
+        if have >= num_blocks:
+            return
+        size, tokens = self.block_size, seq.all_token_ids
+        parent = hashes[-1] if have else NONE_HASH
+        for i in range(have, num_blocks):
+            parent = hash_block(parent, tokens[i * size:(i + 1) * size], seq.extra_digest)
+            hashes.append(parent)
+
+    def cache_full_blocks(self, seq: KVSequence, num_computed_tokens: int) -> None:
+        """Offer the blocks whose KV is now complete to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = num_computed_tokens // self.block_size
+        done = self._num_hashed.get(seq.req_id)
+        if done is None or full <= done:
+            return
+        self._ensure_hashes(seq, full)
+        parent = seq.block_hashes[done - 1] if done else None
+        table = self.tables[seq.req_id]
+        self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent,
+                               self.block_size)
+        self._num_hashed[seq.req_id] = full
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, seq: KVSequence, num_computed_tokens: int, num_new_tokens: int,
+                       cached_blocks: list[KVBlock] | None = None) -> bool:
+        """Blocks for ``num_new_tokens`` after ``num_computed_tokens``; ``cached_blocks``
+        (admission only) become the head of the table. False, with nothing changed, when
+        the pool cannot cover it."""
+        req_id = seq.req_id
+        table = self.tables.get(req_id)
+        hits = cached_blocks or []
+        if hits and table:
+            raise ValueError(f"cached blocks offered to {req_id!r}, which already holds blocks")
+        have = len(table) if table is not None else 0
+        total_tokens = num_computed_tokens + num_new_tokens
+        needed = cdiv(total_tokens, self.block_size) - have - len(hits)
+        if cdiv(total_tokens, self.block_size) > self.max_blocks_per_seq:
+            raise ValueError(f"{req_id!r}: {total_tokens} tokens exceed max_model_len")
+        # hits sitting in the free list leave it, so they cannot also be allocated fresh
+        hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0)
+        if needed > self.pool.num_free - hits_in_free_list:
+            return False
+        if table is None:
+            if not self._free_rows:
+                return False
+            table = self.tables[req_id] = []
+            self.rows[req_id] = self._free_rows.pop()
+            self._num_hashed[req_id] = len(hits)
+        if not hits and needed <= 0:
+            return True
+        self.pool.touch(hits)
+        new_blocks = self.pool.allocate(max(needed, 0))
+        start = len(table)
+        table.extend(hits)
+        table.extend(new_blocks)
+        row = self.block_table_array[self.rows[req_id]]
+        row[start:len(table)] = [b.block_id for b in table[start:]]
+        return True
+
+    def free(self, req_id: str) -> None:
+        """Release a request's blocks, tail first (its tail is the least shareable)."""
+        table = self.tables.pop(req_id, None)
+        if table is None:
+            return
+        self.pool.free(reversed(table))
+        del self._num_hashed[req_id]
+        row = self.rows.pop(req_id)
+        self.block_table_array[row, :len(table)] = 0
+        self._free_rows.append(row)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_cache()
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    # -- invariants ---------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise KVInvariantError if the bookkeeping is inconsistent (tests call this after
+        every step)."""
+        pool = self.pool
+        refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        free_ids = [b.block_id for b in pool.free_list]
+        _expect(len(free_ids) == len(set(free_ids)), "a block is twice in the free list")
+        _expect(len(free_ids) == pool.num_free,
+                f"free count {pool.num_free} != free list length {len(free_ids)}")
+        free_set = set(free_ids)
+        for block in pool.blocks:
+            count = refs.get(block.block_id, 0)
+            _expect(block.ref_cnt == count,
+                    f"{block}: ref count != {count} table references")
+            _expect((block.ref_cnt == 0) == (block.block_id in free_set),
+                    f"{block}: free-list membership disagrees with its ref count")
+            if block.ref_cnt > 1:
+                _expect(block.block_hash is not None, f"{block} is shared but not a full block")
+            if block.block_hash is not None:
+                _expect(pool.cached.get(block.block_hash) is block,
+                        f"{block}: hash not mapped to it")
+        for block_hash, block in pool.cached.items():
+            _expect(block.block_hash == block_hash, f"{block}: hash map entry {block_hash}")
+        _expect(set(self.rows) == set(self.tables), "block-table rows disagree with tables")
+        for req_id, table in self.tables.items():
+            row = self.block_table_array[self.rows[req_id]]
+            _expect(row[:len(table)].tolist() == [b.block_id for b in table]
+                    and not row[len(table):].any(), f"{req_id}: block-table row is stale")
+        if not self.tables:
+            _expect(pool.num_free == pool.num_blocks,
+                    f"{pool.num_blocks - pool.num_free} blocks leaked with no request")
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise KVInvariantError(message)
