@@ -54,6 +54,11 @@ def render_decode(dec: dict) -> list[str]:
             f"{_fmt(graphs / floor if graphs and floor else None, '.2f'):>14}"
             f"{_fmt(eager / graphs if eager and graphs else None, '.2f'):>14}"
         )
+    for key, value in (dec.get("capture") or {}).items():
+        if key.endswith("_error"):
+            lines.append(f"{key[:-6]}  ERROR {str(value)[:100]}")
+        elif value is not None:
+            lines.append(f"{key}: graph capture took {_fmt(value, '.1f')} s")
     return lines
 
 
