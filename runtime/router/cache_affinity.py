@@ -1,0 +1,81 @@
+"""Cache affinity: send a request where its prefix is cached, within a load bound.
+
+Decision, in order:
+1. bounded load: only replicas whose in-flight count is within 1.25 x the mean qualify;
+2. the qualifying replica believed to hold the longest leading run of the request's
+   blocks wins (ties: lower pressure, then ring order);
+3. if no qualifying replica holds any block, the request's home on the consistent-hash
+   ring (its first block's hash), or the next qualifying replica clockwise, takes it.
+So a new prefix gets a stable home, its followers find it there, and a hot prefix spills
+to its ring neighbours, which then hold it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from shoal.runtime.router.block_index import DEFAULT_APPROX_CAPACITY, BlockIndex
+from shoal.runtime.router.bounded_load import DEFAULT_LOAD_FACTOR, within_bound
+from shoal.runtime.router.hash_ring import HashRing
+from shoal.runtime.router.policy import Decision, ReplicaSnapshot, require_replicas
+from shoal.runtime.router.request_keys import RequestKeys
+
+
+def pick_by_affinity(ring_order: Sequence[str], allowed: set[str],
+                     matched: Mapping[str, int], pressure: Mapping[str, float]) -> str:
+    """``ring_order``: candidate replicas clockwise from the request's ring key."""
+    candidates = [url for url in ring_order if url in allowed]
+    if not candidates:
+        raise ValueError("no candidate replica")
+    best = max(matched.get(url, 0) for url in candidates)
+    if best == 0:
+        return candidates[0]
+    rank = {url: i for i, url in enumerate(candidates)}
+    top = [url for url in candidates if matched.get(url, 0) == best]
+    return min(top, key=lambda url: (pressure.get(url, 0.0), rank[url]))
+
+
+class CacheAffinityPolicy:
+    name = "cache-affinity"
+    uses_prefix = True
+
+    def __init__(self, precise: bool = False, load_factor: float = DEFAULT_LOAD_FACTOR,
+                 approx_capacity: int | None = None) -> None:
+        self.precise = precise
+        self.load_factor = load_factor
+        self.approx_capacity = approx_capacity or DEFAULT_APPROX_CAPACITY
+        self.ring = HashRing()
+        self.indexes: dict[str, BlockIndex] = {}
+
+    def index(self, url: str) -> BlockIndex:
+        if url not in self.indexes:
+            self.indexes[url] = BlockIndex(self.precise, capacity=self.approx_capacity)
+            self.ring.add(url)
+        return self.indexes[url]
+
+    def sync(self, urls: Iterable[str]) -> None:
+        wanted = set(urls)
+        self.ring.sync(wanted)
+        for gone in set(self.indexes) - wanted:
+            del self.indexes[gone]
+        for url in wanted:
+            self.index(url)
+
+    def choose(self, keys: RequestKeys | None, replicas: Sequence[ReplicaSnapshot],
+               now: float) -> Decision:
+        require_replicas(replicas)
+        for replica in replicas:
+            self.index(replica.url)
+        allowed = within_bound({r.url: r.in_flight for r in replicas}, self.load_factor)
+        pressure = {r.url: r.pressure for r in replicas}
+        if keys is None:  # nothing to match on: least pressure among the allowed
+            url = min(sorted(allowed), key=lambda u: pressure[u])
+            return Decision(url)
+        matched = {url: self.indexes[url].match_length(keys.block_keys, now) for url in allowed}
+        ring_order = list(self.ring.walk(keys.ring_key))
+        url = pick_by_affinity(ring_order, allowed, matched, pressure)
+        return Decision(url, matched[url], len(keys.block_keys))
+
+    def routed(self, url: str, keys: RequestKeys | None, now: float) -> None:
+        if keys is not None:
+            self.index(url).record_routed(keys.block_keys, now)

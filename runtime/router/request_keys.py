@@ -1,0 +1,149 @@
+"""What a request's prefix is, as a chain of block keys the router can match.
+
+Two modes. Token-precise (the router has the model's tokenizer, or the prompt is already
+token ids): the prompt becomes the engine's own token ids (the chat template for chat
+requests) and every full block is hashed with ``block_hash.hash_prefix_blocks`` using the
+engine's block size and extra keys, so the keys are the engine's block hashes and can be
+matched against its KV events. Approximate (no tokenizer): the prompt text is cut into
+fixed character chunks (about one block of tokens each) and chained with xxhash, so two
+prompts share leading keys exactly when they share leading text.
+
+Chat requests render the conversation so far in order, so a follow-up turn's keys extend
+the previous turn's: the same user keeps matching where their history is cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
+
+DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
+MAX_PREFIX_BLOCKS = 4096  # longer prompts are keyed on their first 4096 blocks only
+
+
+class RequestKeyError(ValueError):
+    """The request body is not a completion or chat request the router can key."""
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    block_keys: list[int]  # chained: key i covers everything up to the end of block i
+    precise: bool  # keys are engine block hashes (token-precise)
+    num_units: int  # tokens (precise) or characters (approximate) of the prompt
+    ring_key: int  # the prompt's home on the hash ring: its first block, or all of it if shorter
+
+
+class PromptTokenizer:
+    """The model's HF tokenizer, applied the way the engine's front end applies it."""
+
+    def __init__(self, tokenizer_dir: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy: only when --tokenizer is given
+
+        self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self._tok.encode(prompt))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    block_size: int = 16
+    chars_per_block: int = DEFAULT_CHARS_PER_BLOCK
+    model_revision: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.chars_per_block < 1:
+            raise ValueError("block_size and chars_per_block must be >= 1")
+
+
+def render_chat_text(messages: Sequence[Any]) -> str:
+    """A canonical text of a conversation; earlier turns are a prefix of later renderings."""
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise RequestKeyError("each chat message must be an object")
+        content = message.get("content", "")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts in order
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"\x1e{message.get('role', '')}\x1f{content}")
+    return "".join(parts)
+
+
+def text_block_keys(text: str, chars_per_block: int, extra: bytes) -> list[int]:
+    """Chained hashes of every full ``chars_per_block`` chunk of ``text``."""
+    num_full = min(len(text) // chars_per_block, MAX_PREFIX_BLOCKS)
+    keys: list[int] = []
+    parent = 0
+    # chunk on characters, not bytes, so a multibyte character never splits a block
+    for i in range(num_full):
+        chunk = text[i * chars_per_block:(i + 1) * chars_per_block].encode(
+            "utf-8", errors="surrogatepass")
+        h = xxhash.xxh64()
+        h.update(parent.to_bytes(8, "little"))
+        h.update(extra)
+        h.update(chunk)
+        parent = h.intdigest()
+        keys.append(parent)
+    return keys
+
+
+def _token_id_prompt(prompt: Any) -> list[int] | None:
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        return _token_id_prompt(prompt[0])
+    return None
+
+
+def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
+                 tokenizer: PromptTokenizer | None = None) -> RequestKeys:
+    """Block keys of the request's prompt. ``path`` picks chat vs completion semantics."""
+    if not isinstance(body, dict):
+        raise RequestKeyError("request body must be a JSON object")
+    extra = ExtraKeys(config.model_revision, None, body.get("cache_salt")).digest()
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise RequestKeyError("chat request needs a 'messages' list")
+        if tokenizer is not None:
+            return _precise(tokenizer.encode_chat(messages), config, extra)
+        return _approximate(render_chat_text(messages), config, extra)
+    prompt = body.get("prompt")
+    token_ids = _token_id_prompt(prompt)
+    if token_ids is not None:
+        return _precise(token_ids, config, extra)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):  # several prompts: key on the first, they usually share it
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
+    if not isinstance(prompt, str):
+        raise RequestKeyError("completion request needs a 'prompt' string or token ids")
+    if tokenizer is not None:
+        return _precise(tokenizer.encode_prompt(prompt), config, extra)
+    return _approximate(prompt, config, extra)
+
+
+def _precise(token_ids: list[int], config: KeyConfig, extra: bytes) -> RequestKeys:
+    keys = hash_prefix_blocks(token_ids, config.block_size, extra, max_blocks=MAX_PREFIX_BLOCKS)
+    ring_key = keys[0] if keys else xxhash.xxh64_intdigest(
+        extra + np.asarray(token_ids, dtype=np.int64).tobytes())
+    return RequestKeys(keys, True, len(token_ids), ring_key)
+
+
+def _approximate(text: str, config: KeyConfig, extra: bytes) -> RequestKeys:
+    keys = text_block_keys(text, config.chars_per_block, extra)
+    ring_key = keys[0] if keys else xxhash.xxh64_intdigest(
+        extra + text.encode("utf-8", errors="surrogatepass"))
+    return RequestKeys(keys, False, len(text), ring_key)

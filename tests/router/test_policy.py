@@ -1,0 +1,185 @@
+"""Routing policies as pure decisions: affinity, bounded load, and stability under churn."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from shoal.runtime.router.bounded_load import within_bound
+from shoal.runtime.router.cache_affinity import CacheAffinityPolicy, pick_by_affinity
+from shoal.runtime.router.hash_ring import HashRing, hash_key
+from shoal.runtime.router.least_load import LeastLoadPolicy
+from shoal.runtime.router.policy import ReplicaSnapshot, make_policy
+from shoal.runtime.router.request_keys import KeyConfig, request_keys
+from shoal.runtime.router.round_robin import RoundRobinPolicy
+
+URLS = [f"http://127.0.0.{i}:8000" for i in range(2, 6)]
+SYSTEM_PROMPTS = [f"You are assistant number {i}. " * 12 for i in range(16)]
+
+
+def chat(system: str, *turns: str) -> dict:
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": "user", "content": t} for t in turns]
+    return {"messages": messages}
+
+
+def keys_for(body: dict):
+    return request_keys("/v1/chat/completions", body, KeyConfig())
+
+
+def snapshots(in_flight: dict[str, int]) -> list[ReplicaSnapshot]:
+    return [ReplicaSnapshot(url, in_flight=n) for url, n in in_flight.items()]
+
+
+def test_same_prefix_goes_to_the_same_replica_even_when_idle():
+    policy = CacheAffinityPolicy()
+    policy.sync(URLS)
+    idle = snapshots({u: 0 for u in URLS})
+    first = policy.choose(keys_for(chat(SYSTEM_PROMPTS[3], "hello")), idle, now=0.0)
+    policy.routed(first.url, keys_for(chat(SYSTEM_PROMPTS[3], "hello")), now=0.0)
+    for user in range(20):
+        keys = keys_for(chat(SYSTEM_PROMPTS[3], f"question from user {user}"))
+        decision = policy.choose(keys, idle, now=1.0)
+        assert decision.url == first.url
+        assert decision.matched_blocks > 0
+
+
+def test_a_fresh_policy_sends_a_new_prefix_to_its_ring_home():
+    """Two routers (or a restarted one) agree on where an unseen prefix goes."""
+    a, b = CacheAffinityPolicy(), CacheAffinityPolicy()
+    a.sync(URLS)
+    b.sync(reversed(URLS))
+    idle = snapshots({u: 0 for u in URLS})
+    for system in SYSTEM_PROMPTS:
+        keys = keys_for(chat(system, "hi"))
+        assert a.choose(keys, idle, 0.0).url == b.choose(keys, idle, 0.0).url
+
+
+def test_distinct_prefixes_spread_over_replicas():
+    policy = CacheAffinityPolicy()
+    policy.sync(URLS)
+    idle = snapshots({u: 0 for u in URLS})
+    homes = {policy.choose(keys_for(chat(s, "x")), idle, 0.0).url for s in SYSTEM_PROMPTS}
+    assert len(homes) >= 3
+
+
+def test_multi_turn_chat_follows_the_history():
+    policy = CacheAffinityPolicy()
+    policy.sync(URLS)
+    idle = snapshots({u: 0 for u in URLS})
+    turns = ["tell me about the sea " * 4]
+    body = chat(SYSTEM_PROMPTS[0], *turns)
+    home = policy.choose(keys_for(body), idle, 0.0).url
+    policy.routed(home, keys_for(body), 0.0)
+    # another user's conversation on the same system prompt lands elsewhere: load it there
+    for turn in range(5):
+        turns += ["assistant reply text " * 3, f"follow-up number {turn} " * 3]
+        body = {"messages": [{"role": "system", "content": SYSTEM_PROMPTS[0]}]
+                + [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                   for i, t in enumerate(turns)]}
+        decision = policy.choose(keys_for(body), idle, float(turn))
+        assert decision.url == home
+        policy.routed(decision.url, keys_for(body), float(turn))
+
+
+def test_bounded_load_rule():
+    assert within_bound({"a": 5, "b": 1, "c": 0}) == {"b", "c"}  # mean 2, cap 2.5
+    assert within_bound({"a": 0, "b": 0}) == {"a", "b"}
+    assert within_bound({"a": 5, "b": 4, "c": 3, "d": 4}) == {"a", "b", "c", "d"}  # cap 5
+    with pytest.raises(ValueError):
+        within_bound({"a": 1}, factor=0.9)
+
+
+def test_bounded_load_holds_under_one_hot_prefix():
+    """80% of traffic shares one prefix; requests finish at random. No replica is ever given
+    a request while its in-flight count exceeds 1.25 x the mean."""
+    rng = random.Random(7)
+    policy = CacheAffinityPolicy()
+    policy.sync(URLS)
+    in_flight = {u: 0 for u in URLS}
+    open_requests: list[str] = []
+    hot = chat(SYSTEM_PROMPTS[0], "the same hot question " * 5)
+    hot_homes: set[str] = set()
+    for step in range(2000):
+        if open_requests and rng.random() < 0.45:
+            done = open_requests.pop(rng.randrange(len(open_requests)))
+            in_flight[done] -= 1
+            continue
+        body = hot if rng.random() < 0.8 else chat(rng.choice(SYSTEM_PROMPTS), f"u{step}")
+        keys = keys_for(body)
+        decision = policy.choose(keys, snapshots(in_flight), now=float(step))
+        mean = sum(in_flight.values()) / len(in_flight)
+        assert in_flight[decision.url] <= 1.25 * mean or all(
+            n > 1.25 * mean for n in in_flight.values())
+        policy.routed(decision.url, keys, now=float(step))
+        in_flight[decision.url] += 1
+        open_requests.append(decision.url)
+        if body is hot:
+            hot_homes.add(decision.url)
+    assert len(hot_homes) > 1  # the hot prefix spilled instead of piling up
+
+
+def test_removing_a_replica_moves_only_its_keys():
+    ring = HashRing(URLS)
+    keys = [hash_key(f"prefix-{i}") for i in range(5000)]
+    before = {k: ring.owner(k) for k in keys}
+    ring.remove(URLS[1])
+    after = {k: ring.owner(k) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == URLS[1] for k in moved)
+    assert all(after[k] != URLS[1] for k in keys)
+
+
+def test_adding_a_replica_moves_a_bounded_share_only_to_it():
+    ring = HashRing(URLS)
+    keys = [hash_key(f"prefix-{i}") for i in range(5000)]
+    before = {k: ring.owner(k) for k in keys}
+    new = "http://127.0.0.9:8000"
+    ring.add(new)
+    moved = [k for k in keys if ring.owner(k) != before[k]]
+    assert all(ring.owner(k) == new for k in moved)
+    share = len(moved) / len(keys)
+    assert 0.1 < share < 0.3  # ideal 1/5 of the keys
+
+
+def test_policy_churn_keeps_unaffected_prefixes_in_place():
+    policy = CacheAffinityPolicy()
+    policy.sync(URLS)
+    idle = snapshots({u: 0 for u in URLS})
+    bodies = [chat(s, "q") for s in SYSTEM_PROMPTS]
+    before = {i: policy.choose(keys_for(b), idle, 0.0).url for i, b in enumerate(bodies)}
+    policy.sync(URLS[:-1])
+    fewer = snapshots({u: 0 for u in URLS[:-1]})
+    after = {i: policy.choose(keys_for(b), fewer, 0.0).url for i, b in enumerate(bodies)}
+    for i in before:
+        if before[i] != URLS[-1]:
+            assert after[i] == before[i]
+
+
+def test_longest_match_wins_and_ties_go_to_lower_pressure():
+    order = ["a", "b", "c"]
+    assert pick_by_affinity(order, {"a", "b", "c"}, {"a": 1, "b": 3, "c": 2}, {}) == "b"
+    assert pick_by_affinity(order, {"a", "b", "c"}, {"a": 2, "b": 2},
+                            {"a": 3.0, "b": 1.0}) == "b"
+    assert pick_by_affinity(order, {"b", "c"}, {}, {}) == "b"  # first allowed on the ring
+    assert pick_by_affinity(order, {"a", "c"}, {"b": 9}, {}) == "a"  # b is over the bound
+
+
+def test_round_robin_and_least_load():
+    rr = RoundRobinPolicy()
+    replicas = snapshots({u: 0 for u in URLS})
+    assert [rr.choose(None, replicas, 0).url for _ in range(8)] == sorted(URLS) * 2
+    ll = LeastLoadPolicy()
+    loads = {URLS[0]: 3, URLS[1]: 1, URLS[2]: 2, URLS[3]: 1}
+    chosen = {ll.choose(None, snapshots(loads), 0).url for _ in range(4)}
+    assert chosen == {URLS[1], URLS[3]}  # ties rotate, the loaded ones are never picked
+    waiting = [ReplicaSnapshot(URLS[0], 0, num_waiting=5), ReplicaSnapshot(URLS[1], 1)]
+    assert ll.choose(None, waiting, 0).url == URLS[1]
+
+
+def test_make_policy_rejects_unknown_names():
+    assert make_policy("least-load").name == "least-load"
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="no replica"):
+        make_policy("round-robin").choose(None, [], 0)

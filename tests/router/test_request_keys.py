@@ -1,0 +1,93 @@
+"""Request keys: what a prompt's prefix looks like to the router."""
+
+from __future__ import annotations
+
+import pytest
+from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
+from shoal.runtime.router.block_index import BlockIndex
+from shoal.runtime.router.request_keys import (
+    KeyConfig,
+    PromptTokenizer,
+    RequestKeyError,
+    request_keys,
+)
+
+CFG = KeyConfig(block_size=4, chars_per_block=8)
+
+
+def test_shared_text_prefix_shares_leading_keys():
+    a = request_keys("/v1/completions", {"prompt": "A" * 40 + "tail one"}, CFG)
+    b = request_keys("/v1/completions", {"prompt": "A" * 40 + "other tail"}, CFG)
+    assert not a.precise
+    assert a.block_keys[:5] == b.block_keys[:5]
+    assert a.block_keys[5] != b.block_keys[5]
+    assert a.ring_key == b.ring_key
+
+
+def test_chat_turns_extend_the_previous_turns_keys():
+    first = [{"role": "system", "content": "S" * 30}, {"role": "user", "content": "hi " * 10}]
+    later = first + [{"role": "assistant", "content": "answer " * 5},
+                     {"role": "user", "content": "more"}]
+    a = request_keys("/v1/chat/completions", {"messages": first}, CFG)
+    b = request_keys("/v1/chat/completions", {"messages": later}, CFG)
+    assert b.block_keys[:len(a.block_keys)] == a.block_keys
+    assert len(b.block_keys) > len(a.block_keys)
+
+
+def test_token_id_prompts_hash_like_the_engine():
+    ids = list(range(100, 118))
+    keys = request_keys("/v1/completions", {"prompt": ids, "cache_salt": "t1"},
+                        KeyConfig(block_size=4, model_revision="r1"))
+    assert keys.precise
+    assert keys.block_keys == hash_prefix_blocks(ids, 4, ExtraKeys("r1", None, "t1").digest())
+
+
+def test_cache_salt_separates_tenants():
+    a = request_keys("/v1/completions", {"prompt": "x" * 32, "cache_salt": "a"}, CFG)
+    b = request_keys("/v1/completions", {"prompt": "x" * 32, "cache_salt": "b"}, CFG)
+    assert set(a.block_keys).isdisjoint(b.block_keys)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"prompt": "x"}),
+    ("/v1/completions", {"messages": []}),
+    ("/v1/completions", {"prompt": 3}),
+])
+def test_bad_bodies_are_rejected_clearly(path, body):
+    with pytest.raises(RequestKeyError):
+        request_keys(path, body, CFG)
+
+
+def test_precise_keys_use_the_chat_template_and_engine_block_size(tiny_qwen3):
+    tok = PromptTokenizer(tiny_qwen3)
+    messages = [{"role": "system", "content": "You are terse. " * 10},
+                {"role": "user", "content": "Hello there"}]
+    keys = request_keys("/v1/chat/completions", {"messages": messages},
+                        KeyConfig(block_size=16), tok)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    ids = hf.encode(text, add_special_tokens=False)
+    assert keys.precise and keys.num_units == len(ids)
+    assert keys.block_keys == hash_prefix_blocks(ids, 16, ExtraKeys().digest())
+
+
+def test_block_index_matches_leading_run_and_follows_events():
+    approx = BlockIndex(precise=False, capacity=4)
+    approx.record_routed([1, 2, 3], now=0)
+    assert approx.match_length([1, 2, 9, 3], now=0) == 2
+    approx.record_routed([7, 8], now=0)  # capacity 4: the oldest key (1) is forgotten
+    assert approx.match_length([1, 2], now=0) == 0
+    precise = BlockIndex(precise=True, pending_ttl_s=5)
+    precise.record_routed([1, 2], now=0)
+    assert precise.blocks() == frozenset()  # routed is not cached until the engine says so
+    assert precise.match_length([1, 2], now=1) == 2  # ... but counts as pending for a while
+    assert precise.match_length([1, 2], now=6) == 0
+    precise.stored([1, 2, 3])
+    precise.removed([2])
+    assert precise.blocks() == {1, 3}
+    assert precise.match_length([1, 2, 3], now=10) == 1
+    precise.cleared()
+    assert len(precise) == 0
