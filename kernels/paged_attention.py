@@ -8,8 +8,9 @@ decode are the same computation: the query at position ``p`` sees keys ``<= p``.
 
 Grid: (request, query tile, kv head). A program loads the query tile's rows for every
 query head that shares its kv head (GQA), so each K/V page is read once for the group,
-then walks the pages causally reachable from the tile with an online softmax (flash
-attention's running max and sum). Programs whose tile lies past the request's query length
+then walks the keys causally reachable from the tile in tiles of ``TILE_N`` tokens
+(several pages when pages are small: each token's page is looked up in the block table)
+with an online softmax (flash attention's running max and sum). Programs whose tile lies past the request's query length
 exit at once; a pure-decode batch launches ``num_reqs * num_kv_heads`` programs.
 
 Uses only long-stable ``tl.*`` calls (load/store/dot/exp2/where/max/sum), so the same
@@ -50,7 +51,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,  # cache block size, one page per loop iteration
+    PAGE: tl.constexpr,  # cache block size
+    TILE_N: tl.constexpr,  # keys per loop iteration (power of two, >= 16 for tl.dot on GPU)
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # the interpreter's tl.dot mis-multiplies bfloat16 operands
@@ -89,26 +91,27 @@ def _paged_attention_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
-    page_start = kv_start // PAGE
-    page_end = (kv_end + PAGE - 1) // PAGE
+    tile_start = kv_start // TILE_N
+    tile_end = (kv_end + TILE_N - 1) // TILE_N
 
     # finite start for the running max: a tile with every key masked gives p = 0, not NaN
     m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
-    slots = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, TILE_N)
     head_base = kv_head.to(tl.int64) * stride_ch
 
-    for page_idx in range(page_start, page_end):
-        page = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt + page_idx).to(tl.int64)
-        k_pos = page_idx * PAGE + slots
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_start, tile_end):
+        k_pos = tile * TILE_N + offs_n
         k_valid = k_pos < kv_end
-        page_base = page * stride_cb + head_base
+        page = tl.load(table_row + k_pos // PAGE, mask=k_valid, other=0).to(tl.int64)
+        token_base = page * stride_cb + (k_pos % PAGE) * stride_cs + head_base  # [TILE_N]
         k = tl.load(
-            k_cache_ptr + page_base + slots[None, :] * stride_cs + dims[:, None],
+            k_cache_ptr + token_base[None, :] + dims[:, None],
             mask=dim_valid[:, None] & k_valid[None, :],
             other=0.0,
-        )  # [BLOCK_D, PAGE]
+        )  # [BLOCK_D, TILE_N]
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
@@ -122,10 +125,10 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
-            v_cache_ptr + page_base + slots[:, None] * stride_cs + dims[None, :],
+            v_cache_ptr + token_base[:, None] + dims[None, :],
             mask=k_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        )  # [PAGE, BLOCK_D]
+        )  # [TILE_N, BLOCK_D]
         if DOT_IN_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -154,16 +157,19 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every request's query rows over its paged context; see module doc."""
+    """Causal attention of every request's query rows over its paged context; see module doc.
+
+    ``key_tile``: keys per loop iteration, a power of two >= 16 (default: 64 on GPU, where
+    wider tiles keep more bytes in flight, 16 under the interpreter).
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not fit queries {tuple(q.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two for the Triton kernel, got {block_size}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     num_reqs = seq_lens.shape[0]
@@ -176,8 +182,6 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
     check_launchable(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
-    if q.device.type == "cuda" and block_size < 16:
-        raise ValueError(f"block_size must be at least 16 on GPU (tl.dot), got {block_size}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
@@ -186,6 +190,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_q = _tile_rows(max_query_len, group_pad) // group_pad
+    tile_n = key_tile or (64 if q.device.type == "cuda" else 16)
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"key_tile must be a power of two >= 16, got {tile_n}")
     grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
@@ -211,6 +218,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         PAGE=block_size,
+        TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,

@@ -27,10 +27,6 @@ class TritonAttentionBackend:
         self._reshape_and_cache = reshape_and_cache
 
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if meta.block_size & (meta.block_size - 1):
-            raise ValueError(
-                f"the triton attention backend needs a power-of-two block size, got {meta.block_size}"
-            )
         return meta
 
     def forward(

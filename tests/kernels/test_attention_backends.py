@@ -43,14 +43,6 @@ def test_triton_backend_writes_kv_then_attends_like_the_reference(rng, paged_bat
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_triton_backend_refuses_a_block_size_its_kernel_cannot_tile(rng, paged_batch):
-    batch = paged_batch(rng, [(0, 3)], 4, 1, 8)
-    meta = _metadata(batch)
-    meta.block_size = 12
-    with pytest.raises(ValueError, match="power-of-two"):
-        TritonAttentionBackend().build_metadata(meta)
-
-
 def test_flashinfer_page_table_is_the_csr_form_of_the_block_tables():
     block_tables = torch.tensor([[7, 3, 9, 0], [2, 0, 0, 0], [5, 6, 1, 8]], dtype=torch.int32)
     seq_lens = torch.tensor([9, 4, 13], dtype=torch.int32)

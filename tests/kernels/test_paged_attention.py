@@ -45,6 +45,23 @@ def test_mixed_ragged_batch_matches_reference(rng, paged_batch, num_heads, num_k
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size,key_tile", [(12, 16), (32, 16), (5, 32)],
+                         ids=["odd-pages-in-a-tile", "tile-inside-a-page", "tiny-pages"])
+def test_key_tiles_and_pages_of_any_size(rng, paged_batch, block_size, key_tile):
+    batch = paged_batch(rng, MIXED, block_size, 2, 8)
+    q = torch.randn(batch.num_tokens, 4, 8, generator=rng)
+    out = torch.full_like(q, float("nan"))
+
+    paged_attention(q, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens,
+                    batch.block_tables, batch.max_query_len, 0.35, sliding_window=7, out=out,
+                    key_tile=key_tile)
+
+    expected = paged_attention_ref(q, batch.k_cache, batch.v_cache, batch.query_start_loc,
+                                   batch.seq_lens, batch.block_tables, 0.35, sliding_window=7)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_requests_sharing_prefix_blocks_read_the_same_pages(rng, paged_batch):
     requests = [(9, 1), (8, 4), (12, 2), (3, 2)]  # the last one is too short to share
     batch = paged_batch(rng, requests, 4, 2, 8, shared_prefix_blocks=2)
@@ -132,8 +149,8 @@ def test_bad_shapes_and_devices_are_rejected():
             torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(q, cache, cache, *meta, 2, 1.0)
-    with pytest.raises(ValueError, match="power of two"):
-        paged_attention(torch.zeros(2, 2, 8), torch.zeros(4, 6, 2, 8), torch.zeros(4, 6, 2, 8), *meta, 2, 1.0)
+    with pytest.raises(ValueError, match="key_tile"):
+        paged_attention(torch.zeros(2, 2, 8), cache, cache, *meta, 2, 1.0, key_tile=24)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(torch.zeros(2, 2, 8), cache, cache, *meta, 2, 1.0, sliding_window=0)
 
