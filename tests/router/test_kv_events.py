@@ -1,0 +1,100 @@
+"""KV events from an engine's block pool reach the router's view over ZeroMQ, eviction too."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+from shoal.runtime.engine.kv_events_publisher import KVEventsPublisher
+from shoal.runtime.kv.block_pool import BlockPool
+from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from shoal.runtime.router.block_index import BlockIndex
+from shoal.runtime.router.kv_events_subscriber import (
+    EventStreamState,
+    KVEventsSubscriber,
+    KVWireError,
+    apply_message,
+    events_endpoint,
+)
+
+HOST = "127.0.0.3"
+
+
+def frames(seq: int, events) -> list[bytes]:
+    return [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode((0.0, events))]
+
+
+def test_wire_messages_update_the_view():
+    index, state = BlockIndex(precise=True), EventStreamState()
+    apply_message(index, state, frames(0, [BlockStored([1, 2, 3], None, 48)]))
+    apply_message(index, state, frames(1, [BlockRemoved([2])]))
+    assert index.blocks() == {1, 3}
+    apply_message(index, state, frames(3, [BlockStored([4], 3, 16)]))
+    assert state.gaps == 1 and index.blocks() == {1, 3, 4}
+    apply_message(index, state, frames(0, [BlockStored([9], None, 16)]))  # engine restarted
+    assert state.restarts == 1 and index.blocks() == {9}
+    apply_message(index, state, frames(1, [AllBlocksCleared()]))
+    assert index.blocks() == frozenset()
+    with pytest.raises(KVWireError):
+        apply_message(index, state, frames(2, [["BlockMoved", [1]]]))
+    with pytest.raises(KVWireError):
+        apply_message(index, state, [b"kv-events", b"\x00"])
+
+
+def test_endpoint_is_derived_from_the_replica_address():
+    assert events_endpoint("http://127.0.0.2:8000", 5557) == "tcp://127.0.0.2:5557"
+    assert events_endpoint("http://engine-0.svc:80/v1", 1) == "tcp://engine-0.svc:1"
+    with pytest.raises(ValueError):
+        events_endpoint("not a url", 1)
+
+
+def test_publisher_rejects_non_zmq_endpoints():
+    with pytest.raises(ValueError, match="zmq address"):
+        KVEventsPublisher("http://127.0.0.1:1")
+
+
+async def test_router_view_follows_a_block_pool_through_eviction(free_port):
+    port = free_port(HOST)
+    publisher = KVEventsPublisher(f"tcp://{HOST}:{port}")
+    replica = f"http://{HOST}:8000"
+    index = BlockIndex(precise=True)
+    subscriber = KVEventsSubscriber(port, lambda url: index if url == replica else None)
+    subscriber.sync({replica})
+    try:
+        # PUB drops messages until the subscription has propagated: probe until one lands
+        for _ in range(200):
+            publisher.publish([AllBlocksCleared()])
+            await asyncio.sleep(0.01)
+            if subscriber.states[replica].batches:
+                break
+        assert subscriber.states[replica].batches
+        pool = BlockPool(num_blocks=6)
+        rng = random.Random(0)
+        held: list[list] = []
+        removals = 0
+        for step in range(60):  # random allocate / cache / free: forces evictions
+            if held and (rng.random() < 0.5 or pool.num_free < 3):
+                pool.free(reversed(held.pop(rng.randrange(len(held)))))
+            else:
+                blocks = pool.allocate(rng.randint(1, 3))
+                hashes = [rng.randrange(1, 40) for _ in blocks]
+                pool.cache_blocks(blocks, hashes, None, 16)
+                held.append(blocks)
+            events = pool.drain_events()
+            removals += sum(isinstance(e, BlockRemoved) for e in events)
+            publisher.publish(events)
+            if step % 10 == 0:
+                await asyncio.sleep(0)
+        expected = frozenset(pool.cached)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if index.blocks() == expected:
+                break
+        assert index.blocks() == expected
+        assert subscriber.states[replica].gaps == 0
+        assert removals > 5  # the view followed evictions, not just stores
+    finally:
+        await subscriber.close()
+        publisher.close()
