@@ -1,0 +1,157 @@
+"""One decoder-only transformer covering Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+The differences are config switches, not classes: qkv bias (Qwen2), q/k RMSNorm and an
+explicit head_dim (Qwen3), tied embeddings, rope scaling, sliding window (Mistral). Batches
+are flat: ``input_ids[T]`` and ``positions[T]`` hold every scheduled token of every request;
+the attention backend finds request boundaries and KV pages in ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import torch
+from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from shoal.runtime.model.config import ModelConfig
+from shoal.runtime.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from shoal.runtime.model.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shoal.runtime.model.parallel import ParallelContext
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
+                                          config.num_kv_heads, config.attention_bias, parallel,
+                                          dtype, device)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
+                                        False, parallel, dtype, device)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) \
+            if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) \
+            if config.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.sliding_window
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                   self.sliding_window)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False,
+                                                 parallel, dtype, device)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, parallel, dtype,
+                                           device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.self_attn = Attention(config, parallel, rotary, backend, dtype, device)
+        self.mlp = MLP(config, parallel, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                                device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, backend: AttentionBackend,
+                 max_positions: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   parallel, dtype, device)
+        # one table shared by all layers; computed in float32, stored in the model dtype
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                 config.rope_scaling, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, parallel, rotary, backend, dtype, device)
+            for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our packed parameter fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, backend: AttentionBackend,
+                 max_positions: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, parallel, backend, max_positions, dtype, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype,
+                                      device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_rows)
+
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": DecoderForCausalLM,
+    "MistralForCausalLM": DecoderForCausalLM,
+    "Qwen2ForCausalLM": DecoderForCausalLM,
+    "Qwen3ForCausalLM": DecoderForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[DecoderForCausalLM]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None

@@ -1,0 +1,201 @@
+"""Tensor-parallel linear and embedding layers that load only their own shard.
+
+Weights use the checkpoint's [out, in] layout. Each parameter carries a ``weight_loader``
+that receives a safetensors slice (``safe_open(...).get_slice(name)``) and reads just the
+rows or columns this rank owns, so no rank ever holds the full tensor. Column-parallel
+layers split outputs (no communication); row-parallel layers split inputs and all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from shoal.runtime.model.layers import _param
+from shoal.runtime.model.parallel import ParallelContext
+from torch import nn
+
+Loader = Callable[[nn.Parameter, object, object], None]
+
+
+def _read(st_slice, dim: int, start: int, end: int) -> torch.Tensor:
+    """Read [start, end) of ``dim`` from a safetensors slice (or a plain tensor)."""
+    if isinstance(st_slice, torch.Tensor):
+        return st_slice.narrow(dim, start, end - start)
+    return st_slice[start:end] if dim == 0 else st_slice[:, start:end]
+
+
+def _shape(st_slice) -> list[int]:
+    return list(st_slice.shape) if isinstance(st_slice, torch.Tensor) else st_slice.get_shape()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint shard for {name} has shape {tuple(src.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _set_loader(param: nn.Parameter, loader: Loader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+        for p in self.parameters():
+            _set_loader(p, lambda p, s, _id: _copy(p.data, _read(s, 0, 0, _shape(s)[0]), "linear"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over ranks; forward returns this rank's slice of the outputs.
+
+    ``output_sizes`` lists the logical matrices packed along the output dimension (one for
+    a plain layer, [gate, up] for the fused MLP input); each is split separately so a rank
+    holds the matching slice of every one of them.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 parallel: ParallelContext, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.parallel = parallel
+        self.output_sizes = output_sizes
+        self.local_sizes = [parallel.shard_range(size)[1] - parallel.shard_range(size)[0]
+                            for size in output_sizes]
+        total = sum(self.local_sizes)
+        self.weight = _param((total, in_features), dtype, device)
+        self.bias = _param((total,), dtype, device) if bias else None
+        for p in self.parameters():
+            _set_loader(p, self._load)
+
+    def _load(self, param: nn.Parameter, st_slice, shard_id: object) -> None:
+        index = 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
+        start, end = self.parallel.shard_range(self.output_sizes[index])
+        offset = sum(self.local_sizes[:index])
+        dst = param.data.narrow(0, offset, self.local_sizes[index])
+        _copy(dst, _read(st_slice, 0, start, end), f"column shard {index}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k and v projections packed in one matmul. Query heads split over ranks; KV heads
+    split too, or replicated (rank r reads KV head r * kv_heads // world) when there are
+    fewer KV heads than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, parallel: ParallelContext, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        world = parallel.world_size
+        if num_heads % world:
+            raise ValueError(f"{num_heads} attention heads do not divide across {world} ranks")
+        if num_kv_heads >= world and num_kv_heads % world:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide across {world} ranks")
+        if num_kv_heads < world and world % num_kv_heads:
+            raise ValueError(f"{world} ranks cannot replicate {num_kv_heads} KV heads evenly")
+        self.parallel = parallel
+        self.head_dim = head_dim
+        self.num_heads = num_heads // world
+        self.num_kv_heads = max(1, num_kv_heads // world)
+        if num_kv_heads >= world:
+            self.kv_head_start = parallel.rank * self.num_kv_heads
+        else:
+            self.kv_head_start = parallel.rank * num_kv_heads // world
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        total = self.q_size + 2 * self.kv_size
+        self.weight = _param((total, hidden_size), dtype, device)
+        self.bias = _param((total,), dtype, device) if bias else None
+        for p in self.parameters():
+            _set_loader(p, self._load)
+
+    def _load(self, param: nn.Parameter, st_slice, shard_id: object) -> None:
+        if shard_id == "q":
+            start, size, offset = self.parallel.rank * self.q_size, self.q_size, 0
+        elif shard_id in ("k", "v"):
+            start, size = self.kv_head_start * self.head_dim, self.kv_size
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        _copy(param.data.narrow(0, offset, size), _read(st_slice, 0, start, start + size),
+              f"{shard_id}_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial products summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 parallel: ParallelContext, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.parallel = parallel
+        start, end = parallel.shard_range(in_features)
+        self.in_start, self.in_size = start, end - start
+        self.weight = _param((out_features, self.in_size), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+        _set_loader(self.weight, self._load_weight)
+        if self.bias is not None:
+            _set_loader(self.bias, lambda p, s, _id: _copy(p.data, _read(s, 0, 0, _shape(s)[0]),
+                                                           "row bias"))
+
+    def _load_weight(self, param: nn.Parameter, st_slice, _shard_id: object) -> None:
+        _copy(param.data, _read(st_slice, 1, self.in_start, self.in_start + self.in_size),
+              "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        out = self.parallel.all_reduce(out)
+        # bias added once, after the sum, not once per rank
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split over ranks (padded to a multiple of the world size); each rank
+    embeds the ids it owns, zeros the rest, and an all-reduce assembles the rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        world = parallel.world_size
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.padded_vocab = -(-vocab_size // world) * world
+        self.vocab_start, self.vocab_end = parallel.shard_range(self.padded_vocab)
+        self.weight = _param((self.vocab_end - self.vocab_start, hidden_size), dtype, device)
+        _set_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, st_slice, _shard_id: object) -> None:
+        end = min(self.vocab_end, _shape(st_slice)[0])
+        rows = max(0, end - self.vocab_start)
+        if rows:
+            _copy(param.data[:rows], _read(st_slice, 0, self.vocab_start, end), "embedding")
+        param.data[rows:].zero_()  # padding rows never win an argmax nor add to a sum
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return self.parallel.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over the vocabulary shard; logits gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.parallel.world_size > 1:
+            logits = self.parallel.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits

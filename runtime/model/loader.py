@@ -1,0 +1,93 @@
+"""Build a model and fill it from safetensors, one shard-sized read per tensor.
+
+Parameters are allocated once, uninitialised, in the target dtype and device; each
+checkpoint tensor is opened lazily (``safe_open`` + ``get_slice``) and only this rank's part
+is read and copied in, so loading never holds a second full copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from shoal.runtime.attention.backend import AttentionBackend
+from shoal.runtime.model.config import ModelConfig
+from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
+from shoal.runtime.model.parallel import ParallelContext
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {(name, shard) for name, shard in _expected_shards(model)}
+    loaded: set[tuple[str, object]] = set()
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target = _target(model, ckpt_name)
+                if target is None:
+                    continue
+                name, shard = target
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter in "
+                                     f"{type(model).__name__} (looked for {name!r})")
+                param = params[name]
+                loader = getattr(param, "weight_loader", _load_replicated)
+                loader(param, f.get_slice(ckpt_name), shard)
+                loaded.add((name, shard))
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+def _load_replicated(param: torch.nn.Parameter, st_slice, _shard: object) -> None:
+    """Norm gains and other parameters every rank holds whole."""
+    tensor = st_slice[:]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _target(model: DecoderForCausalLM, ckpt_name: str) -> tuple[str, object] | None:
+    if "rotary_emb" in ckpt_name:
+        return None
+    if ckpt_name.startswith("lm_head.") and model.config.tie_word_embeddings:
+        return None  # same tensor as the embedding
+    for fragment, (packed, shard) in model.packed_modules.items():
+        if f".{fragment}." in ckpt_name:
+            return ckpt_name.replace(f".{fragment}.", f".{packed}."), shard
+    return ckpt_name, None
+
+
+def _expected_shards(model: DecoderForCausalLM) -> list[tuple[str, object]]:
+    by_packed: dict[str, list[object]] = {}
+    for packed, shard in model.packed_modules.values():
+        by_packed.setdefault(packed, []).append(shard)
+    out: list[tuple[str, object]] = []
+    for name, _ in model.named_parameters():  # tied weights appear once, under the embedding
+        packed = next((p for p in by_packed if f".{p}." in name), None)
+        out.extend((name, s) for s in by_packed[packed]) if packed else out.append((name, None))
+    return out
+
+
+def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
+                parallel: ParallelContext, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> DecoderForCausalLM:
+    cls = model_class(config.architecture)
+    model = cls(config, parallel, backend, max_positions, dtype, device)
+    load_weights(model, model_dir)
+    return model.eval()

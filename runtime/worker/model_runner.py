@@ -1,0 +1,105 @@
+"""ModelRunner: a StepPlan in, logits for the sampling rows out.
+
+Holds the model, its KV tensors (allocated once, one K and one V tensor per layer) and the
+attention backend. Each plan array crosses to the device with a single copy; the forward
+runs the whole flat batch, and logits are computed only for rows that sample this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from shoal.runtime.model.decoder import DecoderForCausalLM
+from shoal.runtime.plan import StepPlan
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # long [S]: last scheduled token of each sampling row
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend,
+                 device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.model.layers[0].self_attn.num_kv_heads
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        return per_layer * len(self.model.model.layers)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        attn = self.model.model.layers[0].self_attn
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = []  # release the old tensors before allocating new ones
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in self.model.model.layers]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        to = self.device
+        qsl = np.asarray(plan.query_start_loc)
+        qsl_cpu = qsl.tolist()
+        seq_lens_cpu = np.asarray(plan.seq_lens).tolist()
+        sample_rows = np.asarray(plan.sample_rows, dtype=bool)
+        logits_indices = (qsl[1:][sample_rows] - 1).astype(np.int64)
+        max_query_len = int(np.max(np.diff(qsl))) if len(qsl) > 1 else 0
+        attn = AttentionMetadata(
+            query_start_loc=_to(plan.query_start_loc, torch.int32, to),
+            seq_lens=_to(plan.seq_lens, torch.int32, to),
+            block_tables=_to(plan.block_tables, torch.int32, to),
+            slot_mapping=_to(plan.slot_mapping, torch.int64, to),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens_cpu, default=0),
+            block_size=self.block_size,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return StepInputs(
+            input_ids=_to(plan.input_ids, torch.int64, to),
+            positions=_to(plan.positions, torch.int64, to),
+            attn=self.backend.build_metadata(attn),
+            logits_indices=_to(logits_indices, torch.int64, to),
+        )
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [S, vocab] for the sampling rows, in row order."""
+        if not self.kv_caches:
+            raise RuntimeError("init_kv_cache must run before the first step")
+        inputs = self.prepare(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if inputs.logits_indices.numel() == hidden.shape[0]:
+            rows = hidden  # every token samples (pure decode): no gather
+        else:
+            rows = hidden.index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(rows)
+
+
+def _to(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to(device, non_blocking=True) if device.type != "cpu" else t

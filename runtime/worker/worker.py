@@ -1,0 +1,151 @@
+"""Worker: one rank's model shard, KV cache and sampler, driven by StepPlans.
+
+The engine core (through an executor) calls, in order: ``load_model``, ``kv_bytes_per_block``
+(to size the cache), ``init_kv_cache``, ``warmup``, then ``execute`` once per step. The
+worker keeps per-request sampling state keyed by request id: created from
+``plan.new_requests``, dropped on ``plan.finished_req_ids``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.model.config import ModelConfig, load_model_config
+from shoal.runtime.model.parallel import ParallelContext
+from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
+from shoal.runtime.sample.sampler import Sampler, SamplerOutput
+from shoal.runtime.sample.state import (
+    RequestSamplingState,
+    build_sampling_metadata,
+    new_request_state,
+)
+from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.worker.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"unknown device {name!r} (auto, cpu, cuda)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 parallel: ParallelContext | None = None) -> None:
+        self.config = config
+        self.parallel = parallel or ParallelContext(rank, world_size)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self._model_config: ModelConfig | None = None
+        self.runner: ModelRunner | None = None
+        self.states: dict[str, RequestSamplingState] = {}
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+
+    # -- setup ---------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        if self._model_config is None:
+            self._model_config = load_model_config(self.config.model)
+        return self._model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.model_config().max_position_embeddings
+
+    def load_model(self) -> None:
+        from shoal.runtime.attention.selector import get_attention_backend
+        from shoal.runtime.model.loader import build_model
+
+        mc = self.model_config()
+        backend = get_attention_backend(self.config.attention_backend, self.device)
+        max_positions = max(self.max_model_len, mc.max_position_embeddings)
+        with torch.inference_mode():
+            model = build_model(mc, self.config.model, backend, self.parallel, max_positions,
+                                self.dtype, self.device)
+        self.runner = ModelRunner(model, backend, self.device, self.dtype,
+                                  self.config.block_size)
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("load_model must run first")
+        return self.runner
+
+    def kv_bytes_per_block(self) -> int:
+        return self._runner().kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._runner().init_kv_cache(num_blocks)
+
+    def warmup(self) -> None:
+        """Run one dummy step of the largest size the scheduler may send, then forget it."""
+        runner = self._runner()
+        num_tokens = max(1, min(self.config.max_num_batched_tokens, self.max_model_len))
+        capacity = runner.num_blocks * self.config.block_size
+        blocks = -(-num_tokens // self.config.block_size)
+        plan = StepPlan(
+            step_id=-1, req_ids=["__warmup__"],
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=np.arange(num_tokens, dtype=np.int64),
+            query_start_loc=np.array([0, num_tokens], dtype=np.int32),
+            seq_lens=np.array([num_tokens], dtype=np.int32),
+            block_tables=(np.arange(blocks, dtype=np.int32) % runner.num_blocks)[None, :],
+            slot_mapping=np.arange(num_tokens, dtype=np.int64) % capacity,
+            sample_rows=np.array([True]),
+            new_requests=[NewRequestData("__warmup__", [0], [], SamplingParams(temperature=0.0))],
+            finished_req_ids=[],
+        )
+        self.execute(plan)
+        self.states.pop("__warmup__", None)
+
+    # -- the step ------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        runner = self._runner()
+        for req_id in plan.finished_req_ids:
+            self.states.pop(req_id, None)
+        vocab = self.model_config().vocab_size
+        eos = self.model_config().eos_token_ids
+        for new in plan.new_requests:
+            self.states[new.req_id] = new_request_state(
+                new.sampling_params, new.prompt_token_ids, new.output_token_ids,
+                new.generator_offset, eos, vocab, self.device)
+        sample_rows = np.asarray(plan.sample_rows, dtype=bool)
+        sampled_ids = [rid for rid, s in zip(plan.req_ids, sample_rows, strict=True) if s]
+        try:
+            states = [self.states[rid] for rid in sampled_ids]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]!r} was never sent to the worker "
+                               "in new_requests") from None
+        with torch.inference_mode():
+            logits = runner.forward(plan)
+            if not states:
+                return StepResult(plan.step_id, [], np.zeros(0, dtype=np.int64))
+            meta = build_sampling_metadata(states, vocab, self.device)
+            out = self.sampler(logits, meta)
+        return self._result(plan.step_id, sampled_ids, states, out)
+
+    def _result(self, step_id: int, req_ids: list[str], states: list[RequestSamplingState],
+                out: SamplerOutput) -> StepResult:
+        tokens = out.sampled_token_ids.cpu().numpy().astype(np.int64, copy=False)
+        for state, token in zip(states, tokens.tolist(), strict=True):
+            state.append(token)
+        result = StepResult(step_id, req_ids, tokens)
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.float().cpu().numpy()
+            assert out.top_token_ids is not None and out.top_logprobs is not None
+            result.top_token_ids = out.top_token_ids.cpu().numpy().astype(np.int64, copy=False)
+            result.top_logprobs = out.top_logprobs.float().cpu().numpy()
+        return result
