@@ -1,0 +1,1 @@
+"""Tensor parallelism plumbing: process groups, the step-plan wire format, rank lifelines."""

@@ -1,0 +1,53 @@
+"""A worker rank never outlives the process that started it.
+
+Two independent guards, because either alone has a gap: the kernel's parent-death signal
+(PR_SET_PDEATHSIG, Linux) fires even while the rank is stuck inside a collective, and a
+watcher thread that polls the parent pid covers platforms without prctl and the window
+before prctl ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` when the parent dies. False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def parent_is_gone(parent_pid: int) -> bool:
+    # re-parenting (to init or a subreaper) changes getppid(); the original pid may be reused
+    return os.getppid() != parent_pid
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
+    """Exit this process at once (no cleanup: the parent is gone) when the parent dies."""
+
+    def run() -> None:
+        while True:
+            if parent_is_gone(parent_pid):
+                os._exit(70)
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=run, name="shoal-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def install_lifeline(parent_pid: int) -> None:
+    set_parent_death_signal()
+    if parent_is_gone(parent_pid):  # the parent died before prctl took effect
+        os._exit(70)
+    watch_parent(parent_pid)
