@@ -60,8 +60,9 @@ def size_spec(arch: str, size: str) -> SizeSpec:
         return SizeSpec(1024, 64, 2, 4, kv, 128, head_dim)
     if size == "small":
         head_dim = 48 if arch == "qwen3" else None
-        return SizeSpec(4096, 256, 4, 8, 4, 768, head_dim)
-    return SizeSpec(8192, 512, 8, 8, 4, 1536)
+        layers = 6 if _tied(arch) else 4  # a tied model needs more layers for the same size
+        return SizeSpec(4096, 256, layers, 8, 4, 768, head_dim)
+    return SizeSpec(8192, 512, 8, 8, 4, 1792 if _tied(arch) else 1536)
 
 
 def count_params(arch: str, size: str) -> int:
