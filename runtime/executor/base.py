@@ -1,0 +1,38 @@
+"""The executor: how the engine core reaches its worker(s).
+
+One interface for one in-process worker (``UniProcExecutor``) and, later, a worker process
+per tensor-parallel rank: the engine core sizes the KV cache from ``kv_bytes_per_block``,
+calls ``initialize_kv_cache`` once, then ``execute`` once per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from shoal.runtime.model.config import ModelConfig
+from shoal.runtime.plan import StepPlan, StepResult
+
+
+class Executor(ABC):
+    @property
+    @abstractmethod
+    def model_config(self) -> ModelConfig: ...
+
+    @abstractmethod
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on one rank (all layers, K and V)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every rank, then warm up."""
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if a rank is dead or hung."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers; safe to call twice."""

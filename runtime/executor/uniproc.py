@@ -1,0 +1,39 @@
+"""One Worker in the engine-core process: TP = 1 on CPU or one GPU."""
+
+from __future__ import annotations
+
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.executor.base import Executor
+from shoal.runtime.model.config import ModelConfig
+from shoal.runtime.plan import StepPlan, StepResult
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("UniProcExecutor runs one rank; use the multiprocess executor "
+                             f"for tensor_parallel_size={config.tensor_parallel_size}")
+        from shoal.runtime.worker.worker import Worker
+
+        self.worker = Worker(config, rank=0, world_size=1)
+        self.worker.load_model()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.worker.model_config()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.worker.kv_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+        self.worker.warmup()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.worker.execute(plan)
+
+    def check_health(self) -> None:
+        """In-process: a dead worker would already have raised from ``execute``."""
+
+    def shutdown(self) -> None:
+        self.worker.runner = None  # drop the model and KV tensors

@@ -1,0 +1,276 @@
+"""The scheduler: one token budget per step, running requests first, then admissions.
+
+Per step (vLLM v1 style): every running request gets its share first (a decode 1 token, a
+running prefill ``min(remaining, budget)``), so decode is never starved by prefill; a
+running request that cannot get a block preempts the newest running request (or, under the
+priority policy, the worst-priority one) by recompute. If nothing was preempted, waiting
+requests are admitted while budget, ``max_num_seqs`` and blocks allow, prefix-cache hits
+skipping their prefill. Chunked prefill is always on and mixes with decodes in one step.
+
+``schedule()`` returns a ``ScheduledStep`` (the plan plus the version of every row);
+``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
+aborted while the step was in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.runtime.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from shoal.runtime.kv.kv_manager import KVCacheManager
+from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
+from shoal.runtime.scheduler.plan_builder import build_plan
+from shoal.runtime.scheduler.request import Request, RequestStatus
+from shoal.runtime.scheduler.stops import check_stop
+from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    model_revision: str = ""
+
+
+@dataclass
+class ScheduledStep:
+    plan: StepPlan
+    rows: list[Request]
+    versions: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, default_eos: list[int] | None = None) -> None:
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        self.config = config
+        self.default_eos = list(default_eos or [])
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.max_num_seqs,
+                                 config.max_model_len, config.enable_prefix_caching)
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_for_worker: list[str] = []
+        self._step_id = 0
+        self._arrivals = 0
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> Request:
+        """The caller validated it; this only records it."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self._arrivals += 1
+        req = Request(request, self._arrivals, self.config.max_model_len,
+                      self.config.model_revision, self.default_eos)
+        self.requests[req.req_id] = req
+        self.waiting.push(req)
+        return req
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Free their blocks now; any result still in flight for them is stale."""
+        aborted = False
+        for req_id in request_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                aborted = True
+            else:
+                self.waiting.remove(req)
+            self._retire(req)
+        if aborted:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        rows: list[Request] = []
+        counts: list[int] = []
+        preempted = False
+        kv = self.kv
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            count = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not kv.allocate_slots(req, req.num_computed_tokens, count):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                rows.append(req)
+                counts.append(count)
+                budget -= count
+                i += 1
+        new_requests: list[NewRequestData] = []
+        if not preempted:
+            budget = self._admit(budget, rows, counts, new_requests)
+        if not rows:
+            return None
+        starts = [req.num_computed_tokens for req in rows]
+        for req, count in zip(rows, counts, strict=True):
+            req.num_computed_tokens += count
+        self._step_id += 1
+        plan = build_plan(self._step_id, rows, counts, starts,
+                          [kv.rows[req.req_id] for req in rows], kv.block_table_array,
+                          self.config.block_size, new_requests, self._finished_for_worker)
+        self._finished_for_worker = []
+        return ScheduledStep(plan, rows, [req.version for req in rows])
+
+    def _admit(self, budget: int, rows: list[Request], counts: list[int],
+               new_requests: list[NewRequestData]) -> int:
+        kv, waiting = self.kv, self.waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = waiting.peek()
+            hits = kv.find_cached_prefix(req)
+            computed = len(hits) * self.config.block_size
+            count = min(req.num_tokens - computed, budget)
+            if not kv.allocate_slots(req, computed, count, hits):
+                break
+            waiting.pop()
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += computed
+            if not req.ever_admitted:
+                req.ever_admitted = True
+                req.num_cached_tokens = computed
+                self.prompt_tokens += req.num_prompt_tokens
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            req.seen_by_worker = True
+            self.running.append(req)
+            new_requests.append(NewRequestData(
+                req_id=req.req_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                generator_offset=len(req.output_token_ids),
+            ))
+            rows.append(req)
+            counts.append(count)
+            budget -= count
+        return budget
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """Among running requests not yet scheduled this step (the asking one included):
+        the newest under FCFS, the worst (priority, arrival) under the priority policy."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running[first_unscheduled:], key=Request.priority_key)
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.req_id)
+        req.num_computed_tokens = 0
+        req.version += 1
+        req.status = RequestStatus.PREEMPTED
+        if req.seen_by_worker:
+            req.seen_by_worker = False
+            self._finished_for_worker.append(req.req_id)
+        self.waiting.push_preempted(req)
+        self.num_preemptions += 1
+
+    def _retire(self, req: Request) -> None:
+        self.kv.free(req.req_id)
+        req.status = RequestStatus.FINISHED
+        req.version += 1
+        if req.seen_by_worker:
+            req.seen_by_worker = False
+            self._finished_for_worker.append(req.req_id)
+
+    # -- results ------------------------------------------------------------------------
+    def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
+        plan = step.plan
+        sampled = result.sampled_token_ids.tolist()
+        expected = [rid for rid, s in zip(plan.req_ids, plan.sample_rows.tolist(),
+                                          strict=True) if s]
+        if result.req_ids != expected:
+            raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
+                             f"the plan's sampled rows {expected}")
+        outputs: list[EngineCoreOutput] = []
+        kv = self.kv
+        max_model_len = self.config.max_model_len
+        sample_index = 0
+        any_finished = False
+        for req, version, sample in zip(step.rows, step.versions, plan.sample_rows.tolist(),
+                                        strict=True):
+            index = sample_index
+            if sample:
+                sample_index += 1
+            if req.version != version or req.status != RequestStatus.RUNNING:
+                continue  # preempted or aborted since it was scheduled: stale
+            kv.cache_full_blocks(req, req.num_computed_tokens)
+            if not sample:
+                continue
+            token = sampled[index]
+            req.append_output(token)
+            self.generation_tokens += 1
+            finish, stop_reason = check_stop(req, token, max_model_len)
+            outputs.append(EngineCoreOutput(
+                request_id=req.req_id, version=version, new_token_ids=[token],
+                new_logprobs=_logprobs(result, index, req.sampling_params.logprobs),
+                finish_reason=finish, stop_reason=stop_reason,
+                num_cached_tokens=req.num_cached_tokens))
+            if finish is not None:
+                any_finished = True
+                del self.requests[req.req_id]
+                self._retire(req)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    # -- observability ------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_kv_blocks=self.kv.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        holders = set(self.kv.tables)
+        running = {r.req_id for r in self.running}
+        if not holders <= running:
+            raise AssertionError(f"requests hold blocks but are not running: {holders - running}")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")
+        if set(self.requests) != running | {r.req_id for r in self.waiting}:
+            raise AssertionError("request registry disagrees with the running/waiting queues")
+
+
+def _logprobs(result: StepResult, index: int, top_k: int | None) -> list[TokenLogprobs] | None:
+    """The row's logprobs, its top-k trimmed to what it asked (the batch uses the max)."""
+    if top_k is None or result.logprobs is None:
+        return None
+    top_ids: list[int] = []
+    top_lps: list[float] = []
+    if top_k and result.top_token_ids is not None and result.top_logprobs is not None:
+        top_ids = result.top_token_ids[index, :top_k].tolist()
+        top_lps = result.top_logprobs[index, :top_k].tolist()
+    return [TokenLogprobs(float(result.logprobs[index]), top_ids, top_lps)]
