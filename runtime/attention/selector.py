@@ -1,5 +1,9 @@
-"""Pick the attention backend by name. Only the pure-torch reference exists here; faster
-backends register in ``_BACKENDS`` and decide what ``auto`` means for their devices."""
+"""Pick the attention backend by name (``--attention-backend``).
+
+What ``auto`` means and which explicit choices can run where is the pure rule in
+``backend_choice.py`` (flashinfer if it imports on CUDA, else triton on CUDA, else torch).
+Backends are imported only once chosen: flashinfer only on CUDA, triton only when asked for.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from shoal.runtime.attention.backend import AttentionBackend
+from shoal.runtime.attention.backend_choice import choose_for_device
 
 
 def _torch_backend() -> AttentionBackend:
@@ -15,14 +20,25 @@ def _torch_backend() -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch_backend}
+def _triton_backend() -> AttentionBackend:
+    from shoal.runtime.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def _flashinfer_backend() -> AttentionBackend:
+    from shoal.runtime.attention.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": _torch_backend,
+    "triton": _triton_backend,
+    "flashinfer": _flashinfer_backend,
+}
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` is the torch backend everywhere until a faster one claims the device."""
-    if name == "auto":
-        name = "torch"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: auto, "
-                         f"{', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name]()
+    """The backend for ``name`` on ``device``; ValueError says why a choice cannot run."""
+    return _BACKENDS[choose_for_device(name, device.type)]()

@@ -44,3 +44,13 @@ def test_explicit_choices_are_honoured_where_they_can_run():
 def test_impossible_choices_are_refused_with_the_reason(requested, device, flashinfer, triton, reason):
     with pytest.raises(ValueError, match=reason):
         choose_attention_backend(requested, device, flashinfer, triton)
+
+
+def test_selector_builds_the_chosen_backend_and_refuses_flashinfer_on_cpu():
+    import torch
+    from shoal.runtime.attention.selector import get_attention_backend
+
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("triton", torch.device("cpu")).name == "triton"  # interpreter on
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("flashinfer", torch.device("cpu"))
