@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
@@ -102,3 +101,32 @@ def engine_config():
         kw.setdefault("attention_backend", "torch")
         return EngineConfig(model=str(model_dir), **kw)  # type: ignore[arg-type]
     return make
+
+
+@pytest.fixture
+def load_worker(engine_config):
+    """A loaded Worker with a KV cache of ``num_blocks`` blocks."""
+    from shoal.runtime.worker.worker import Worker
+
+    def make(model_dir, num_blocks: int = 64, **kw: object):
+        worker = Worker(engine_config(model_dir, **kw))
+        worker.load_model()
+        worker.init_kv_cache(num_blocks)
+        return worker
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """HF transformers' own model for a checkpoint dir (the reference), cached per dir."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache: dict = {}
+
+    def get(model_dir):
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32).eval()
+        return cache[model_dir]
+    return get
