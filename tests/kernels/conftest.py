@@ -84,3 +84,96 @@ def build_paged_batch(
 @pytest.fixture
 def paged_batch():
     return build_paged_batch
+
+
+class ContinuousBatch:
+    """A minimal continuous-batching driver for a Worker (no engine core needed).
+
+    Every step decodes one token for each running request and spends the rest of the token
+    budget on the next waiting prompt's chunk, so steps mix decodes with prefill chunks.
+    A request may start on another's first blocks (a prefix-cache hit): its prefill then
+    begins after the shared tokens, attending over the donor's pages.
+    """
+
+    def __init__(self, worker, block_size: int, token_budget: int, max_new: int, logprobs: int = 2):
+        from shoal.runtime.sampling_params import SamplingParams
+
+        self.worker = worker
+        self.block_size = block_size
+        self.token_budget = token_budget
+        self.max_new = max_new
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True,
+                                     logprobs=logprobs)
+        self.next_block = 1
+
+    def run(self, prompts: dict[str, list[int]], shared: dict[str, tuple[str, int]] | None = None):
+        """Greedy outputs per request: (token ids, top-2 logprob margin at each step)."""
+        import numpy as np
+        from shoal.runtime.plan import NewRequestData, StepPlan
+
+        shared = shared or {}
+        tables: dict[str, list[int]] = {}
+        cached = dict.fromkeys(prompts, 0)  # tokens in the cache
+        outputs: dict[str, list[int]] = {r: [] for r in prompts}
+        margins: dict[str, list[float]] = {r: [] for r in prompts}
+        waiting, running, finished = list(prompts), [], []
+        step_id = 0
+        while waiting or running:
+            rows = [(r, [outputs[r][-1]], True) for r in running]
+            budget = self.token_budget - len(rows)
+            new = []
+            if waiting and budget > 0:
+                req = waiting[0]
+                if req not in tables:
+                    donor, n_blocks = shared.get(req, (None, 0))
+                    tables[req] = list(tables[donor][:n_blocks]) if donor else []
+                    cached[req] = n_blocks * self.block_size
+                    new.append(NewRequestData(req, prompts[req], [], self.params))
+                chunk = prompts[req][cached[req]:cached[req] + budget]
+                done = cached[req] + len(chunk) == len(prompts[req])
+                rows.append((req, chunk, done))
+                if done:
+                    waiting.pop(0)
+            ids, pos, slots, starts, seq_lens = [], [], [], [0], []
+            for req, tokens, _ in rows:
+                start = cached[req]
+                while len(tables[req]) * self.block_size < start + len(tokens):
+                    tables[req].append(self.next_block)
+                    self.next_block += 1
+                for p, tok in enumerate(tokens, start):
+                    ids.append(tok)
+                    pos.append(p)
+                    slots.append(tables[req][p // self.block_size] * self.block_size + p % self.block_size)
+                cached[req] += len(tokens)
+                starts.append(len(ids))
+                seq_lens.append(cached[req])
+            width = max(len(tables[r]) for r, _, _ in rows)
+            step_id += 1
+            plan = StepPlan(
+                step_id=step_id, req_ids=[r for r, _, _ in rows],
+                input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
+                query_start_loc=np.array(starts, dtype=np.int32),
+                seq_lens=np.array(seq_lens, dtype=np.int32),
+                block_tables=np.array([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in rows],
+                                      dtype=np.int32),
+                slot_mapping=np.array(slots, dtype=np.int64),
+                sample_rows=np.array([s for _, _, s in rows], dtype=bool),
+                new_requests=new, finished_req_ids=finished,
+            )
+            result = self.worker.execute(plan)
+            finished = []
+            for i, req in enumerate(result.req_ids):
+                outputs[req].append(int(result.sampled_token_ids[i]))
+                top = result.top_logprobs[i]
+                margins[req].append(float(top[0] - top[1]))
+                if req not in running:
+                    running.append(req)
+                if len(outputs[req]) == self.max_new:
+                    running.remove(req)
+                    finished.append(req)
+        return {r: (outputs[r], margins[r]) for r in prompts}
+
+
+@pytest.fixture
+def continuous_batch():
+    return ContinuousBatch
