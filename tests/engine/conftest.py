@@ -152,3 +152,77 @@ def run_to_completion():
         return tokens, reasons
 
     return run
+
+
+# -- HF transformers as the reference ---------------------------------------------------------
+
+NEAR_TIE = 1e-4  # top-2 logit margin below which a greedy argmax is a coin toss (BRIEF §6)
+
+
+class HFGreedy:
+    """HF ``generate(do_sample=False)`` per prompt, memoised, with each step's top-2 margin."""
+
+    def __init__(self, model_dir) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.model.generation_config.eos_token_id = None  # compared with ignore_eos=True
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        import torch
+
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._memo:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            margins = []
+            for logits in out.logits:
+                top2 = torch.topk(logits[0].float(), 2).values
+                margins.append(float(top2[0] - top2[1]))
+            self._memo[key] = (tokens, margins)
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(model_dir) -> HFGreedy, one per checkpoint for the whole session."""
+    models: dict[str, HFGreedy] = {}
+
+    def get(model_dir) -> HFGreedy:
+        key = str(model_dir)
+        if key not in models:
+            models[key] = HFGreedy(model_dir)
+        return models[key]
+
+    return get
+
+
+@pytest.fixture
+def assert_matches_hf():
+    """Compare engine outputs with HF greedy; a first divergence counts only where HF's
+    top-2 margin is not a near-tie. Returns the number of near-tie divergences."""
+
+    def check(reference: HFGreedy, prompts: dict[str, list[int]], outputs: dict[str, list[int]],
+              max_new_tokens: dict[str, int]) -> int:
+        near_ties = 0
+        for req_id, prompt in prompts.items():
+            want, margins = reference.generate(prompt, max_new_tokens[req_id])
+            got = outputs[req_id]
+            assert len(got) == len(want), f"{req_id}: {len(got)} tokens, HF made {len(want)}"
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                if g != w:
+                    assert margins[i] < NEAR_TIE, (
+                        f"{req_id}: token {i} is {g}, HF greedy gives {w} "
+                        f"(HF top-2 margin {margins[i]:.3g})")
+                    near_ties += 1
+                    break
+        return near_ties
+
+    return check
