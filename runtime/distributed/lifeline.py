@@ -46,8 +46,11 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
     return thread
 
 
-def install_lifeline(parent_pid: int) -> None:
-    set_parent_death_signal()
+def install_lifeline(parent_pid: int, parent_death_signal: bool = True) -> None:
+    """``parent_death_signal`` only where the parent's starting thread lives as long as the
+    parent process: the kernel signals when that thread exits, not the process."""
+    if parent_death_signal:
+        set_parent_death_signal()
     if parent_is_gone(parent_pid):  # the parent died before prctl took effect
         os._exit(70)
     watch_parent(parent_pid)

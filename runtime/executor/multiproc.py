@@ -1,0 +1,250 @@
+"""One worker process per tensor-parallel rank, run in lockstep, and fatal when one fails.
+
+Each step the executor encodes the plan once and writes the same bytes to every rank's
+socket; every rank answers (rank 0 with its sampled tokens, the others with "done"), so
+the executor sees each rank finish each step. A rank that exits or crashes is seen at once
+(its socket reaches EOF, or it sends its error); a rank that makes no progress for
+``rank_timeout`` seconds is declared hung. Either way the executor kills every rank and
+raises ``RankFailure`` from then on: the engine core treats that as fatal.
+
+Startup is fail-fast: all ranks start together, and the first one to report an error (or
+to exit) fails the startup with that rank's own message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.distributed.plan_wire import PlanEncoder, decode_result
+from shoal.runtime.executor.base import Executor
+from shoal.runtime.model.config import ModelConfig, load_model_config
+from shoal.runtime.plan import StepPlan, StepResult
+from shoal.runtime.worker import worker_proc as wp
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 1800.0  # loading a large checkpoint may take long; errors still fail fast
+STOP_GRACE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """A rank died, hung or raised: the engine cannot continue."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"tensor-parallel rank {rank}: {message}")
+        self.rank = rank
+
+
+def _exit_description(proc: subprocess.Popen) -> str:
+    try:
+        code = proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return "closed its connection but is still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class _Rank:
+    def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.conn = conn
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S
+                 ) -> None:
+        if config.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, "
+                             f"got {config.tensor_parallel_size}")
+        if config.rank_timeout <= 0:
+            raise ValueError(f"rank_timeout must be positive, got {config.rank_timeout}")
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.rank_timeout = float(config.rank_timeout)
+        self._model_config = load_model_config(config.model)
+        self._encoder = PlanEncoder(config.block_size)
+        self._failure: RankFailure | None = None
+        self._closed = False
+        self._ranks: list[_Rank] = []
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="shoal-tp-")
+        atexit.register(self._kill_all)
+        try:
+            self._spawn_ranks()
+            setup_deadline = time.monotonic() + startup_timeout_s
+            replies = self._collect(wp.READY, setup_deadline, "load its shard",
+                                    f"did not start within {startup_timeout_s:g} s")
+            self._kv_bytes_per_block = pickle.loads(replies[0])
+        except BaseException:
+            self._kill_all()
+            raise
+
+    # -- processes ------------------------------------------------------------------------
+    def _spawn_ranks(self) -> None:
+        pdeathsig = "1" if threading.current_thread() is threading.main_thread() else "0"
+        rendezvous = os.path.join(self._rendezvous_dir, "rendezvous")
+        for rank in range(self.world_size):
+            ours, theirs = socket.socketpair()
+            # a rank that stops reading must not block the executor forever on a full socket
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(self.rank_timeout),
+                                        int(self.rank_timeout % 1 * 1e6)))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "shoal.runtime.worker.worker_proc",
+                 str(theirs.fileno()), str(os.getpid()), pdeathsig],
+                pass_fds=(theirs.fileno(),), start_new_session=False)
+            theirs.close()  # only the rank holds its end: EOF here means the rank is gone
+            conn = Connection(ours.detach())
+            self._ranks.append(_Rank(rank, proc, conn))
+            setup = wp.RankSetup(self.config, rank, self.world_size, rendezvous,
+                                 collective_timeout_s=max(1800.0, 4 * self.rank_timeout))
+            self._send(self._ranks[-1], wp.SETUP + pickle.dumps(setup))
+        logger.info("started %d tensor-parallel ranks: pids %s", self.world_size,
+                    [r.proc.pid for r in self._ranks])
+
+    def _kill_all(self) -> None:
+        for r in self._ranks:
+            if r.proc.poll() is None:
+                try:
+                    r.proc.kill()
+                except ProcessLookupError:
+                    pass
+        for r in self._ranks:
+            try:
+                r.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                logger.error("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+            r.conn.close()
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+
+    def _fail(self, rank: int, message: str) -> RankFailure:
+        failure = RankFailure(rank, message)
+        if self._failure is None:
+            self._failure = failure
+            logger.error("%s; stopping all ranks", failure)
+        self._kill_all()
+        return self._failure
+
+    # -- messaging ------------------------------------------------------------------------
+    def _send(self, r: _Rank, message: bytes) -> None:
+        try:
+            r.conn.send_bytes(message)
+        except BlockingIOError:
+            raise self._fail(r.rank, f"made no progress for {self.rank_timeout:g} s "
+                             "(stopped reading its messages)") from None
+        except OSError:
+            raise self._fail(r.rank, _exit_description(r.proc)) from None
+
+    def _broadcast(self, message: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+        for r in self._ranks:
+            self._send(r, message)
+
+    def _collect(self, expected: bytes | list[bytes], deadline: float, doing: str,
+                 timeout_message: str | None = None) -> dict[int, bytes]:
+        """Wait for one message from every rank (``expected``: its kind, one for all or one
+        per rank); payloads by rank. Any other outcome is a RankFailure."""
+        kinds = expected if isinstance(expected, list) else [expected] * len(self._ranks)
+        pending = {r.conn: r for r in self._ranks}
+        replies: dict[int, bytes] = {}
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = wait(list(pending), timeout=remaining) if remaining > 0 else []
+            if not ready:
+                slow = min(r.rank for r in pending.values())
+                raise self._fail(slow, timeout_message or
+                                 f"made no progress for {self.rank_timeout:g} s "
+                                 f"(while waiting for it to {doing})")
+            for conn in ready:
+                r = pending.pop(conn)  # type: ignore[arg-type]
+                try:
+                    message = r.conn.recv_bytes()
+                except (EOFError, OSError):
+                    raise self._fail(r.rank, f"{_exit_description(r.proc)} "
+                                     f"(while waiting for it to {doing})") from None
+                kind, payload = message[:1], message[1:]
+                if kind == wp.ERROR:
+                    raise self._fail(r.rank, f"failed to {doing}: "
+                                     f"{payload.decode(errors='replace')}")
+                if kind != kinds[r.rank]:
+                    raise self._fail(r.rank, f"sent {kind!r} while {kinds[r.rank]!r} was "
+                                     f"expected (while waiting for it to {doing})")
+                replies[r.rank] = payload
+        return replies
+
+    def _call(self, method: str, *args: object) -> object:
+        self._broadcast(wp.CALL + pickle.dumps((method, args)))
+        # warmup and KV allocation may compile or capture graphs: give them the startup budget
+        replies = self._collect(wp.REPLY, time.monotonic() + max(STARTUP_TIMEOUT_S / 6,
+                                                                  self.rank_timeout), method)
+        return pickle.loads(replies[0])
+
+    # -- Executor -------------------------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._model_config
+
+    def kv_bytes_per_block(self) -> int:
+        return self._kv_bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("init_kv_cache", num_blocks)
+        self._call("warmup")
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._broadcast(wp.PLAN + self._encoder.encode(plan))
+        kinds = [wp.RESULT] + [wp.DONE] * (self.world_size - 1)  # only rank 0 reports tokens
+        replies = self._collect(kinds, time.monotonic() + self.rank_timeout,
+                                f"finish step {plan.step_id}")
+        return decode_result(replies[0], plan)
+
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank is dead or does not answer within ``rank_timeout``."""
+        if self._failure is not None:
+            raise self._failure
+        for r in self._ranks:
+            if r.proc.poll() is not None:
+                raise self._fail(r.rank, _exit_description(r.proc))
+        self._broadcast(wp.PING)
+        self._collect(wp.PONG, time.monotonic() + self.rank_timeout, "answer a health check")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            for r in self._ranks:
+                try:
+                    r.conn.send_bytes(wp.STOP)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for r in self._ranks:
+                try:
+                    r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._kill_all()
+        atexit.unregister(self._kill_all)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks]

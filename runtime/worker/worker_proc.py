@@ -1,0 +1,161 @@
+"""One tensor-parallel rank as its own process: join the group, load the shard, run plans.
+
+Started by the multiprocess executor as
+``python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG`` where FD is this
+rank's end of a socket pair. Messages are length-framed (multiprocessing
+``Connection``) and start with one kind byte:
+
+    parent -> rank   SETUP  pickled RankSetup            (first message, once)
+                     PLAN   encoded step plan            (hot path, msgpack, see plan_wire)
+                     CALL   pickled (method, args)       (control: init_kv_cache, warmup, ...)
+                     PING                                 (health check between steps)
+                     STOP
+    rank -> parent   READY / REPLY pickled value, RESULT encoded StepResult (rank 0),
+                     DONE step id (other ranks), PONG, ERROR text of the rank's exception
+
+Every rank decodes and runs every plan (the collectives need all of them); only rank 0
+sends its sampled tokens back, the others report that the step finished, which is what
+lets the executor see a rank that stopped making progress.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from shoal.runtime.config import EngineConfig
+
+SETUP, PLAN, CALL, PING, STOP = b"S", b"P", b"C", b"H", b"Q"
+READY, REPLY, RESULT, DONE, PONG, ERROR = b"r", b"y", b"s", b"d", b"h", b"e"
+
+# Test-only fault injection: "RANK:PHASE" makes that rank fail in that phase
+# (load: raise while loading its shard; step: raise on its first plan). Unset in production.
+FAULT_ENV = "SHOAL_TEST_RANK_FAULT"
+
+CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block"})
+
+
+@dataclass
+class RankSetup:
+    config: EngineConfig
+    rank: int
+    world_size: int
+    rendezvous_file: str
+    collective_timeout_s: float
+
+
+def injected_fault(rank: int, phase: str) -> str | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"{rank}:{phase}":
+        return f"injected {phase} fault on rank {rank} ({FAULT_ENV}={spec})"
+    return None
+
+
+def _send(conn: Connection, kind: bytes, payload: bytes = b"") -> None:
+    conn.send_bytes(kind + payload)
+
+
+def _rank_device(config: EngineConfig, rank: int) -> str:
+    from shoal.runtime.worker.worker import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        import torch
+
+        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    return str(device)
+
+
+def _start(setup: RankSetup):  # -> Worker
+    import torch
+    from shoal.runtime.distributed.process_group import init_tensor_parallel
+    from shoal.runtime.worker.worker import Worker
+
+    config = setup.config.replace(device=_rank_device(setup.config, setup.rank))
+    device = torch.device(config.device)
+    if device.type == "cpu":  # ranks share the cores instead of each taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
+    parallel = init_tensor_parallel(setup.rank, setup.world_size, setup.rendezvous_file,
+                                    device, setup.collective_timeout_s)
+    fault = injected_fault(setup.rank, "load")
+    if fault:
+        raise RuntimeError(fault)
+    worker = Worker(config, setup.rank, setup.world_size, parallel=parallel)
+    worker.load_model()
+    return worker
+
+
+def serve(conn: Connection, setup: RankSetup) -> None:
+    from shoal.runtime.distributed.plan_wire import PlanDecoder, encode_result
+
+    worker = _start(setup)
+    _send(conn, READY, pickle.dumps(worker.kv_bytes_per_block()))
+    decoder = PlanDecoder(setup.config.block_size)
+    step_fault = injected_fault(setup.rank, "step")
+    while True:
+        message = conn.recv_bytes()
+        kind, payload = message[:1], message[1:]
+        if kind == PLAN:
+            plan = decoder.decode(payload)
+            if step_fault:
+                raise RuntimeError(step_fault)
+            result = worker.execute(plan)
+            if setup.rank == 0:
+                _send(conn, RESULT, encode_result(result, plan))
+            else:
+                _send(conn, DONE, plan.step_id.to_bytes(8, "little", signed=True))
+        elif kind == CALL:
+            method, args = pickle.loads(payload)
+            if method not in CALLABLE:
+                raise ValueError(f"rank {setup.rank}: unknown call {method!r}")
+            _send(conn, REPLY, pickle.dumps(getattr(worker, method)(*args)))
+        elif kind == PING:
+            _send(conn, PONG)
+        elif kind == STOP:
+            return
+        else:
+            raise ValueError(f"rank {setup.rank}: unknown message kind {kind!r}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG(0|1)",
+              file=sys.stderr)
+        return 2
+    from shoal.runtime.distributed.lifeline import install_lifeline
+
+    # first thing, before the slow imports: a rank never outlives its executor
+    install_lifeline(int(argv[1]), argv[2] == "1")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent decides
+    conn = Connection(int(argv[0]))
+    rank = -1
+    try:
+        message = conn.recv_bytes()
+        if message[:1] != SETUP:
+            raise ValueError(f"first message must be SETUP, got {message[:1]!r}")
+        setup: RankSetup = pickle.loads(message[1:])
+        rank = setup.rank
+        serve(conn, setup)
+    except EOFError:  # the executor closed its end: nothing left to report to
+        os._exit(0)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        text = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        try:
+            _send(conn, ERROR, text.encode())
+        except OSError:
+            pass
+        print(text, file=sys.stderr, flush=True)
+        os._exit(1)  # no interpreter teardown: peers may be stuck in a collective with us
+    from shoal.runtime.distributed.process_group import destroy_tensor_parallel
+
+    destroy_tensor_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
