@@ -41,10 +41,10 @@ def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        if executor is None:
-            from shoal.runtime.executor.uniproc import UniProcExecutor
+        if executor is None:  # in-process for one rank, a process per rank beyond
+            from shoal.runtime.executor.factory import create_executor
 
-            executor = UniProcExecutor(config)
+            executor = create_executor(config)
         self.config = config
         self.executor = executor
         self.model_config = executor.model_config
