@@ -34,7 +34,8 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        logits = logits.float()  # a fresh copy: the processing below works in place
+        # a private float32 copy: the processing below works in place
+        logits = logits.to(torch.float32, copy=True)
         if meta.banned_rows is not None:
             logits[meta.banned_rows, meta.banned_tokens] = float("-inf")
         if meta.output_counts is not None:
