@@ -1,19 +1,117 @@
-"""Router test helpers: free loopback ports and processes that are always stopped."""
+"""Router test helpers: free loopback ports, processes that are always stopped, fake engines
+and a router process in front of them."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
+HERE = Path(__file__).parent
 
-def _free_port(host: str) -> int:
+
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture
 def free_port():
     """free_port(host="127.0.0.1") -> a TCP port nobody listens on right now."""
     return _free_port
+
+
+@pytest.fixture
+def spawn():
+    """spawn(argv) -> Popen, in its own process group; every one is stopped at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str], **kwargs) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, **kwargs)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@dataclass
+class Fleet:
+    router: str
+    engines: list[str]
+    procs: dict[str, subprocess.Popen]
+
+    def admin(self, engine: str, **update) -> dict:
+        if update:
+            return httpx.post(f"{engine}/admin", json=update, timeout=5).json()
+        return httpx.get(f"{engine}/admin", timeout=5).json()
+
+
+@pytest.fixture
+def fake_fleet(spawn, free_port):
+    """fake_fleet(n, *router_flags) -> Fleet of n fake engines behind a real router process."""
+
+    def build(n: int, *router_flags: str) -> Fleet:
+        engines, procs = [], {}
+        for i in range(n):
+            host = f"127.0.0.{i + 2}"
+            port = free_port(host)
+            url = f"http://{host}:{port}"
+            procs[url] = spawn([sys.executable, str(HERE / "fake_engine.py"),
+                                "--host", host, "--port", str(port)])
+            engines.append(url)
+        for url in engines:
+            wait_until(lambda u=url: http_ok(f"{u}/ready"), what=f"{url} ready")
+        port = free_port("127.0.0.1")
+        router = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "shoal.runtime.router.cli", "--host", "127.0.0.1",
+                "--port", str(port), "--health-interval", "0.2", "--scrape-interval", "0.2",
+                *router_flags]
+        for url in engines:
+            argv += ["--backend", url]
+        procs[router] = spawn(argv)
+        wait_until(lambda: http_ok(f"{router}/ready"), what="router ready")
+        return Fleet(router, engines, procs)
+
+    return build
+
+
+@pytest.fixture
+def wait_for():
+    """wait_for(predicate, timeout=30, what="") -> the first truthy value, or AssertionError."""
+    return wait_until

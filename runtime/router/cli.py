@@ -1,0 +1,120 @@
+"""``shoal route``: the cache-affinity router in front of a fleet of engines.
+
+The operator renders the router Deployment with these flags; keep them stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shoal.runtime.router.policy import POLICY_NAMES
+
+SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _default_namespace() -> str:
+    if SA_NAMESPACE.exists():
+        return SA_NAMESPACE.read_text().strip() or "default"
+    return os.environ.get("POD_NAMESPACE", "default")
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """Routing flags shared by ``shoal route`` and ``shoal fleet``."""
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="cache-affinity",
+                        help="routing policy (default: cache-affinity)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="model dir with the engines' tokenizer: token-precise affinity "
+                             "(engine block hashes) instead of the text-prefix approximation")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="the engines' KV block size in tokens (default 16)")
+    parser.add_argument("--model-revision", default="",
+                        help="the engines' --model-revision (part of every block hash)")
+    parser.add_argument("--chars-per-block", type=int, default=64,
+                        help="approximate mode: characters per prefix block (default 64)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="precise mode: subscribe to each engine's KV-cache events at "
+                             "tcp://<engine host>:<--kv-events-port>")
+    parser.add_argument("--kv-events-port", type=int, default=5557,
+                        help="port of the engines' --kv-events-endpoint (default 5557)")
+    parser.add_argument("--scrape-interval", type=float, default=1.0,
+                        help="seconds between scrapes of each engine's /metrics (default 1)")
+    parser.add_argument("--health-interval", type=float, default=1.0,
+                        help="seconds between /ready polls of each engine (default 1)")
+    parser.add_argument("--load-factor", type=float, default=1.25,
+                        help="bounded load: no replica takes a request while its in-flight "
+                             "count exceeds this x the mean (default 1.25)")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="replicas tried per request before its first byte (default 3)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "route", help="cache-affinity router (OpenAI-compatible reverse proxy)",
+        description="Route OpenAI requests to engine replicas: prefix-cache affinity with "
+                    "bounded load, health-aware, streaming pass-through.")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument("--backend", action="append", default=[], metavar="URL",
+                        help="engine base URL, e.g. http://10.0.0.5:8000 (repeatable; "
+                             "static discovery)")
+    parser.add_argument("--discovery", choices=("static", "kubernetes"), default="static",
+                        help="static (--backend) or kubernetes (the engine Service's "
+                             "EndpointSlices, watched)")
+    parser.add_argument("--namespace", default=None,
+                        help="kubernetes: namespace of the engine Service (default: the pod's)")
+    parser.add_argument("--service", default="", help="kubernetes: engine Service name")
+    parser.add_argument("--engine-port", type=int, default=None,
+                        help="kubernetes: engine port (default: the slice's 'http' port)")
+    parser.add_argument("--kube-api", default=None, metavar="URL",
+                        help="kubernetes API URL when not running in a pod")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+    add_router_flags(parser)
+    parser.set_defaults(func=_main)
+
+
+def config_from_args(args: argparse.Namespace):  # -> RouterConfig
+    from shoal.runtime.router.router_app import RouterConfig
+
+    return RouterConfig(
+        policy=args.policy, backends=list(args.backend), discovery=args.discovery,
+        namespace=args.namespace or _default_namespace(), service=args.service,
+        engine_port=args.engine_port, kube_api=args.kube_api, tokenizer=args.tokenizer,
+        block_size=args.block_size, model_revision=args.model_revision,
+        chars_per_block=args.chars_per_block, kv_events=args.kv_events,
+        kv_events_port=args.kv_events_port, health_interval=args.health_interval,
+        scrape_interval=args.scrape_interval, load_factor=args.load_factor,
+        max_attempts=args.max_attempts)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+    from shoal.runtime.router.router_app import build_router
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
+    try:
+        app = build_router(config_from_args(args))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"shoal route: {exc}") from exc
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shoal.runtime.router.cli``: the same as ``shoal route``."""
+    parser = argparse.ArgumentParser(prog="shoal")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["route", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The router's HTTP face: an ASGI app that picks a replica and streams its answer through.
+
+Per request: read the body, compute its prefix keys (when the policy uses them), ask the
+policy for a replica among the ready ones, and forward. Until the replica's response
+headers arrive nothing has been sent to the client, so a refused connection, a reset, or a
+429/502/503 from that replica moves the request to another one; after that the bytes are
+relayed as they arrive (``aiter_raw``: no re-chunking, no buffering), so SSE streams pass
+through byte for byte. A client disconnect, noticed by a watcher on the ASGI ``receive``
+channel, cancels the relay, which closes the upstream connection: the engine sees the
+disconnect and aborts the request, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from shoal.runtime.router.policy import RoutingPolicy
+from shoal.runtime.router.replica_pool import ReplicaPool
+from shoal.runtime.router.request_keys import (
+    KeyConfig,
+    PromptTokenizer,
+    RequestKeyError,
+    RequestKeys,
+    request_keys,
+)
+from shoal.runtime.router.router_metrics import RouterMetrics
+
+log = logging.getLogger("shoal.router.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETRY_STATUSES = frozenset({429, 502, 503})
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
+                        "upgrade", "proxy-authenticate", "proxy-authorization"})
+# httpx sets these for the upstream request itself
+REQUEST_HEADERS_DROPPED = HOP_BY_HOP | {"host", "content-length"}
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    max_attempts: int = 3  # replicas tried per request before the first byte
+    key_config: KeyConfig = KeyConfig()
+
+
+class ClientGone(Exception):
+    """The client disconnected while the request was being forwarded."""
+
+
+class RouterApp:
+    def __init__(self, pool: ReplicaPool, policy: RoutingPolicy, client: httpx.AsyncClient,
+                 settings: ProxySettings = ProxySettings(),
+                 tokenizer: PromptTokenizer | None = None,
+                 on_startup: Callable[[], Awaitable[None]] | None = None,
+                 on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.client = client
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics(pool)
+        self._on_startup = on_startup
+        self._on_shutdown = on_shutdown
+        pool.on_change.append(policy.sync)
+        policy.sync(set(pool.replicas))
+
+    # -- ASGI entry ---------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            await _respond(send, 200, b'{"status":"ok"}')
+        elif path == "/ready" and method == "GET":
+            ready = bool(self.pool.available())
+            await _respond(send, 200 if ready else 503,
+                           b'{"status":"ready"}' if ready else b'{"status":"no ready replica"}')
+        elif path == "/metrics" and method == "GET":
+            await _respond(send, 200, self.metrics.render(),
+                           content_type=b"text/plain; version=0.0.4; charset=utf-8")
+        elif path in ROUTED_PATHS and method == "POST":
+            await self._proxy(scope, receive, send)
+        elif path == "/v1/models" and method == "GET":
+            await self._proxy(scope, receive, send)
+        else:
+            await _error(send, 404, f"no route for {method} {path}")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if self._on_startup is not None:
+                    await self._on_startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._on_shutdown is not None:
+                    await self._on_shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- proxying -------------------------------------------------------------------------
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received_at = time.perf_counter()
+        try:
+            body = await _read_body(receive)
+        except ClientGone:
+            return
+        except ValueError as exc:
+            await _error(send, 413, str(exc))
+            return
+        relay = asyncio.create_task(self._forward(scope, body, send, received_at))
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not relay.done():  # the client left first: cancel, which closes upstream
+                self.metrics.client_disconnects.inc()
+                relay.cancel()
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ClientGone):
+                await relay
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _keys(self, path: str, body: bytes) -> RequestKeys | None:
+        if not self.policy.uses_prefix or path not in ROUTED_PATHS:
+            return None
+        try:
+            parsed = json.loads(body)
+            if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
+                return await asyncio.to_thread(request_keys, path, parsed,
+                                               self.settings.key_config, self.tokenizer)
+            return request_keys(path, parsed, self.settings.key_config)
+        except (ValueError, RequestKeyError, TypeError):
+            return None  # not ours to validate: the engine answers with a proper 400
+
+    async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float) -> None:
+        path = scope["path"]
+        keys = await self._keys(path, body)
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.decode("latin-1").lower() not in REQUEST_HEADERS_DROPPED]
+        query = scope.get("query_string", b"").decode("latin-1")
+        tried: set[str] = set()
+        last_error = "no ready replica"
+        for attempt in range(self.settings.max_attempts):
+            candidates = self.pool.available(exclude=tried)
+            if not candidates:
+                break
+            now = time.monotonic()
+            decision = self.policy.choose(keys, [r.snapshot() for r in candidates], now)
+            replica = self.pool.replicas[decision.url]
+            tried.add(replica.url)
+            if attempt:
+                self.metrics.retries.inc()
+            url = f"{replica.url}{path}" + (f"?{query}" if query else "")
+            request = self.client.build_request(scope["method"], url, headers=headers,
+                                                content=body)
+            replica.in_flight += 1
+            try:
+                self.metrics.decision_seconds.observe(time.perf_counter() - received_at)
+                try:
+                    upstream = await self.client.send(request, stream=True)
+                except httpx.TransportError as exc:
+                    last_error = f"{replica.url}: {type(exc).__name__}"
+                    self.pool.eject(replica.url, f"request failed: {exc!r}")
+                    continue
+                try:
+                    if upstream.status_code in RETRY_STATUSES and \
+                            attempt + 1 < self.settings.max_attempts:
+                        last_error = f"{replica.url} answered {upstream.status_code}"
+                        continue
+                    self.metrics.first_byte_seconds.observe(time.perf_counter() - received_at)
+                    replica.requests += 1
+                    if decision.matched_blocks:
+                        replica.affinity_hits += 1
+                    self.policy.routed(replica.url, keys, now)
+                    await self._relay(upstream, send)
+                    return
+                finally:
+                    await upstream.aclose()
+            finally:
+                replica.in_flight -= 1
+        self.metrics.no_replica.inc()
+        await _error(send, 503, f"no replica could take the request ({last_error})")
+
+    async def _relay(self, upstream: httpx.Response, send: Send) -> None:
+        headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                   for k, v in upstream.headers.multi_items() if k.lower() not in HOP_BY_HOP]
+        await send({"type": "http.response.start", "status": upstream.status_code,
+                    "headers": headers})
+        try:
+            async for chunk in upstream.aiter_raw():
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+        except httpx.TransportError as exc:  # replica died mid-stream: nothing to retry now
+            log.warning("upstream broke mid-response: %r", exc)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ValueError(f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _respond(send: Send, status: int, body: bytes,
+                   content_type: bytes = b"application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    payload = {"error": {"message": message, "type": "router_error", "code": status}}
+    await _respond(send, status, json.dumps(payload).encode())
+

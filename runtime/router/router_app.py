@@ -1,0 +1,101 @@
+"""Wiring: discovery -> replica pool -> policy (+ KV-event subscriber) -> proxy app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
+from shoal.runtime.router.policy import make_policy
+from shoal.runtime.router.proxy import ProxySettings, RouterApp
+from shoal.runtime.router.replica_pool import ReplicaPool
+from shoal.runtime.router.request_keys import KeyConfig, PromptTokenizer
+
+log = logging.getLogger("shoal.router")
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "cache-affinity"
+    backends: list[str] = field(default_factory=list)
+    discovery: str = "static"  # static | kubernetes
+    namespace: str = "default"
+    service: str = ""
+    engine_port: int | None = None
+    kube_api: str | None = None  # out-of-cluster API server (tests, kubectl proxy)
+    tokenizer: str | None = None
+    block_size: int = 16
+    model_revision: str = ""
+    chars_per_block: int = 64
+    kv_events: bool = False
+    kv_events_port: int = 5557
+    health_interval: float = 1.0
+    scrape_interval: float = 1.0
+    load_factor: float = 1.25
+    max_attempts: int = 3
+
+    def validate(self) -> None:
+        if self.discovery == "static" and not self.backends:
+            raise ValueError("give at least one --backend URL, or --discovery kubernetes")
+        if self.discovery == "kubernetes" and not self.service:
+            raise ValueError("--discovery kubernetes needs --service")
+        if self.discovery not in ("static", "kubernetes"):
+            raise ValueError(f"unknown discovery {self.discovery!r}")
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be >= 1")
+        if self.kv_events and self.policy != "cache-affinity":
+            raise ValueError("--kv-events only applies to --policy cache-affinity")
+
+
+def build_router(config: RouterConfig) -> RouterApp:
+    config.validate()
+    tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
+    if config.kv_events and tokenizer is None:
+        log.warning("--kv-events without --tokenizer: only token-id prompts can match the "
+                    "engines' block hashes")
+    policy = make_policy(config.policy, precise=config.kv_events,
+                         load_factor=config.load_factor)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    pool = ReplicaPool(client, config.health_interval, config.scrape_interval)
+    discovery: StaticDiscovery | KubernetesDiscovery
+    if config.discovery == "static":
+        discovery = StaticDiscovery(config.backends)
+    else:
+        discovery = KubernetesDiscovery(config.namespace, config.service, config.engine_port,
+                                        api_url=config.kube_api)
+    background: list[asyncio.Task[None]] = []
+    subscriber = None
+
+    async def startup() -> None:
+        nonlocal subscriber
+        if config.kv_events:
+            from shoal.runtime.router.kv_events_subscriber import KVEventsSubscriber
+
+            indexes = policy.indexes  # type: ignore[attr-defined]
+            subscriber = KVEventsSubscriber(config.kv_events_port, indexes.get)
+            pool.on_change.append(subscriber.sync)
+            subscriber.sync(set(pool.replicas))
+        background.append(asyncio.create_task(discovery.run(pool.sync), name="discovery"))
+        pool.start()
+        await pool.wait_first_check(timeout=config.health_interval * 2)
+
+    async def shutdown() -> None:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await pool.stop()
+        if subscriber is not None:
+            await subscriber.close()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+
+    settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
+        config.block_size, config.chars_per_block, config.model_revision))
+    app = RouterApp(pool, policy, client, settings, tokenizer, startup, shutdown)
+    app.subscriber = lambda: subscriber  # type: ignore[attr-defined]
+    return app

@@ -1,0 +1,96 @@
+"""A small OpenAI-ish engine stand-in for proxy tests (run as a process on 127.0.0.x).
+
+It streams SSE chunks slowly, records which prompts it served, counts requests whose client
+went away mid-stream (``aborted``), and can be told to answer /ready and requests with an
+error status, so the router's retry, ejection and cancellation paths can be observed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+STATE = {"open": 0, "aborted": 0, "served": 0, "prompts": [], "ready": True, "fail": 0}
+
+
+async def ready(_: Request) -> Response:
+    return JSONResponse({}, status_code=200 if STATE["ready"] else 503)
+
+
+async def health(_: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(_: Request) -> Response:
+    return PlainTextResponse(
+        f'shoal:num_requests_running{{model_name="fake"}} {STATE["open"]}\n'
+        f'shoal:num_requests_waiting{{model_name="fake"}} 0\n'
+        f'shoal:kv_cache_usage_perc{{model_name="fake"}} 0.1\n')
+
+
+async def admin(request: Request) -> Response:
+    if request.method == "POST":
+        STATE.update(await request.json())
+    return JSONResponse(STATE)
+
+
+async def completions(request: Request) -> Response:
+    body = await request.json()
+    if STATE["fail"]:
+        return JSONResponse({"error": "unavailable"}, status_code=STATE["fail"])
+    STATE["prompts"].append(body.get("prompt") or body.get("messages"))
+    name = request.app.state.name
+    chunks = int(body.get("max_tokens", 5))
+    delay = float(body.get("delay", 0.0))
+    if not body.get("stream"):
+        deadline = asyncio.get_running_loop().time() + delay * chunks
+        while asyncio.get_running_loop().time() < deadline:  # like an engine: watch the client
+            if await request.is_disconnected():
+                STATE["aborted"] += 1
+                return Response(status_code=499)
+            await asyncio.sleep(0.02)
+        STATE["served"] += 1
+        return JSONResponse({"replica": name, "text": "x" * chunks})
+
+    async def events():
+        STATE["open"] += 1
+        finished = False
+        try:
+            for i in range(chunks):
+                await asyncio.sleep(delay)
+                yield f"data: {json.dumps({'replica': name, 'i': i})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            finished = True
+            STATE["served"] += 1
+        finally:
+            STATE["open"] -= 1
+            if not finished:
+                STATE["aborted"] += 1
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    app = Starlette(routes=[
+        Route("/ready", ready), Route("/health", health), Route("/metrics", metrics),
+        Route("/admin", admin, methods=["GET", "POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+    ])
+    app.state.name = f"{args.host}:{args.port}"
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

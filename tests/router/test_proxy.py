@@ -1,0 +1,133 @@
+"""The router as a reverse proxy, against fake engines on 127.0.0.x (real HTTP, real
+processes): affinity end to end, streaming pass-through, cancellation, retry, ejection."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+
+LONG_PREFIX = "You are a helpful assistant for the shipping company. " * 6
+
+
+def prompts_seen(fleet) -> dict[str, int]:
+    return {e: len(fleet.admin(e)["prompts"]) for e in fleet.engines}
+
+
+def test_same_prefix_lands_on_one_replica_and_others_spread(fake_fleet):
+    fleet = fake_fleet(3)
+    for user in range(6):
+        r = httpx.post(f"{fleet.router}/v1/completions", timeout=10,
+                       json={"prompt": LONG_PREFIX + f"user {user} asks", "max_tokens": 1})
+        assert r.status_code == 200
+    seen = prompts_seen(fleet)
+    assert sorted(seen.values()) == [0, 0, 6]
+    for k in range(12):
+        httpx.post(f"{fleet.router}/v1/completions", timeout=10,
+                   json={"prompt": f"{k} another system prompt entirely " * 8, "max_tokens": 1})
+    assert sum(1 for n in prompts_seen(fleet).values() if n) >= 2
+
+
+def test_streaming_passes_through_byte_for_byte(fake_fleet):
+    fleet = fake_fleet(1)
+    body = {"prompt": "hello", "stream": True, "max_tokens": 6, "delay": 0.01}
+    direct = httpx.post(f"{fleet.engines[0]}/v1/completions", json=body, timeout=10)
+    with httpx.stream("POST", f"{fleet.router}/v1/completions", json=body, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = list(r.iter_raw())
+    assert b"".join(chunks) == direct.content
+    assert len(chunks) > 1  # relayed as it came, not buffered into one body
+
+
+def test_first_chunk_arrives_before_the_stream_ends(fake_fleet):
+    fleet = fake_fleet(1)
+    body = {"prompt": "slow", "stream": True, "max_tokens": 4, "delay": 0.5}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{fleet.router}/v1/completions", json=body, timeout=10) as r:
+        chunks = r.iter_raw()
+        first = next(chunks)
+        first_at = time.monotonic() - start
+        rest = b"".join(chunks)
+    total = time.monotonic() - start
+    assert first.startswith(b"data: ") and rest.endswith(b"[DONE]\n\n")
+    assert first_at < total - 1.0
+
+
+def test_client_disconnect_cancels_the_upstream_request(fake_fleet, wait_for):
+    fleet = fake_fleet(1)
+    engine = fleet.engines[0]
+    body = {"prompt": "long stream", "stream": True, "max_tokens": 200, "delay": 0.05}
+    with httpx.stream("POST", f"{fleet.router}/v1/completions", json=body, timeout=10) as r:
+        chunks = r.iter_raw()  # keep the iterator: dropping it closes the connection
+        next(chunks)
+        assert fleet.admin(engine)["open"] == 1
+    # leaving the block closed the connection to the router mid-stream
+    wait_for(lambda: fleet.admin(engine)["aborted"] == 1, timeout=10, what="upstream abort")
+    assert fleet.admin(engine)["open"] == 0
+
+
+def test_client_disconnect_before_first_byte_cancels_upstream(fake_fleet, wait_for):
+    """A non-streaming request: nothing is sent until the engine finishes, so the router
+    must notice the disconnect on its own and drop the upstream connection."""
+    fleet = fake_fleet(1)
+    engine = fleet.engines[0]
+    body = {"prompt": "wait", "max_tokens": 1, "delay": 3.0}
+    try:
+        httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=0.5)
+    except httpx.ReadTimeout:
+        pass
+    wait_for(lambda: fleet.admin(engine)["aborted"] == 1, timeout=10, what="upstream abort")
+    metrics = httpx.get(f"{fleet.router}/metrics").text
+    assert "shoal:router_client_disconnects_total 1.0" in metrics
+
+
+def test_retry_on_another_replica_before_first_byte(fake_fleet):
+    fleet = fake_fleet(2)
+    body = {"prompt": LONG_PREFIX, "max_tokens": 1}
+    first = httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10).json()
+    home = next(e for e in fleet.engines if e.endswith(first["replica"]))
+    fleet.admin(home, fail=503)  # its home now refuses: the router must try the other one
+    again = httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10)
+    assert again.status_code == 200 and not home.endswith(again.json()["replica"])
+    assert "shoal:router_retries_total 1.0" in httpx.get(f"{fleet.router}/metrics").text
+
+
+def test_unready_replica_is_ejected_and_returns(fake_fleet, wait_for):
+    fleet = fake_fleet(2)
+    a, b = fleet.engines
+    fleet.admin(a, ready=False)
+    wait_for(lambda: f'shoal:router_replica_ready{{replica="{a}"}} 0.0'
+             in httpx.get(f"{fleet.router}/metrics").text, timeout=10, what="ejection")
+    for k in range(6):
+        r = httpx.post(f"{fleet.router}/v1/completions", timeout=10,
+                       json={"prompt": f"prompt {k} " * 20, "max_tokens": 1})
+        assert b.endswith(r.json()["replica"])
+    fleet.admin(a, ready=True)
+    wait_for(lambda: f'shoal:router_replica_ready{{replica="{a}"}} 1.0'
+             in httpx.get(f"{fleet.router}/metrics").text, timeout=10, what="re-admission")
+
+
+def test_killed_replica_is_ejected_and_requests_keep_succeeding(fake_fleet):
+    fleet = fake_fleet(3)
+    victim = fleet.engines[0]
+    os.killpg(fleet.procs[victim].pid, signal.SIGKILL)
+    fleet.procs[victim].wait()
+    for k in range(12):  # no waiting for the health poll: failed connects retry at once
+        r = httpx.post(f"{fleet.router}/v1/completions", timeout=10,
+                       json={"prompt": f"{k} distinct prompt text " * 10, "max_tokens": 1})
+        assert r.status_code == 200
+        assert not victim.endswith(r.json()["replica"])
+
+
+def test_router_endpoints_and_errors(fake_fleet):
+    fleet = fake_fleet(1)
+    assert httpx.get(f"{fleet.router}/health").status_code == 200
+    assert httpx.get(f"{fleet.router}/ready").status_code == 200
+    assert httpx.get(f"{fleet.router}/nope").status_code == 404
+    fleet.admin(fleet.engines[0], ready=False)
+    time.sleep(0.6)
+    assert httpx.get(f"{fleet.router}/ready").status_code == 503
+    r = httpx.post(f"{fleet.router}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 503 and "no replica" in r.json()["error"]["message"]
