@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from shoal.runtime.attention.backend import AttentionMetadata
+from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +185,51 @@ class DecodeGraphRunner:
         graph, output = self._graphs[size]
         graph.replay()
         return output[: input_ids.shape[0]]
+
+
+def try_replay(
+    graphs: DecodeGraphRunner | None,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor | None:
+    """Hidden states from a graph replay, or None when this step must run eagerly."""
+    if graphs is None or input_ids.shape[0] != meta.num_reqs:
+        return None
+    if graph_batch_size(meta.num_reqs, meta.max_query_len, graphs.sizes, enforce_eager=False) is None:
+        return None
+    if meta.block_tables.shape[1] > graphs.block_tables.shape[1]:
+        return None
+    return graphs.run(input_ids, positions, meta.seq_lens, meta.block_tables, meta.slot_mapping)
+
+
+def capture_decode_graphs(
+    model: Callable[..., torch.Tensor],
+    kv_caches: list,
+    backend: AttentionBackend,
+    device: torch.device,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    enforce_eager: bool,
+) -> DecodeGraphRunner | None:
+    """Capture the decode ladder for ``model(input_ids, positions, kv_caches, meta)``.
+
+    None (decode runs eagerly) off CUDA, with ``--enforce-eager``, or when the attention
+    backend does host work per step (torch, flashinfer here) and so cannot be replayed.
+    """
+    if device.type != "cuda":
+        return None
+    if enforce_eager:
+        logger.info("enforce_eager: decode steps run without CUDA graphs")
+        return None
+    if not getattr(backend, "cuda_graph_safe", False):
+        logger.info("attention backend %s is not CUDA-graph safe: decode runs eagerly",
+                    getattr(backend, "name", type(backend).__name__))
+        return None
+    graphs = DecodeGraphRunner(capture_sizes(max_num_seqs), -(-max_model_len // block_size),
+                               block_size, max_model_len, device)
+    prepare = backend.build_metadata
+    with torch.inference_mode():
+        graphs.capture(lambda ids, pos, meta: model(ids, pos, kv_caches, meta), prepare)
+    return graphs

@@ -101,12 +101,18 @@ def kv_cache_budget(
     return budget
 
 
-def profile_cuda_step(run_max_step: Callable[[], None], device: torch.device) -> StepProfile:
-    """Run the maximum-size dummy step once and read what it cost on ``device``."""
+def profile_cuda_step(
+    run_max_step: Callable[[], None], device: torch.device, probe_kv_bytes: int = 0
+) -> StepProfile:
+    """Run the maximum-size dummy step once and read what it cost on ``device``.
+
+    ``probe_kv_bytes``: a small KV cache allocated only so the dummy step can run; it is
+    not part of the weights and is freed before the real cache is sized.
+    """
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    weights = torch.cuda.memory_allocated(device)
+    weights = torch.cuda.memory_allocated(device) - probe_kv_bytes
     run_max_step()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -115,7 +121,7 @@ def profile_cuda_step(run_max_step: Callable[[], None], device: torch.device) ->
     profile = StepProfile(
         total_bytes=total,
         weights_bytes=weights,
-        activation_peak_bytes=max(peak - weights, 0),
+        activation_peak_bytes=max(peak - weights - probe_kv_bytes, 0),
         non_torch_bytes=non_torch,
     )
     logger.info(
@@ -124,3 +130,18 @@ def profile_cuda_step(run_max_step: Callable[[], None], device: torch.device) ->
         _gib(profile.non_torch_bytes), _gib(profile.total_bytes),
     )
     return profile
+
+
+def size_kv_cache(
+    run_max_step: Callable[[], None],
+    device: torch.device,
+    probe_kv_bytes: int,
+    utilization: float,
+    bytes_per_block: int,
+    block_size: int,
+) -> KVBudget:
+    """Profile, do the arithmetic, log it: the KV cache a GPU worker should allocate."""
+    budget = kv_cache_budget(profile_cuda_step(run_max_step, device, probe_kv_bytes),
+                             utilization, bytes_per_block, block_size)
+    logger.info(budget.describe())
+    return budget

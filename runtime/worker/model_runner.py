@@ -14,6 +14,7 @@ import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.decoder import DecoderForCausalLM
 from shoal.runtime.plan import StepPlan
+from shoal.runtime.worker.cuda_graphs import DecodeGraphRunner, try_replay
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphRunner | None = None  # captured by Worker.warmup on CUDA
 
     @property
     def num_kv_heads(self) -> int:
@@ -90,7 +92,9 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache must run before the first step")
         inputs = self.prepare(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = try_replay(self.decode_graphs, inputs.input_ids, inputs.positions, inputs.attn)
+        if hidden is None:  # not a pure decode step within the captured sizes: eager
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if inputs.logits_indices.numel() == hidden.shape[0]:
             rows = hidden  # every token samples (pure decode): no gather
         else:

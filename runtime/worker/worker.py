@@ -55,6 +55,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.states: dict[str, RequestSamplingState] = {}
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -91,9 +92,42 @@ class Worker:
         self._runner().init_kv_cache(num_blocks)
 
     def warmup(self) -> None:
-        """Run one dummy step of the largest size the scheduler may send, then forget it."""
+        """Run one dummy step of the largest size the scheduler may send, then forget it;
+        on CUDA, then capture the decode CUDA graphs (phase "capturing")."""
+        self._run_dummy_step()
+        from shoal.runtime.worker.cuda_graphs import capture_decode_graphs
+
         runner = self._runner()
-        num_tokens = max(1, min(self.config.max_num_batched_tokens, self.max_model_len))
+        runner.decode_graphs = capture_decode_graphs(
+            runner.model, runner.kv_caches, runner.backend, self.device, self.config.max_num_seqs,
+            self.max_model_len, self.config.block_size, self.config.enforce_eager)
+        if runner.decode_graphs is not None:
+            self.graph_capture_seconds = runner.decode_graphs.capture_seconds
+
+    def profile_num_kv_blocks(self) -> int | None:
+        """CUDA: the KV blocks that fit ``gpu_memory_utilization`` after a profiled max-size
+        step (the arithmetic is logged); None on CPU, where the engine's budget applies."""
+        if self.device.type != "cuda":
+            return None
+        from shoal.runtime.worker.memory_profile import size_kv_cache
+
+        runner = self._runner()
+        probe_blocks = -(-self._max_step_tokens() // self.config.block_size)
+        runner.init_kv_cache(probe_blocks)  # just enough for the dummy step to run
+        budget = size_kv_cache(self._run_dummy_step, self.device,
+                               probe_blocks * self.kv_bytes_per_block(),
+                               self.config.gpu_memory_utilization, self.kv_bytes_per_block(),
+                               self.config.block_size)
+        runner.kv_caches = []
+        torch.cuda.empty_cache()
+        return budget.num_blocks
+
+    def _max_step_tokens(self) -> int:
+        return max(1, min(self.config.max_num_batched_tokens, self.max_model_len))
+
+    def _run_dummy_step(self) -> None:
+        runner = self._runner()
+        num_tokens = self._max_step_tokens()
         capacity = runner.num_blocks * self.config.block_size
         blocks = -(-num_tokens // self.config.block_size)
         plan = StepPlan(
