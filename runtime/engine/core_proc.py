@@ -1,0 +1,236 @@
+"""The engine-core process: a ZeroMQ loop around ``EngineCore``.
+
+Started by the API process (``AsyncEngineClient``) as ``python -m`` of this module. It
+reports its startup phases, then loops: take every waiting input without blocking while
+there is work (block briefly when idle), run one step, send that step's outputs. Heartbeats
+are answered between steps, so a busy engine still proves it is alive and a hung one
+(stopped, deadlocked) is noticed by the API. Any exception is fatal: it is reported on the
+output socket and the process exits non-zero. It never outlives the API process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.core_wire import (
+    CoreMessageType,
+    FatalError,
+    RequestError,
+    StartupPhase,
+    UtilityCall,
+    UtilityReply,
+)
+from shoal.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+
+IDLE_POLL_MS = 100
+STATS_INTERVAL_S = 0.1
+
+
+class _Startup:
+    """Times the startup phases and reports each one as it begins."""
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self.durations: dict[str, float] = {}
+        self._phase = ""
+        self._since = time.monotonic()
+
+    def begin(self, phase: str, **ready_info: object) -> None:
+        now = time.monotonic()
+        if self._phase:
+            self.durations[self._phase] = round(now - self._since, 4)
+        self._phase, self._since = phase, now
+        self._send(CoreMessageType.STARTUP,
+                   StartupPhase(phase=phase, durations=dict(self.durations), **ready_info))
+
+
+def _phase_reporting(executor, startup: _Startup):
+    """Wraps an executor so the core's KV allocation and warmup show as their own phase."""
+    from shoal.runtime.executor.base import Executor
+
+    class PhaseReportingExecutor(Executor):
+        @property
+        def model_config(self):
+            return executor.model_config
+
+        def kv_bytes_per_block(self) -> int:
+            return executor.kv_bytes_per_block()
+
+        def initialize_kv_cache(self, num_blocks: int) -> None:
+            startup.begin("capturing")
+            executor.initialize_kv_cache(num_blocks)
+
+        def execute(self, plan):
+            return executor.execute(plan)
+
+        def check_health(self) -> None:
+            executor.check_health()
+
+        def shutdown(self) -> None:
+            executor.shutdown()
+
+    return PhaseReportingExecutor()
+
+
+def build_engine_core(config: EngineConfig, startup: _Startup):
+    startup.begin("loading")  # imports (torch) count as loading
+    from shoal.runtime.engine.core import EngineCore
+
+    if config.tensor_parallel_size == 1:
+        from shoal.runtime.executor.uniproc import UniProcExecutor
+
+        executor = _phase_reporting(UniProcExecutor(config), startup)
+        startup.begin("profiling")
+        return EngineCore(config, executor)
+    return EngineCore(config)  # the core picks the multiprocess executor for TP > 1
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    parent_pid: int) -> None:
+    """Process entry point (spawned). Exits 0 on a clean shutdown, 1 on any error."""
+    from shoal.runtime.distributed.lifeline import install_lifeline
+
+    install_lifeline(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+
+    def send(kind: CoreMessageType, message: msgspec.Struct) -> None:
+        outputs.send_multipart([kind.value, encoder.encode(message)], copy=False)
+
+    code = 0
+    try:
+        startup = _Startup(send)
+        core = build_engine_core(config, startup)
+        startup.begin("ready", max_model_len=core.max_model_len,
+                      num_kv_blocks=core.stats().num_kv_blocks,
+                      eos_token_ids=list(core.model_config.eos_token_ids),
+                      vocab_size=core.model_config.vocab_size)
+        EngineLoop(core, inputs, send, config.kv_events_endpoint).run()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    except BaseException:
+        send(CoreMessageType.FATAL, FatalError(traceback.format_exc()))
+        code = 1
+    finally:
+        outputs.close(linger=2000)
+        inputs.close(linger=0)
+        context.term()
+    os._exit(code)
+
+
+class EngineLoop:
+    def __init__(self, core, inputs: zmq.Socket, send, kv_events_endpoint: str | None) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.send = send
+        self.decoders = {
+            RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+            RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+            RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+        }
+        self.publisher = None
+        if kv_events_endpoint:
+            from shoal.runtime.engine.kv_events_publisher import KVEventsPublisher
+
+            self.publisher = KVEventsPublisher(kv_events_endpoint)
+        self._stats_dirty = True
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_unfinished_requests()
+            if self.inputs.poll(0 if busy else IDLE_POLL_MS):
+                self._take_inputs()
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if self.publisher is not None:
+                self.publisher.publish(self.core.drain_kv_events())
+            self._send_outputs(outputs)
+
+    def _take_inputs(self) -> None:
+        while True:
+            try:
+                kind, payload = self.inputs.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            request_type = RequestType(kind)
+            message = self.decoders[request_type].decode(payload)
+            self._stats_dirty = True
+            if request_type is RequestType.ADD:
+                self._add(message)
+            elif request_type is RequestType.ABORT:
+                self.core.abort_requests(message)
+            else:
+                self._utility(message)
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        from shoal.runtime.sampling_params import InvalidParameter
+
+        try:
+            self.core.add_request(request)
+        except InvalidParameter as exc:
+            self.send(CoreMessageType.REQUEST_ERROR,
+                      RequestError(request.request_id, exc.param, exc.message))
+        except ValueError as exc:
+            self.send(CoreMessageType.REQUEST_ERROR,
+                      RequestError(request.request_id, "request", str(exc)))
+
+    def _utility(self, call: UtilityCall) -> None:
+        if call.method == "heartbeat":
+            self.core.executor.check_health()  # a dead rank raises: fatal
+            reply = UtilityReply(call.call_id, True)
+        elif call.method == "reset_prefix_cache":
+            reply = UtilityReply(call.call_id, bool(self.core.reset_prefix_cache()))
+        elif call.method == "check_invariants":
+            try:
+                self.core.check_invariants()
+                reply = UtilityReply(call.call_id, True)
+            except Exception as exc:  # the checker reports what is inconsistent
+                reply = UtilityReply(call.call_id, False, str(exc))
+        else:
+            reply = UtilityReply(call.call_id, False, f"unknown utility {call.method!r}")
+        self.send(CoreMessageType.UTILITY_REPLY, reply)
+
+    def _send_outputs(self, outputs: list) -> None:
+        now = time.monotonic()
+        if outputs:
+            self._stats_dirty = True
+        idle = not self.core.has_unfinished_requests()
+        stats_due = self._stats_dirty and (idle or now - self._last_stats >= STATS_INTERVAL_S)
+        if not outputs and not stats_due:
+            return
+        stats = self.core.stats() if stats_due else None
+        if stats_due:
+            self._last_stats, self._stats_dirty = now, False
+        self.send(CoreMessageType.OUTPUTS,
+                  EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="shoal-engine-core")
+    parser.add_argument("--input", required=True, help="zmq address to pull requests from")
+    parser.add_argument("--output", required=True, help="zmq address to push outputs to")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    run_engine_core(config, args.input, args.output, args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Frames between the API process and the engine-core process, besides ``messages.py``.
+
+API -> core (PUSH -> PULL): ``[RequestType byte, msgpack payload]``: ADD carries an
+``EngineCoreRequest``, ABORT a list of request ids, UTILITY a ``UtilityCall``.
+core -> API (PUSH -> PULL): ``[CoreMessageType byte, msgpack payload]``. Light on purpose: the
+API process imports this module and ``messages.py`` only, never torch or the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class CoreMessageType(bytes, enum.Enum):
+    OUTPUTS = b"\x00"  # EngineCoreOutputs
+    UTILITY_REPLY = b"\x01"  # UtilityReply
+    STARTUP = b"\x02"  # StartupPhase
+    REQUEST_ERROR = b"\x03"  # RequestError: the core rejected one request
+    FATAL = b"\x04"  # FatalError: the core is exiting
+
+
+STARTUP_PHASES = ("loading", "profiling", "capturing", "ready")
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str  # "heartbeat" | "reset_prefix_cache" | "check_invariants"
+
+
+class UtilityReply(msgspec.Struct, array_like=True):
+    call_id: int
+    ok: bool
+    result: str = ""
+
+
+class StartupPhase(msgspec.Struct, kw_only=True, array_like=True):
+    phase: str  # the phase that starts now; "ready" when done
+    durations: dict[str, float]  # seconds taken by each finished phase
+    max_model_len: int = 0  # set with "ready"
+    num_kv_blocks: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    vocab_size: int = 0
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    request_id: str
+    param: str
+    message: str
+
+
+class FatalError(msgspec.Struct, array_like=True):
+    message: str
