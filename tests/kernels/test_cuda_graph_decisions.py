@@ -88,3 +88,26 @@ def test_staging_refuses_batches_the_graphs_cannot_hold():
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="width"):
         runner.stage(one, one, one.int(), torch.zeros(1, 5, dtype=torch.int32), one)
+
+
+def test_only_pure_decode_steps_within_the_ladder_reach_a_graph(rng, paged_batch):
+    from shoal.runtime.attention.backend import AttentionMetadata
+    from shoal.runtime.worker.cuda_graphs import try_replay
+
+    def meta_for(requests):
+        batch = paged_batch(rng, requests, 4, 1, 8)
+        starts = batch.query_start_loc.tolist()
+        return AttentionMetadata(
+            batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+            max(b - a for a, b in zip(starts, starts[1:], strict=False)), int(batch.seq_lens.max()), 4,
+            starts, batch.seq_lens.tolist())
+
+    runner = DecodeGraphRunner([1, 2], max_blocks_per_seq=8, block_size=4, max_model_len=32,
+                               device=torch.device("cpu"))
+    ids = torch.zeros(2, dtype=torch.int64)
+    assert try_replay(None, ids, ids, meta_for([(3, 1), (5, 1)])) is None
+    assert try_replay(runner, torch.zeros(4, dtype=torch.int64), ids, meta_for([(3, 3), (5, 1)])) is None
+    three = torch.zeros(3, dtype=torch.int64)
+    assert try_replay(runner, three, three, meta_for([(3, 1), (5, 1), (2, 1)])) is None  # above 2
+    with pytest.raises(RuntimeError, match="not captured"):  # eligible: it would replay on CUDA
+        try_replay(runner, ids, ids, meta_for([(3, 1), (5, 1)]))
