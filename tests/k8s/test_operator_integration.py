@@ -1,0 +1,263 @@
+"""The real operator process against kmock's API-server emulator, with the test as the kubelet.
+
+The operator probes real HTTP /ready and scrapes real /metrics of one engine process per pod
+(127.0.0.N). Engines here are the stand-in (standin_engine.py), which honours the runtime's HTTP
+contract and can report chosen KV usage, queue depth and a slow observable startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NS = "serving"
+GATE = "serving.shoal.dev/engine-ready"
+ISVC_PATH = f"/apis/serving.shoal.dev/v1alpha1/namespaces/{NS}/inferenceservices"
+
+
+def service_body(name: str, replicas: int = 2) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "model": {"uri": "builtin://default", "servedName": "demo"},
+            "runtime": {"device": "cpu", "maxNumSeqs": 16},
+            "resources": {"gpus": 0},
+            "replicas": replicas,
+            "startup": {"timeoutSeconds": 120},
+        },
+    }
+
+
+async def wait_for(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 30.0,
+                   operator: Any = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.25)
+    tail = operator.log_tail() if operator is not None else ""
+    raise AssertionError(f"timed out waiting for {what}\n--- operator log ---\n{tail}")
+
+
+async def get(api: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
+    response = await api.get(path)
+    return response.json() if response.status_code == 200 else None
+
+
+async def items(api: httpx.AsyncClient, path: str) -> list[dict[str, Any]]:
+    return (await api.get(path)).json()["items"]
+
+
+def gate(pod: dict[str, Any]) -> str | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond["type"] == GATE:
+            return cond["status"]
+    return None
+
+
+def json_path(obj: dict[str, Any], path: str) -> Any:
+    """The simple `.a.b.c` JSONPaths printer columns use."""
+    value: Any = obj
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions") or [] if c["type"] == kind)
+
+
+async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type, engine_port: int, crd: dict[str, Any]) -> None:
+    api = apiserver.api
+    standin_engines.settings["*"] = ["--load-seconds", "3", "--prefix-queries", "100"]
+    (await api.post(ISVC_PATH, json=service_body("demo"))).raise_for_status()
+    operator_process.start()
+    kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="demo-engine",
+                               start_engine=standin_engines)
+    kubelet_task = asyncio.create_task(kubelet.run())
+    try:
+        isvc = await get(api, f"{ISVC_PATH}/demo")
+        assert isvc is not None
+        uid = isvc["metadata"]["uid"]
+
+        # Children appear, each owned by the InferenceService (controller reference).
+        dep_path = f"/apis/apps/v1/namespaces/{NS}/deployments"
+        engine = await wait_for(lambda: get(api, f"{dep_path}/demo-engine"),
+                                "engine Deployment", operator=operator_process)
+        assert engine["spec"]["replicas"] == 2
+        assert engine["spec"]["template"]["spec"]["readinessGates"] == [{"conditionType": GATE}]
+        for path in (f"{dep_path}/demo-router", f"/api/v1/namespaces/{NS}/services/demo",
+                     f"/api/v1/namespaces/{NS}/services/demo-engine",
+                     f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/demo-engine"):
+            child = await wait_for(lambda p=path: get(api, p), path, operator=operator_process)
+            owner = child["metadata"]["ownerReferences"][0]
+            assert (owner["kind"], owner["uid"], owner["controller"]) == (
+                "InferenceService", uid, True)
+
+        # The gate is never True while the engine's own /ready says 503; it flips after.
+        pods_path = f"/api/v1/namespaces/{NS}/pods"
+        seen_gated = False
+        probe = httpx.AsyncClient(timeout=1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pods = await items(api, pods_path)
+            if len(pods) == 2 and all(gate(p) == "True" for p in pods):
+                break
+            for pod in pods:
+                try:
+                    ready = (await probe.get(
+                        f"http://{pod['status']['podIP']}:{engine_port}/ready")).status_code
+                except httpx.HTTPError:
+                    continue
+                if ready == 503:
+                    fresh = await get(api, f"{pods_path}/{pod['metadata']['name']}")
+                    assert fresh is not None and gate(fresh) != "True", \
+                        "readiness gate True while /ready answers 503"
+                    seen_gated = True
+            await asyncio.sleep(0.2)
+        await probe.aclose()
+        assert seen_gated, "never observed an engine still loading"
+        pods = await items(api, pods_path)
+        assert len(pods) == 2 and all(gate(p) == "True" for p in pods)
+
+        # Status from real /ready and /metrics; every printer column resolves on it.
+        async def ready_status() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/demo")
+            return obj if obj and (obj.get("status") or {}).get("phase") == "Ready" else None
+        isvc = await wait_for(ready_status, "phase Ready", operator=operator_process)
+        status = isvc["status"]
+        assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+        assert status["kvCacheUsage"] == 0.0 and status["prefixCacheHitRate"] == 0.0
+        assert status["observedGeneration"] == isvc["metadata"]["generation"]
+        assert {r["phase"] for r in status["replicaStatus"]} == {"ready"}
+        columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        shown = {c["name"]: json_path(isvc, c["jsonPath"]) for c in columns}
+        assert shown == {"Ready": "2/2", "KV%": 0, "Hit%": 0, "Queue": 0, "Model": "demo",
+                         "Phase": "Ready", "Age": isvc["metadata"]["creationTimestamp"]}
+        assert condition(status, "Ready")["status"] == "True"
+
+        # One engine dies (as on a rank failure): Degraded with the reason, gate False.
+        victim = sorted(kubelet.pods)[0]
+        kubelet.kill_engine(victim)
+
+        async def degraded() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/demo")
+            st = (obj or {}).get("status") or {}
+            return st if st.get("phase") == "Degraded" and \
+                condition(st, "Degraded")["reason"] == "RankFailure" else None
+        status = await wait_for(degraded, "Degraded/RankFailure", operator=operator_process)
+        assert status["readyReplicas"] == 1 and status["ready"] == "1/2"
+        assert victim in condition(status, "Degraded")["message"]
+        entry = next(r for r in status["replicaStatus"] if r["name"] == victim)
+        assert entry["restarts"] == 1 and entry["lastFailure"]["reason"] == "RankFailure"
+        assert gate(await get(api, f"{pods_path}/{victim}") or {}) == "False"
+        events = await items(api, f"/api/v1/namespaces/{NS}/events")
+        assert any(e["reason"] == "RankFailure" and victim in e["message"] for e in events)
+
+        # The container restarts: back to Ready, gate True again.
+        await kubelet.restart_engine(victim)
+        await wait_for(ready_status, "Ready after restart", operator=operator_process)
+        assert gate(await get(api, f"{pods_path}/{victim}") or {}) == "True"
+
+        # A spec change reaches the children; pods of the new template become the updated ones.
+        old_hash = engine["spec"]["template"]["metadata"]["annotations"][
+            "serving.shoal.dev/template-hash"]
+        patch = {"spec": {"runtime": {"maxNumSeqs": 8}, "routing": {"policy": "least-load"}}}
+        (await api.patch(f"{ISVC_PATH}/demo", json=patch,
+                         headers={"Content-Type": "application/merge-patch+json"})
+         ).raise_for_status()
+
+        async def engine_updated() -> dict[str, Any] | None:
+            dep = await get(api, f"{dep_path}/demo-engine")
+            args = dep["spec"]["template"]["spec"]["containers"][0]["args"] if dep else []
+            return dep if "--max-num-seqs" in args and \
+                args[args.index("--max-num-seqs") + 1] == "8" else None
+        engine = await wait_for(engine_updated, "engine args updated", operator=operator_process)
+        assert engine["spec"]["template"]["metadata"]["annotations"][
+            "serving.shoal.dev/template-hash"] != old_hash
+
+        async def router_updated() -> bool:
+            router = await get(api, f"{dep_path}/demo-router")
+            return router is not None and \
+                "least-load" in router["spec"]["template"]["spec"]["containers"][0]["args"]
+        await wait_for(router_updated, "router policy updated", operator=operator_process)
+
+        async def rolled_out() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/demo")
+            st = (obj or {}).get("status") or {}
+            done = st.get("phase") == "Ready" and st.get("updatedReplicas") == 2 and \
+                st.get("observedGeneration") == obj["metadata"]["generation"]
+            return obj if done else None
+        isvc = await wait_for(rolled_out, "rollout to the new spec", timeout=40,
+                              operator=operator_process)
+        assert isvc["metadata"]["generation"] == 2
+    finally:
+        kubelet_task.cancel()
+        kubelet.stop_all()
+
+
+async def test_operator_restart_mid_rollout_converges_without_duplicates(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type) -> None:
+    api = apiserver.api
+    standin_engines.settings["*"] = ["--load-seconds", "2", "--kv", "0.5",
+                                     "--prefix-queries", "200", "--prefix-hits", "50",
+                                     "--waiting", "3"]
+    (await api.post(ISVC_PATH, json=service_body("svc", replicas=3))).raise_for_status()
+    operator_process.start()
+    kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="svc-engine",
+                               start_engine=standin_engines)
+    kubelet_task = asyncio.create_task(kubelet.run())
+    pods_path = f"/api/v1/namespaces/{NS}/pods"
+    try:
+        # Kill the operator once pods exist but before any is ready.
+        await wait_for(lambda: get(api, f"/apis/apps/v1/namespaces/{NS}/deployments/svc-engine"),
+                       "engine Deployment", operator=operator_process)
+
+        async def three_pods() -> bool:
+            return len(await items(api, pods_path)) == 3
+        await wait_for(three_pods, "3 pods")
+        operator_process.kill()
+        assert not any(gate(p) == "True" for p in await items(api, pods_path))
+        await asyncio.sleep(2.5)  # engines finish loading while no operator runs
+        operator_process.start()
+
+        async def ready() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/svc")
+            st = (obj or {}).get("status") or {}
+            return st if st.get("phase") == "Ready" and st.get("readyReplicas") == 3 else None
+        status = await wait_for(ready, "Ready after operator restart", operator=operator_process)
+        assert status["kvCacheUsage"] == 0.5 and status["kvCacheUsagePercent"] == 50
+        assert status["prefixCacheHitRate"] == 0.25 and status["prefixCacheHitPercent"] == 25
+        assert status["waitingRequests"] == 9
+        assert all(gate(p) == "True" for p in await items(api, pods_path))
+    finally:
+        kubelet_task.cancel()
+        kubelet.stop_all()
+
+    # Exactly one of each child, all owned by this service.
+    def names(plural_path: str) -> Any:
+        return items(api, plural_path)
+    expected = {
+        f"/apis/apps/v1/namespaces/{NS}/deployments": ["svc-engine", "svc-router"],
+        f"/api/v1/namespaces/{NS}/services": ["svc", "svc-engine"],
+        f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets": ["svc-engine"],
+        f"/api/v1/namespaces/{NS}/serviceaccounts": ["svc-router"],
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles": ["svc-router"],
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings": ["svc-router"],
+    }
+    for path, wanted in expected.items():
+        found = sorted(o["metadata"]["name"] for o in await names(path))
+        assert found == wanted, path
