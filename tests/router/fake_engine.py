@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # engine flags it does not model are ignored
     app = Starlette(routes=[
         Route("/ready", ready), Route("/health", health), Route("/metrics", metrics),
         Route("/admin", admin, methods=["GET", "POST"]),
