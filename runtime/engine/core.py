@@ -48,7 +48,11 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.model_config = executor.model_config
-        num_blocks = resolve_num_kv_blocks(config, executor.kv_bytes_per_block())
+        # on a GPU with no explicit size: what gpu_memory_utilization leaves after a profiled step
+        profile = getattr(executor, "profile_num_kv_blocks", None)  # test fakes may lack it
+        profiled = (profile() if profile is not None and config.num_kv_blocks is None
+                    and config.kv_cache_memory is None else None)
+        num_blocks = profiled or resolve_num_kv_blocks(config, executor.kv_bytes_per_block())
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(

@@ -26,6 +26,11 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV blocks on every rank, then warm up."""
 
+    def profile_num_kv_blocks(self) -> int | None:
+        """KV blocks that fit the device after a profiled max-size step (GPU); None when the
+        engine's configured budget applies (CPU)."""
+        return None
+
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 

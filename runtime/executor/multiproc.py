@@ -205,6 +205,9 @@ class MultiprocExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
 
+    def profile_num_kv_blocks(self) -> int | None:
+        return self._call("profile_num_kv_blocks")  # type: ignore[return-value]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks)
         self._call("warmup")

@@ -25,6 +25,9 @@ class UniProcExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self.worker.kv_bytes_per_block()
 
+    def profile_num_kv_blocks(self) -> int | None:
+        return self.worker.profile_num_kv_blocks()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
         self.worker.warmup()

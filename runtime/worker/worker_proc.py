@@ -37,7 +37,7 @@ READY, REPLY, RESULT, DONE, PONG, ERROR = b"r", b"y", b"s", b"d", b"h", b"e"
 # (load: raise while loading its shard; step: raise on its first plan). Unset in production.
 FAULT_ENV = "SHOAL_TEST_RANK_FAULT"
 
-CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block"})
+CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block", "profile_num_kv_blocks"})
 
 
 @dataclass
