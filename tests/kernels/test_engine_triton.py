@@ -55,3 +55,28 @@ def test_triton_backend_is_greedy_identical_to_torch_on_a_tiny_qwen3(tiny_qwen3,
 
     _assert_same_greedy(runs["torch"], runs["triton"])
     assert all(len(tokens) == 6 for tokens, _ in runs["triton"].values())
+
+
+def test_llm_with_the_triton_backend_matches_torch_through_the_real_scheduler(tiny_qwen3):
+    """Scheduler-made steps: chunked prefill under a 16-token budget, decodes riding along,
+    and a repeated prompt served from the prefix cache (its blocks shared, read-only)."""
+    from shoal.runtime.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 1024, (13,), generator=gen).tolist()
+    first = [prefix + torch.randint(3, 1024, (n,), generator=gen).tolist() for n in (9, 2, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_qwen3, attention_backend=backend, device="cpu", block_size=BLOCK_SIZE,
+                  max_num_batched_tokens=16, num_kv_blocks=64)
+        outputs = llm.generate(first, params) + llm.generate([first[0]], params)
+        assert outputs[-1].num_cached_tokens >= 8, "the repeated prompt should hit the prefix cache"
+        runs[backend] = {
+            f"{i}": (o.outputs[0].token_ids,
+                     [lp.top_logprobs[0] - lp.top_logprobs[1] for lp in o.outputs[0].logprobs])
+            for i, o in enumerate(outputs)
+        }
+
+    _assert_same_greedy(runs["torch"], runs["triton"])
