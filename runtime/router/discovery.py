@@ -60,7 +60,8 @@ class StaticDiscovery:
 class KubernetesDiscovery:
     def __init__(self, namespace: str, service: str, engine_port: int | None,
                  api_url: str | None = None, token: str | None = None,
-                 verify: bool | str = True, backoff_s: float = 2.0) -> None:
+                 verify: bool | str = True, backoff_s: float = 2.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         if not service:
             raise ValueError("kubernetes discovery needs --service")
         self.namespace = namespace
@@ -81,6 +82,7 @@ class KubernetesDiscovery:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.verify = verify
         self.slices: dict[str, set[str]] = {}
+        self._transport = transport
 
     @property
     def _path(self) -> str:
@@ -107,7 +109,8 @@ class KubernetesDiscovery:
 
     async def run(self, publish: Callable[[set[str]], None]) -> None:
         async with httpx.AsyncClient(headers=self.headers, verify=self.verify,
-                                     timeout=httpx.Timeout(10.0, read=None)) as client:
+                                     timeout=httpx.Timeout(10.0, read=None),
+                                     transport=self._transport) as client:
             while True:
                 try:
                     listing = await client.get(self._path, params=self._params())

@@ -1,0 +1,32 @@
+"""Parsing a replica's Prometheus text into routing inputs."""
+
+from __future__ import annotations
+
+from shoal.runtime.router.engine_metrics import parse_engine_metrics
+from shoal.runtime.router.router_metrics import imbalance
+
+TEXT = """\
+# HELP shoal:num_requests_running Requests in the running batch
+# TYPE shoal:num_requests_running gauge
+shoal:num_requests_running{model_name="qwen3"} 3.0
+shoal:num_requests_waiting{model_name="qwen3"} 2
+shoal:kv_cache_usage_perc{model_name="qwen3"} 0.25
+shoal:prefix_cache_queries_total{model_name="qwen3"} 1200.0
+shoal:prefix_cache_hits_total{model_name="qwen3"} 300.0
+shoal:prefix_cache_hits_created{model_name="qwen3"} 1.7e9
+shoal:time_to_first_token_seconds_bucket{le="0.1",model_name="qwen3"} 4
+garbage line without value
+"""
+
+
+def test_engine_metrics_are_read_by_name_and_summed_over_labels():
+    m = parse_engine_metrics(TEXT)
+    assert (m.num_running, m.num_waiting, m.kv_usage) == (3.0, 2.0, 0.25)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (1200.0, 300.0)
+    assert parse_engine_metrics("").num_running == 0.0
+
+
+def test_imbalance_is_max_over_mean():
+    assert imbalance([2, 2, 2, 2]) == 1.0
+    assert imbalance([4, 0, 0, 0]) == 4.0
+    assert imbalance([0, 0]) == 1.0
