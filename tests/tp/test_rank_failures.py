@@ -1,0 +1,155 @@
+"""A dead, hung or failing rank is fatal, reported with the rank's own story, and no rank
+process outlives the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from shoal.runtime.executor.multiproc import RankFailure
+from shoal.runtime.worker.worker_proc import FAULT_ENV
+
+pytestmark = pytest.mark.slow
+
+
+def start_decoding(core, greedy, count: int = 2) -> None:
+    """Requests long enough to still be running when a rank is hurt."""
+    for i in range(count):
+        core.add_request(greedy(f"long{i}", [5 + i, 6, 7, 8], max_tokens=200))
+    for _ in range(3):
+        core.step()
+
+
+def step_until_failure(core, limit_s: float) -> tuple[RankFailure, float]:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        while time.monotonic() - start < limit_s:
+            core.step()
+    return info.value, time.monotonic() - start
+
+
+def test_a_killed_rank_fails_the_next_step_at_once(tiny_qwen3, make_engine, greedy,
+                                                    alive_after):
+    core = make_engine(tiny_qwen3, tp=2)
+    pids = core.executor.pids
+    start_decoding(core, greedy)
+    os.kill(pids[1], signal.SIGKILL)
+    failure, elapsed = step_until_failure(core, limit_s=10)
+    assert failure.rank == 1 and "SIGKILL" in str(failure)
+    assert elapsed < 5
+    assert alive_after(pids, 5) == []
+    with pytest.raises(RankFailure):  # fatal: every later call fails the same way
+        core.step()
+    with pytest.raises(RankFailure):
+        core.executor.check_health()
+
+
+def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make_engine,
+                                                                 greedy, alive_after):
+    core = make_engine(tiny_qwen3, tp=2, rank_timeout=1.5)
+    pids = core.executor.pids
+    start_decoding(core, greedy)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        failure, elapsed = step_until_failure(core, limit_s=15)
+    finally:
+        for pid in pids:  # never leave a stopped process behind, whatever the outcome
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert "no progress for 1.5 s" in str(failure)
+    assert 1.5 <= elapsed < 5
+    assert alive_after(pids, 5) == []
+
+
+def test_an_idle_stopped_rank_fails_the_health_check(tiny_llama, make_engine, alive_after):
+    core = make_engine(tiny_llama, tp=2, rank_timeout=1.0)
+    core.executor.check_health()  # healthy ranks answer
+    pids = core.executor.pids
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        with pytest.raises(RankFailure, match="rank 0.*no progress.*health check"):
+            core.executor.check_health()
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert alive_after(pids, 5) == []
+
+
+def test_an_exception_inside_a_rank_step_carries_its_message(tiny_llama, make_engine, greedy,
+                                                              monkeypatch, alive_after):
+    monkeypatch.setenv(FAULT_ENV, "1:step")
+    core = make_engine(tiny_llama, tp=2)
+    pids = core.executor.pids
+    core.add_request(greedy("r", [1, 2, 3], max_tokens=4))
+    with pytest.raises(RankFailure, match="rank 1.*injected step fault on rank 1"):
+        core.step()
+    assert alive_after(pids, 5) == []
+
+
+def test_a_rank_that_cannot_load_its_shard_fails_startup_fast(tiny_qwen2, make_engine,
+                                                               monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "1:load")
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        make_engine(tiny_qwen2, tp=2)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 1" in message and "failed to load its shard" in message
+    assert "injected load fault on rank 1" in message
+
+
+def test_a_rank_whose_checkpoint_is_unreadable_fails_startup_with_its_error(
+        tiny_llama, tmp_path, make_engine):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for path in tiny_llama.iterdir():
+        if path.suffix != ".safetensors":
+            (model_dir / path.name).write_bytes(path.read_bytes())
+    (model_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not a safetensors file")
+    with pytest.raises(RankFailure, match="failed to load its shard"):
+        make_engine(model_dir, tp=2)
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.executor.multiproc import MultiprocExecutor
+    config = EngineConfig(model=sys.argv[1], tensor_parallel_size=2)
+    executor = MultiprocExecutor(config)
+    print(" ".join(map(str, executor.pids)), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_no_rank_survives_an_engine_killed_with_sigkill(tiny_llama, alive_after):
+    engine = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_llama)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = engine.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, f"engine printed {line!r}"
+        engine.kill()
+        engine.wait()
+        assert alive_after(pids, 5) == []
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+def test_shutdown_stops_every_rank(tiny_llama, make_engine, alive_after):
+    core = make_engine(tiny_llama, tp=2)
+    pids = core.executor.pids
+    core.shutdown()
+    core.shutdown()  # twice is fine
+    assert alive_after(pids, 5) == []
