@@ -36,6 +36,9 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         "--namespace", owner.namespace,
         "--service", engine_name(owner),
         "--engine-port", str(ENGINE_PORT),
+        # The router hashes prompts in the engines' block size, so its cache-affinity index
+        # lines up with the blocks the engines actually cache.
+        "--block-size", str(spec.runtime.block_size),
     ]
 
 

