@@ -40,21 +40,54 @@ class RequestKeys:
 
 
 class PromptTokenizer:
-    """The model's HF tokenizer, applied the way the engine's front end applies it."""
+    """The model's tokenizer and chat template, applied the way the engine's front end
+    applies them: the template rendered in a jinja sandbox (trim_blocks, lstrip_blocks),
+    then the text encoded without added special tokens."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
-        from transformers import AutoTokenizer  # heavy: only when --tokenizer is given
+        import json
 
-        self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        root = Path(tokenizer_dir)
+        if not (root / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{root} has no tokenizer.json")
+        self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        config_path = root / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(template) if template else None
+        self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self._tok.encode(prompt))
+        return list(self._tok.encode(prompt, add_special_tokens=False).ids)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
+        if self._template is None:
+            raise RequestKeyError("the tokenizer has no chat template")
+        plain = [{"role": str(m.get("role", "")), "content": _content_text(m.get("content"))}
+                 for m in messages if isinstance(m, dict)]
+        text = self._template.render(messages=plain, add_generation_prompt=True,
+                                     **{k: v or "" for k, v in self._specials.items()})
+        return self.encode_prompt(text)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content: a string, or parts of which the text parts count, in order."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
 
 
 @dataclass(frozen=True)
@@ -74,9 +107,7 @@ def render_chat_text(messages: Sequence[Any]) -> str:
     for message in messages:
         if not isinstance(message, dict):
             raise RequestKeyError("each chat message must be an object")
-        content = message.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts in order
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        content = _content_text(message.get("content"))
         parts.append(f"\x1e{message.get('role', '')}\x1f{content}")
     return "".join(parts)
 

@@ -58,20 +58,28 @@ def test_bad_bodies_are_rejected_clearly(path, body):
         request_keys(path, body, CFG)
 
 
-def test_precise_keys_use_the_chat_template_and_engine_block_size(tiny_qwen3):
-    tok = PromptTokenizer(tiny_qwen3)
-    messages = [{"role": "system", "content": "You are terse. " * 10},
-                {"role": "user", "content": "Hello there"}]
-    keys = request_keys("/v1/chat/completions", {"messages": messages},
-                        KeyConfig(block_size=16), tok)
-    from transformers import AutoTokenizer
+def test_precise_keys_equal_the_engine_front_ends_block_hashes(tiny_qwen3):
+    """Same template rendering, same token ids, same block hashes as the engine's API."""
+    from shoal.runtime.frontend.chat_template import ChatMessage, ChatTemplate
+    from shoal.runtime.frontend.tokenizer import Tokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(tiny_qwen3))
-    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|im_start|>system\n")
-    ids = hf.encode(text, add_special_tokens=False)
+    engine_tok = Tokenizer.from_dir(tiny_qwen3)
+    template = ChatTemplate(engine_tok.chat_template, engine_tok.bos_token, engine_tok.eos_token)
+    router_tok = PromptTokenizer(tiny_qwen3)
+    messages = [{"role": "system", "content": "You are terse. " * 10},
+                {"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]
+    keys = request_keys("/v1/chat/completions", {"messages": messages},
+                        KeyConfig(block_size=16), router_tok)
+    text = template.render([ChatMessage("system", "You are terse. " * 10),
+                            ChatMessage("user", "Hello there")])
+    ids = engine_tok.encode(text)
     assert keys.precise and keys.num_units == len(ids)
     assert keys.block_keys == hash_prefix_blocks(ids, 16, ExtraKeys().digest())
+    prompt = "Once upon a time " * 8
+    keys = request_keys("/v1/completions", {"prompt": prompt}, KeyConfig(block_size=16),
+                        router_tok)
+    assert keys.block_keys == hash_prefix_blocks(engine_tok.encode(prompt), 16,
+                                                 ExtraKeys().digest())
 
 
 def test_block_index_matches_leading_run_and_follows_events():
