@@ -190,12 +190,13 @@ class MultiprocExecutor(Executor):
                 replies[r.rank] = payload
         return replies
 
-    def _call(self, method: str, *args: object) -> object:
+    def _call_all(self, method: str, *args: object) -> list[object]:
+        """Run a Worker method on every rank; the return values in rank order."""
         self._broadcast(wp.CALL + pickle.dumps((method, args)))
         # warmup and KV allocation may compile or capture graphs: give them the startup budget
         replies = self._collect(wp.REPLY, time.monotonic() + max(STARTUP_TIMEOUT_S / 6,
                                                                   self.rank_timeout), method)
-        return pickle.loads(replies[0])
+        return [pickle.loads(replies[rank]) for rank in range(self.world_size)]
 
     # -- Executor -------------------------------------------------------------------------
     @property
@@ -206,11 +207,14 @@ class MultiprocExecutor(Executor):
         return self._kv_bytes_per_block
 
     def profile_num_kv_blocks(self) -> int | None:
-        return self._call("profile_num_kv_blocks")  # type: ignore[return-value]
+        """Each rank profiles its own device; the cache is what the tightest rank holds
+        (allocation must succeed on every rank). None when the ranks run on CPU."""
+        counts = [c for c in self._call_all("profile_num_kv_blocks") if c is not None]
+        return min(counts) if counts else None  # type: ignore[type-var]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call("init_kv_cache", num_blocks)
-        self._call("warmup")
+        self._call_all("init_kv_cache", num_blocks)
+        self._call_all("warmup")
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._broadcast(wp.PLAN + self._encoder.encode(plan))
