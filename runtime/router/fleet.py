@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -87,6 +87,7 @@ class LocalFleet:
         self.config = config
         self.engines: list[subprocess.Popen[bytes]] = []
         self.router: subprocess.Popen[bytes] | None = None
+        self.extra_routers: list[subprocess.Popen[bytes]] = []
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
         out: int | object = None
@@ -108,6 +109,14 @@ class LocalFleet:
             self.stop()
             raise
 
+    def add_router(self, port: int, router_args: list[str], kv_events: bool = False) -> str:
+        """Another router over the same engines (benchmarks compare policies side by side)."""
+        config = replace(self.config, port=port, router_args=router_args, kv_events=kv_events)
+        proc = self._spawn(router_argv(config), f"router-{port}")
+        self.extra_routers.append(proc)
+        self._wait_ready([config.router_url], [proc])
+        return config.router_url
+
     def _wait_ready(self, urls: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
         import httpx
 
@@ -127,14 +136,15 @@ class LocalFleet:
                 time.sleep(READY_POLL_S)
 
     def children(self) -> list[subprocess.Popen[bytes]]:
-        return ([self.router] if self.router else []) + self.engines
+        return ([self.router] if self.router else []) + self.extra_routers + self.engines
 
     def first_exit(self) -> subprocess.Popen[bytes] | None:
         return next((p for p in self.children() if p.poll() is not None), None)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Router first (no new traffic), then engines; SIGKILL whatever outlives the grace."""
-        for group in ([self.router] if self.router else [], self.engines):
+        routers = ([self.router] if self.router else []) + self.extra_routers
+        for group in (routers, self.engines):
             for proc in group:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
