@@ -88,15 +88,21 @@ class LocalFleet:
         self.engines: list[subprocess.Popen[bytes]] = []
         self.router: subprocess.Popen[bytes] | None = None
         self.extra_routers: list[subprocess.Popen[bytes]] = []
+        self.names: dict[int, str] = {}  # pid -> engine-0 / router / ...
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
-        out: int | object = None
-        if self.config.log_dir is not None:
-            self.config.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.config.log_dir / f"{name}.log", "ab")  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        if self.config.log_dir is None:
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent,
+                                    env=env)
+        else:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.config.log_dir / f"{name}.log", "ab") as log:  # the child keeps a copy
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=_die_with_parent,
+                                        env=env)
+        self.names[proc.pid] = name
+        return proc
 
     def start(self) -> None:
         try:
@@ -239,8 +245,9 @@ def _main(args: argparse.Namespace) -> int:
         while not stopping:
             exited = fleet.first_exit()
             if exited is not None:
-                print(f"fleet: child {exited.args[3:5]} exited with {exited.returncode}; "
-                      "stopping", file=sys.stderr, flush=True)
+                name = fleet.names.get(exited.pid, str(exited.pid))
+                print(f"fleet: {name} exited with {exited.returncode}; stopping",
+                      file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
         return 0
