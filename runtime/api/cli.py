@@ -1,0 +1,87 @@
+"""``shoal serve``: the OpenAI-compatible server (flag names follow vLLM's where they exist)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="model directory (HF format); default: the embedded qwen3-small, "
+                        "built once and cached")
+    p.add_argument("--model-revision", default="", help="part of the prefix-cache identity")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use; default: the model path")
+    p.add_argument("--api-key", default=None, help="required as a Bearer token on /v1/*")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact KV block count (overrides the memory budget)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "triton", "flashinfer"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond one batch; more get 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="zmq PUB address for KV-cache events, e.g. tcp://*:5557")
+    p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
+                   help="also export metrics under this runtime's names")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from shoal.runtime.config import EngineConfig
+
+    from .server import serve
+    from .state import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model
+    if model is None:
+        from shoal.runtime.model.make_model import cached_model
+
+        model = str(cached_model("qwen3", "small"))
+    names = args.served_model_name or [model]
+    config = EngineConfig(
+        model=model, served_model_name=names[0], model_revision=args.model_revision,
+        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint)
+    settings = ServerSettings(
+        model_dir=model, served_model_names=names, api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests, max_num_seqs=args.max_num_seqs,
+        shutdown_timeout=args.shutdown_timeout,
+        max_request_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs)
+    return asyncio.run(serve(config, settings, args.host, args.port, args.metrics_compat,
+                             args.log_level))

@@ -1,0 +1,43 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message,
+                          "type": ERROR_TYPES.get(self.status, "APIError"),
+                          "param": self.param, "code": self.code or self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param, "invalid_request_error")
+
+
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, None, "engine_unavailable")

@@ -1,0 +1,229 @@
+"""One API request in flight: its engine requests (prompts x n) and their streamed choices.
+
+Each engine request is followed by a task that detokenizes its outputs incrementally and turns
+them into ``ChoiceDelta``s on one queue, so both endpoints, streaming or not, consume the same
+sequence. A stop string found by the detokenizer ends the choice and aborts the engine
+request. ``abort`` (client disconnect, drain timeout) stops every unfinished engine request;
+an engine death surfaces as ``EngineDeadError`` from ``deltas()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shoal.runtime.engine.client import AsyncEngineClient, RequestStream
+from shoal.runtime.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    TokenLogprobs,
+)
+from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
+from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.sampling_params import SamplingParams
+
+from .metrics import ServerMetrics
+
+_ABORTED = object()  # queued by abort(): deltas() ends
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Choice:
+    """One choice accumulated from its deltas (non-streaming responses, usage)."""
+
+    index: int
+    prompt: PromptInput
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _EngineRequest:
+    request_id: str
+    choice: Choice
+    params: SamplingParams
+    stream: RequestStream | None = None
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    done: bool = False
+
+
+class Generation:
+    def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, metrics: ServerMetrics,
+                 request_id: str, prompts: list[PromptInput], params: SamplingParams,
+                 eos_token_ids: list[int], priority: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.request_id = request_id
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival = time.monotonic()
+        self.requests: list[_EngineRequest] = []
+        for p, prompt in enumerate(prompts):
+            for i in range(params.n):
+                index = p * params.n + i
+                self.requests.append(_EngineRequest(
+                    f"{request_id}-{index}", Choice(index, prompt), _child_params(params, i)))
+        self._deltas: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def choices(self) -> list[Choice]:
+        return [r.choice for r in self.requests]
+
+    @property
+    def num_waiting_for_first_token(self) -> int:
+        return sum(1 for r in self.requests if r.first_token_at is None and not r.done)
+
+    def start(self) -> None:
+        for req in self.requests:
+            req.stream = self.client.add_request(EngineCoreRequest(
+                request_id=req.request_id, prompt_token_ids=req.choice.prompt.token_ids,
+                sampling_params=req.params, eos_token_ids=self.eos_token_ids,
+                arrival_time=time.time(), priority=self.priority, cache_salt=self.cache_salt))
+            self._tasks.append(asyncio.create_task(self._follow(req)))
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas, interleaved, until all choices finish (or an abort)."""
+        remaining = len(self.requests)
+        while remaining:
+            item = await self._deltas.get()
+            if item is _ABORTED:
+                return
+            if isinstance(item, BaseException):
+                self.abort()
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield item
+
+    async def collect(self) -> list[Choice]:
+        async for _ in self.deltas():
+            pass
+        return self.choices
+
+    def abort(self, end_streams: bool = False) -> None:
+        """Abort unfinished engine requests. ``end_streams``: finish their choices with
+        reason "abort" (drain) instead of just stopping (client gone)."""
+        live = [r for r in self.requests if not r.done]
+        self.client.abort([r.request_id for r in live])
+        for req in live:
+            if end_streams and req.stream is not None:
+                req.stream.queue.put_nowait(EngineCoreOutput(
+                    request_id=req.request_id, version=req.stream.version, new_token_ids=[],
+                    finish_reason=FinishReason.ABORT))
+            elif not end_streams:
+                req.done = True
+                self.metrics.observe_finished("abort", time.monotonic() - self.arrival)
+        if not end_streams:
+            for task in self._tasks:
+                task.cancel()
+            self._deltas.put_nowait(_ABORTED)
+
+    def abort_unfinished(self) -> None:
+        if any(not r.done for r in self.requests):
+            self.abort()
+
+    async def close(self) -> None:
+        """Abort whatever is still running and wait for the follower tasks to end."""
+        self.abort_unfinished()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow(self, req: _EngineRequest) -> None:
+        assert req.stream is not None
+        detok = IncrementalDetokenizer(self.tokenizer, req.params)
+        choice = req.choice
+        carry_ids: list[int] = []
+        carry_logprobs: list[TokenLogprobs] = []
+        try:
+            while True:
+                output = await req.stream.get()
+                self._observe_timing(req, len(output.new_token_ids))
+                choice.token_ids.extend(output.new_token_ids)
+                if output.new_logprobs:
+                    choice.logprobs.extend(output.new_logprobs)
+                if output.num_cached_tokens:
+                    choice.num_cached_tokens = output.num_cached_tokens
+                finish: str | None = None
+                stop_reason: int | str | None = None
+                if detok.update(output.new_token_ids) is not None:
+                    finish, stop_reason = FinishReason.STOP.value, detok.stop_string
+                    if output.finish_reason is None:
+                        self.client.abort([req.request_id])  # the engine does not know
+                elif output.finish_reason is not None:
+                    finish, stop_reason = output.finish_reason.value, output.stop_reason
+                    detok.flush()
+                text = detok.take_new_text(finished=finish is not None)
+                if finish is not None:
+                    req.done = True
+                    choice.finish_reason, choice.stop_reason = finish, stop_reason
+                    self.metrics.observe_finished(finish, time.monotonic() - self.arrival)
+                choice.text += text
+                carry_ids.extend(output.new_token_ids)
+                if output.new_logprobs:
+                    carry_logprobs.extend(output.new_logprobs)
+                if not text and finish is None:
+                    continue  # held back: these tokens travel with the next text
+                self._deltas.put_nowait(ChoiceDelta(
+                    choice.index, text, carry_ids, carry_logprobs or None, finish, stop_reason))
+                if finish is not None:
+                    return
+                carry_ids, carry_logprobs = [], []
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # engine death or a rejection: the whole request fails
+            req.done = True
+            self._deltas.put_nowait(exc)
+
+    def _observe_timing(self, req: _EngineRequest, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.observe_first_token(now - self.arrival)
+            if num_tokens > 1:
+                self.metrics.observe_inter_token(0.0, num_tokens - 1)
+        else:
+            self.metrics.observe_inter_token((now - req.last_token_at) / num_tokens, num_tokens)
+        req.last_token_at = now
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each of the n choices is its own engine request; seeded ones get distinct streams."""
+    import msgspec
+
+    changes: dict[str, object] = {"n": 1}
+    if params.seed is not None and index:
+        changes["seed"] = params.seed + index
+    return msgspec.structs.replace(params, **changes)

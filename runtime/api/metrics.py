@@ -1,0 +1,114 @@
+"""Prometheus metrics with vLLM's names under the ``shoal:`` prefix (and ``vllm:`` on request).
+
+Engine-side numbers come from the ``SchedulerStats`` the core attaches to its outputs: the
+gauges are current values, the counters are cumulative in the core, so they are exported by a
+collector that reads the latest stats (no double counting, no drift). Request latencies are
+measured here, in the API process, where the request starts and ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from shoal.runtime.engine.messages import SchedulerStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self, prefixes: list[str], model_name: str) -> None:
+        self.prefixes = prefixes
+        self.model_name = model_name
+        self.stats = SchedulerStats()
+        self.phase_durations: dict[str, float] = {}
+
+    def collect(self) -> Iterator:
+        s, labels = self.stats, [self.model_name]
+        for p in self.prefixes:
+            for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch", s.num_running),
+                ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+                ("kv_cache_usage_perc", "KV-cache usage, 1 = full", s.kv_cache_usage),
+            ):
+                gauge = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+                gauge.add_metric(labels, value)
+                yield gauge
+            for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 s.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 s.prefix_cache_hits),
+                ("num_preemptions", "Preemptions by the scheduler", s.num_preemptions),
+                ("prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+                ("generation_tokens", "Tokens generated", s.generation_tokens),
+            ):
+                counter = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+                counter.add_metric(labels, value)
+                yield counter
+            phases = GaugeMetricFamily(f"{p}:startup_phase_duration_seconds",
+                                       "Seconds each engine startup phase took",
+                                       labels=["model_name", "phase"])
+            for phase, seconds in self.phase_durations.items():
+                phases.add_metric([self.model_name, phase], seconds)
+            yield phases
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, compat: list[str] | None = None) -> None:
+        self.model_name = model_name
+        self.prefixes = ["shoal", *(compat or [])]
+        self.registry = CollectorRegistry()
+        self.engine = EngineStatsCollector(self.prefixes, model_name)
+        self.registry.register(self.engine)
+        self._success = [Counter(f"{p}:request_success", "Requests finished, by reason",
+                                 ["model_name", "finished_reason"], registry=self.registry)
+                         for p in self.prefixes]
+        self._ttft = self._histograms("time_to_first_token_seconds",
+                                      "Time to first token", TTFT_BUCKETS)
+        self._itl = self._histograms("inter_token_latency_seconds",
+                                     "Time between output tokens", ITL_BUCKETS)
+        self._e2e = self._histograms("e2e_request_latency_seconds",
+                                     "Request latency, arrival to last token", E2E_BUCKETS)
+        self._rejected = [Counter(f"{p}:request_rejected", "Requests rejected before the engine",
+                                  ["model_name", "status"], registry=self.registry)
+                          for p in self.prefixes]
+
+    def _histograms(self, name: str, doc: str, buckets: tuple[float, ...]) -> list[Histogram]:
+        return [Histogram(f"{p}:{name}", doc, ["model_name"], buckets=buckets,
+                          registry=self.registry) for p in self.prefixes]
+
+    def update_stats(self, stats: SchedulerStats) -> None:
+        self.engine.stats = stats
+
+    def set_phase_durations(self, durations: dict[str, float]) -> None:
+        self.engine.phase_durations = dict(durations)
+
+    def observe_first_token(self, seconds: float) -> None:
+        for h in self._ttft:
+            h.labels(self.model_name).observe(seconds)
+
+    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        for h in self._itl:
+            for _ in range(count):
+                h.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, finished_reason: str, e2e_seconds: float) -> None:
+        for c in self._success:
+            c.labels(self.model_name, finished_reason).inc()
+        for h in self._e2e:
+            h.labels(self.model_name).observe(e2e_seconds)
+
+    def observe_rejected(self, status: int) -> None:
+        for c in self._rejected:
+            c.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""Lifecycle of ``shoal serve``: start the engine process and uvicorn, drain on SIGTERM,
+exit non-zero when the engine dies or fails to start.
+
+The HTTP port opens at once, before the engine is ready, so probes can tell "loading" from
+"dead": /ready answers 503 with the startup phase until warmup is done. SIGTERM (or Ctrl-C)
+starts a drain: readiness goes 503, new requests get 503, in-flight requests have
+``shutdown_timeout`` seconds to finish, the rest are aborted, then the server exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.client import AsyncEngineClient, EngineStartupError
+from shoal.runtime.frontend.chat_template import ChatTemplate
+from shoal.runtime.frontend.tokenizer import Tokenizer
+
+from .app import build_app
+from .metrics import ServerMetrics
+from .state import ServerSettings, ServerState
+
+logger = logging.getLogger("shoal.serve")
+DEAD_EXIT_DELAY_S = 0.5  # lets error events reach the live streams before the exit
+ABORTED_STREAMS_GRACE_S = 2.0
+
+
+class ShoalServer(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT starting our drain instead of closing the port."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.shoal = state
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain_task is None:
+            logger.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name,
+                        self.shoal.settings.shutdown_timeout)
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain())
+        elif sig == signal.SIGINT:
+            self.force_exit = True
+            self.should_exit = True
+
+    async def drain(self) -> None:
+        state = self.shoal
+        state.draining = True
+        deadline = time.monotonic() + state.settings.shutdown_timeout
+        while state.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.live:
+            logger.warning("shutdown timeout: aborting %d request(s)", len(state.live))
+            for generation in list(state.live):
+                generation.abort(end_streams=True)
+            grace = time.monotonic() + ABORTED_STREAMS_GRACE_S
+            while state.live and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    def engine_died(self, reason: str) -> None:
+        self.shoal.exit_code = 1
+        print(f"shoal serve: {reason}", file=sys.stderr, flush=True)
+        asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
+
+
+async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str, port: int,
+                metrics_compat: list[str], log_level: str = "info") -> int:
+    tokenizer = Tokenizer.from_dir(engine_config.model)
+    template = (ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+                if tokenizer.chat_template else None)
+    metrics = ServerMetrics(settings.model_name, metrics_compat)
+    client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)
+    state = ServerState(settings, client, tokenizer, metrics, template)
+    server = ShoalServer(uvicorn.Config(
+        build_app(state), host=host, port=port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=5, lifespan="off"), state)
+    client.on_dead = server.engine_died
+
+    async def follow_startup() -> None:
+        try:
+            info = await client.wait_ready()
+        except EngineStartupError:
+            return  # engine_died already reported it and set the exit code
+        metrics.set_phase_durations(info.durations)
+        logger.info("engine ready: %s (max_model_len %d, %d KV blocks)",
+                    info.durations, info.max_model_len, info.num_kv_blocks)
+
+    client.start()
+    startup = asyncio.create_task(follow_startup())
+    try:
+        await server.serve()
+    finally:
+        startup.cancel()
+        await client.shutdown()
+    return state.exit_code

@@ -1,0 +1,100 @@
+"""POST /v1/completions: prompts as text or token ids, n choices each, streamed or not."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from .errors import bad_request
+from .generation import Choice, ChoiceDelta, Generation, PromptInput
+from .logprobs_format import completion_logprobs
+from .protocol import CompletionRequest
+from .serving_common import (
+    check_lengths,
+    check_size,
+    now_s,
+    parse_body,
+    run_to_completion,
+    sampling_params,
+    start_generation,
+    stream_response,
+)
+from .state import ServerState
+
+
+def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [PromptInput(state.tokenizer.encode(prompt), prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [PromptInput(list(prompt))]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return [PromptInput(state.tokenizer.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+    return [PromptInput(list(p)) for p in prompt]  # type: ignore[arg-type]
+
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    body, size = await parse_body(request, state, CompletionRequest)
+    params = sampling_params(body, state, body.max_tokens, body.logprobs)
+    check_size(state, size)
+    prompts = prompts_of(body, state)
+    check_lengths(state, prompts, params)
+    generation = start_generation(state, "cmpl", prompts, params, body)
+    created, model = now_s(), state.settings.model_name
+    top_k = body.logprobs or 0
+
+    def choice_json(choice: Choice) -> dict:
+        out = {"index": choice.index, "text": choice.text,
+               "logprobs": completion_logprobs(state.tokenizer, choice.token_ids,
+                                               choice.logprobs, top_k)
+               if body.logprobs is not None else None,
+               "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if body.return_token_ids:
+            out["prompt_token_ids"] = choice.prompt.token_ids
+            out["token_ids"] = choice.token_ids
+        return out
+
+    def respond(gen: Generation) -> dict:
+        return {"id": gen.request_id, "object": "text_completion", "created": created,
+                "model": model, "choices": [choice_json(c) for c in gen.choices],
+                "usage": usage(gen)}
+
+    if not body.stream:
+        return await run_to_completion(request, state, generation, respond)
+
+    offsets: dict[int, int] = {}
+
+    def chunks(delta: ChoiceDelta) -> list[dict]:
+        if not delta.text and delta.finish_reason is None:
+            return []  # held back (partial character or possible stop string)
+        choice: dict = {"index": delta.index, "text": delta.text, "logprobs": None,
+                        "finish_reason": delta.finish_reason,
+                        "stop_reason": delta.stop_reason}
+        if body.logprobs is not None and delta.logprobs:
+            choice["logprobs"] = completion_logprobs(
+                state.tokenizer, delta.token_ids, delta.logprobs, top_k,
+                offsets.get(delta.index, 0))
+        offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
+        if body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return [{"id": generation.request_id, "object": "text_completion",
+                 "created": created, "model": model, "choices": [choice]}]
+
+    def usage_chunk() -> dict:
+        return {"id": generation.request_id, "object": "text_completion", "created": created,
+                "model": model, "choices": [], "usage": usage(generation)}
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return stream_response(state, generation, chunks, usage_chunk if include_usage else None)
+
+
+def usage(gen: Generation) -> dict:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI does."""
+    prompt_tokens = sum(len(c.prompt.token_ids) for c in gen.choices[::gen.params.n])
+    completion_tokens = sum(len(c.token_ids) for c in gen.choices)
+    cached = sum(c.num_cached_tokens for c in gen.choices[::gen.params.n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}

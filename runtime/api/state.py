@@ -1,0 +1,88 @@
+"""The API process's state: settings, the engine client, tokenizer, metrics, live requests.
+
+The readiness phase is the engine's startup phase ("starting", "loading", "profiling",
+"capturing", "ready"), "draining" after SIGTERM, "dead" once the engine is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shoal.runtime.engine.client import AsyncEngineClient
+from shoal.runtime.frontend.chat_template import ChatTemplate
+from shoal.runtime.frontend.tokenizer import Tokenizer
+
+from .errors import APIError, engine_unavailable
+from .generation import Generation
+from .metrics import ServerMetrics
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerSettings:
+    model_dir: str
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_num_seqs: int = 256
+    shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_logprobs: int = 20
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    client: AsyncEngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    chat_template: ChatTemplate | None = None
+    draining: bool = False
+    exit_code: int = 0
+    live: set[Generation] = field(default_factory=set)
+
+    @property
+    def phase(self) -> str:
+        if self.client.is_dead:
+            return "dead"
+        if self.draining:
+            return "draining"
+        return self.client.phase
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.client.ready_info
+        return info.max_model_len if info is not None else 0
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        info = self.client.ready_info
+        return list(info.eos_token_ids) if info is not None else []
+
+    def check_available(self) -> None:
+        """503 unless the engine is ready and we are not draining."""
+        if self.client.is_dead:
+            raise engine_unavailable(f"the engine is dead: {self.client.dead_reason}")
+        if self.draining:
+            raise engine_unavailable("the server is shutting down")
+        if not self.client.is_ready:
+            raise engine_unavailable(f"the engine is not ready yet (phase {self.phase})")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model",
+                           "model_not_found")
+
+    def admit(self, num_engine_requests: int) -> None:
+        """Bounded queue: engine requests beyond what one batch holds count as queued."""
+        in_flight = sum(len(g.requests) for g in self.live)
+        queued_after = in_flight + num_engine_requests - self.settings.max_num_seqs
+        if queued_after > self.settings.max_queued_requests:
+            raise APIError(429, f"too many queued requests (limit "
+                           f"{self.settings.max_queued_requests}); retry later", None,
+                           "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
