@@ -29,8 +29,8 @@ from shoal.operator.probes import (
 )
 from shoal.operator.spec import ServiceSpec
 
-CACHE_MOUNT = "/cache"  # weight cache (PVC or emptyDir) and SHOAL_CACHE_DIR
-PVC_MODEL_MOUNT = "/models"  # a pvc:// model's claim, read-only
+CACHE_MOUNT = "/models"  # weight cache (PVC or emptyDir): the runtime image's SHOAL_CACHE_DIR
+PVC_MODEL_MOUNT = "/mnt/model"  # a pvc:// model's claim, read-only
 RUN_AS_USER = 10001
 
 # The init container fetches an hf:// snapshot once per (repo, revision) into the cache; a

@@ -97,7 +97,7 @@ def test_engine_runs_unprivileged_with_a_read_only_root() -> None:
         assert ctx["readOnlyRootFilesystem"] is True
         assert ctx["capabilities"]["drop"] == ["ALL"]
     writable = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert {"/tmp", "/cache", "/dev/shm"} <= writable
+    assert {"/tmp", "/models", "/dev/shm"} <= writable
 
 
 def test_hf_weights_are_fetched_into_the_cache_pvc_by_an_init_container() -> None:
@@ -107,10 +107,10 @@ def test_hf_weights_are_fetched_into_the_cache_pvc_by_an_init_container() -> Non
     repo, revision, target = fetch["args"]
     assert (repo, revision) == ("Qwen/Qwen3-8B", "main")
     assert flag(pod["containers"][0]["args"], "--model") == target
-    assert target.startswith("/cache/")
+    assert target.startswith("/models/")
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
     assert cache["persistentVolumeClaim"]["claimName"] == "qwen-model-cache"
-    assert {"name": "model-cache", "mountPath": "/cache"} in fetch["volumeMounts"]
+    assert {"name": "model-cache", "mountPath": "/models"} in fetch["volumeMounts"]
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["HF_HUB_OFFLINE"]["value"] == "1"  # the engine never downloads itself
 
@@ -121,7 +121,7 @@ def test_pvc_model_is_mounted_read_only_and_needs_no_fetch() -> None:
     assert "initContainers" not in pod
     model = next(v for v in pod["volumes"] if v["name"] == "model")
     assert model["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
-    assert flag(pod["containers"][0]["args"], "--model") == "/models/llama/8b"
+    assert flag(pod["containers"][0]["args"], "--model") == "/mnt/model/llama/8b"
 
 
 def test_path_and_builtin_models() -> None:
