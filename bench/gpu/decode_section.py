@@ -27,6 +27,7 @@ def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, m
         model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
         max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget, max_model_len=max_len,
         num_kv_blocks=num_blocks, enforce_eager=enforce_eager,
+        attention_backend="triton" if device == "cuda" else "auto",  # graphs need triton
     )
     worker = Worker(config)
     worker.load_model()

@@ -69,8 +69,9 @@ def render_throughput(thr: dict) -> list[str]:
         if "error" in row:
             lines.append(f"{mode:<10}  ERROR {row['error'][:100]}")
             continue
+        note = " (partial: time cap)" if row.get("partial") else ""
         lines.append(f"{mode:<10}{row['requests']:>9}{row['output_tokens']:>12}"
-                     f"{_fmt(row['seconds'], '.1f'):>9}{_fmt(row['output_tok_s'], '.0f'):>11}")
+                     f"{_fmt(row['seconds'], '.1f'):>9}{_fmt(row['output_tok_s'], '.0f'):>11}{note}")
     return lines
 
 
