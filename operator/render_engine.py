@@ -65,6 +65,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     model = engine_model_path(spec)
     if model is not None:
         args += ["--model", model]
+    if spec.model.source.revision:  # part of every block hash: a new revision reuses no KV
+        args += ["--model-revision", spec.model.source.revision]
     optional: list[tuple[str, object | None]] = [
         ("--max-model-len", rt.max_model_len),
         ("--max-num-seqs", rt.max_num_seqs),

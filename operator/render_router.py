@@ -39,7 +39,7 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # The router hashes prompts in the engines' block size, so its cache-affinity index
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),
-    ]
+    ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else [])
 
 
 def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:

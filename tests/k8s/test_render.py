@@ -170,12 +170,17 @@ def test_router_args_parse_with_the_real_shoal_route() -> None:
     route_cli = pytest.importorskip("shoal.runtime.router.cli")
     parser = argparse.ArgumentParser()
     route_cli.register(parser.add_subparsers(dest="command"))
-    spec = parse_spec({"model": {"uri": "hf://org/m"}, "runtime": {"blockSize": 32},
+    spec = parse_spec({"model": {"uri": "hf://org/m@v2"}, "runtime": {"blockSize": 32},
                        "routing": {"policy": "least-load"}})
     parsed = parser.parse_args(router_args(OWNER, spec))
     assert (parsed.policy, parsed.discovery, parsed.namespace, parsed.service,
-            parsed.engine_port, parsed.block_size) == (
-        "least-load", "kubernetes", "ml", "qwen-engine", 8000, 32)
+            parsed.engine_port, parsed.block_size, parsed.model_revision) == (
+        "least-load", "kubernetes", "ml", "qwen-engine", 8000, 32, "v2")
+    # the engines hash blocks with the same size and revision
+    engine_args = engine_container(engine({"model": {"uri": "hf://org/m@v2"},
+                                           "runtime": {"blockSize": 32}}))["args"]
+    assert (flag(engine_args, "--block-size"), flag(engine_args, "--model-revision")) == (
+        "32", "v2")
 
 
 def test_routing_off_points_the_service_at_the_engines() -> None:
