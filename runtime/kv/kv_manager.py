@@ -131,8 +131,8 @@ class KVCacheManager:
         if cdiv(total_tokens, self.block_size) > self.max_blocks_per_seq:
             raise ValueError(f"{req_id!r}: {total_tokens} tokens exceed max_model_len")
         # hits sitting in the free list leave it, so they cannot also be allocated fresh
-        hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0)
-        if needed > self.pool.num_free - hits_in_free_list:
+        hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
+        if needed > self.pool.free_list.num_free - hits_in_free_list:
             return False
         if table is None:
             if not self._free_rows:
@@ -175,33 +175,32 @@ class KVCacheManager:
         pool = self.pool
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
         free_ids = [b.block_id for b in pool.free_list]
-        _expect(len(free_ids) == len(set(free_ids)), "a block is twice in the free list")
-        _expect(len(free_ids) == pool.num_free,
-                f"free count {pool.num_free} != free list length {len(free_ids)}")
         free_set = set(free_ids)
+        if len(free_ids) != len(free_set):
+            raise KVInvariantError("a block is twice in the free list")
+        if len(free_ids) != pool.num_free:
+            raise KVInvariantError(f"free count {pool.num_free} != free list {len(free_ids)}")
         for block in pool.blocks:
             count = refs.get(block.block_id, 0)
-            _expect(block.ref_cnt == count,
-                    f"{block}: ref count != {count} table references")
-            _expect((block.ref_cnt == 0) == (block.block_id in free_set),
-                    f"{block}: free-list membership disagrees with its ref count")
-            if block.ref_cnt > 1:
-                _expect(block.block_hash is not None, f"{block} is shared but not a full block")
-            if block.block_hash is not None:
-                _expect(pool.cached.get(block.block_hash) is block,
-                        f"{block}: hash not mapped to it")
+            if block.ref_cnt != count:
+                raise KVInvariantError(f"{block}: ref count != {count} table references")
+            if (block.ref_cnt == 0) != (block.block_id in free_set):
+                raise KVInvariantError(f"{block}: free-list membership disagrees with its "
+                                       "ref count")
+            if block.ref_cnt > 1 and block.block_hash is None:
+                raise KVInvariantError(f"{block} is shared but not a full block")
+            if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
+                raise KVInvariantError(f"{block}: hash not mapped to it")
         for block_hash, block in pool.cached.items():
-            _expect(block.block_hash == block_hash, f"{block}: hash map entry {block_hash}")
-        _expect(set(self.rows) == set(self.tables), "block-table rows disagree with tables")
+            if block.block_hash != block_hash:
+                raise KVInvariantError(f"{block}: hash map entry {block_hash}")
+        if set(self.rows) != set(self.tables):
+            raise KVInvariantError("block-table rows disagree with tables")
         for req_id, table in self.tables.items():
             row = self.block_table_array[self.rows[req_id]]
-            _expect(row[:len(table)].tolist() == [b.block_id for b in table]
-                    and not row[len(table):].any(), f"{req_id}: block-table row is stale")
-        if not self.tables:
-            _expect(pool.num_free == pool.num_blocks,
-                    f"{pool.num_blocks - pool.num_free} blocks leaked with no request")
-
-
-def _expect(ok: bool, message: str) -> None:
-    if not ok:
-        raise KVInvariantError(message)
+            if (row[:len(table)].tolist() != [b.block_id for b in table]
+                    or row[len(table):].any()):
+                raise KVInvariantError(f"{req_id}: block-table row is stale")
+        if not self.tables and pool.num_free != pool.num_blocks:
+            raise KVInvariantError(f"{pool.num_blocks - pool.num_free} blocks leaked with no "
+                                   "request")

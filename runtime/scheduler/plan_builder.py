@@ -8,43 +8,69 @@ from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.scheduler.request import Request
 
 
-def build_plan(step_id: int, rows: list[Request], num_scheduled: list[int],
-               start_positions: list[int], table_rows: list[int],
-               block_table_array: np.ndarray, block_size: int,
-               new_requests: list[NewRequestData], finished_req_ids: list[str]) -> StepPlan:
-    """``start_positions[i]``: tokens of row i already computed before this step."""
-    num_reqs = len(rows)
-    input_ids: list[int] = []
-    for req, start, count in zip(rows, start_positions, num_scheduled, strict=True):
+class StepRows:
+    """Per-row facts collected while scheduling, in row order (the scheduler fills these in
+    the same loop that decides the step, so no second pass over the batch is needed)."""
+
+    __slots__ = ("reqs", "req_ids", "counts", "starts", "table_rows", "sample", "versions",
+                 "input_ids")
+
+    def __init__(self) -> None:
+        self.reqs: list[Request] = []
+        self.req_ids: list[str] = []
+        self.counts: list[int] = []
+        self.starts: list[int] = []  # tokens computed before this step
+        self.table_rows: list[int] = []  # row of the KV manager's persistent block table
+        self.sample: list[bool] = []  # the row's prompt is complete after this step
+        self.versions: list[int] = []
+        self.input_ids: list[int] = []
+
+    def add(self, req: Request, count: int, table_row: int) -> None:
+        """Record one row and advance the request past this step's tokens."""
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids
         if count == 1:
-            input_ids.append(req.all_token_ids[start])
+            self.input_ids.append(tokens[start])
         else:
-            input_ids.extend(req.all_token_ids[start:start + count])
-    counts = np.asarray(num_scheduled, dtype=np.int32)
-    starts = np.asarray(start_positions, dtype=np.int64)
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start_loc[1:])
-    seq_lens = (starts + counts).astype(np.int32)
-    num_tokens = int(query_start_loc[-1])
-    if num_tokens == num_reqs:  # pure decode: one token per row
-        positions = starts.copy()
+            self.input_ids.extend(tokens[start:start + count])
+        self.reqs.append(req)
+        self.req_ids.append(req.req_id)
+        self.counts.append(count)
+        self.starts.append(start)
+        self.table_rows.append(table_row)
+        self.sample.append(start + count >= len(tokens))
+        self.versions.append(req.version)
+        req.num_computed_tokens = start + count
+
+
+def build_plan(step_id: int, rows: StepRows, block_table_array: np.ndarray, block_size: int,
+               new_requests: list[NewRequestData], finished_req_ids: list[str]) -> StepPlan:
+    num_reqs = len(rows.reqs)
+    starts = np.asarray(rows.starts, dtype=np.int64)
+    num_tokens = len(rows.input_ids)
+    if num_tokens == num_reqs:  # pure decode: one token per row, every row samples
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        positions = starts
         token_rows = np.arange(num_reqs)
+        seq_lens = (starts + 1).astype(np.int32)
+        sample_rows = np.asarray(rows.sample, dtype=bool)
     else:
+        counts = np.asarray(rows.counts, dtype=np.int32)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        seq_lens = (starts + counts).astype(np.int32)
         token_rows = np.repeat(np.arange(num_reqs), counts)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
             query_start_loc[:-1].astype(np.int64) - starts, counts)
+        sample_rows = np.asarray(rows.sample, dtype=bool)
     max_blocks = -(-int(seq_lens.max()) // block_size) if num_reqs else 0
-    block_tables = block_table_array[np.asarray(table_rows, dtype=np.int64), :max_blocks]
+    block_tables = block_table_array[np.asarray(rows.table_rows, dtype=np.int64), :max_blocks]
     slot_mapping = (block_tables[token_rows, positions // block_size].astype(np.int64)
                     * block_size + positions % block_size)
-    sample_rows = np.fromiter(
-        (start + count >= req.num_tokens
-         for req, start, count in zip(rows, start_positions, num_scheduled, strict=True)),
-        dtype=bool, count=num_reqs)
     return StepPlan(
         step_id=step_id,
-        req_ids=[req.req_id for req in rows],
-        input_ids=np.asarray(input_ids, dtype=np.int64),
+        req_ids=rows.req_ids,
+        input_ids=np.asarray(rows.input_ids, dtype=np.int64),
         positions=positions,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,

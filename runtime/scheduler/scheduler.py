@@ -24,7 +24,7 @@ from shoal.runtime.engine.messages import (
 )
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
-from shoal.runtime.scheduler.plan_builder import build_plan
+from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
 from shoal.runtime.scheduler.stops import check_stop
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
@@ -45,8 +45,7 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     plan: StepPlan
-    rows: list[Request]
-    versions: list[int]
+    rows: StepRows
 
 
 class Scheduler:
@@ -102,43 +101,51 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens
-        rows: list[Request] = []
-        counts: list[int] = []
+        block_size = self.config.block_size
+        rows = StepRows()
+        add_row = rows.add
         preempted = False
         kv = self.kv
+        tables, table_rows = kv.tables, kv.rows
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            count = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not kv.allocate_slots(req, req.num_computed_tokens, count):
-                victim = self._pick_victim(i)
-                self._preempt(victim)
+            computed = req.num_computed_tokens
+            count = min(len(req.all_token_ids) - computed, budget)
+            table = tables.get(req.req_id)
+            # fast path: the step's tokens fit the blocks it already holds
+            if (table is None or computed + count > len(table) * block_size) \
+                    and not kv.allocate_slots(req, computed, count):
                 preempted = True
-                if victim is req:
-                    break
-            else:
-                rows.append(req)
-                counts.append(count)
-                budget -= count
-                i += 1
+                if not self._preempt_until_allocated(req, i, count):
+                    continue  # it preempted itself; running[i] is now the next request
+            add_row(req, count, table_rows[req.req_id])
+            budget -= count
+            i += 1
         new_requests: list[NewRequestData] = []
         if not preempted:
-            budget = self._admit(budget, rows, counts, new_requests)
-        if not rows:
+            self._admit(budget, rows, new_requests)
+        if not rows.reqs:
             return None
-        starts = [req.num_computed_tokens for req in rows]
-        for req, count in zip(rows, counts, strict=True):
-            req.num_computed_tokens += count
         self._step_id += 1
-        plan = build_plan(self._step_id, rows, counts, starts,
-                          [kv.rows[req.req_id] for req in rows], kv.block_table_array,
-                          self.config.block_size, new_requests, self._finished_for_worker)
+        plan = build_plan(self._step_id, rows, kv.block_table_array, block_size, new_requests,
+                          self._finished_for_worker)
         self._finished_for_worker = []
-        return ScheduledStep(plan, rows, [req.version for req in rows])
+        return ScheduledStep(plan, rows)
 
-    def _admit(self, budget: int, rows: list[Request], counts: list[int],
-               new_requests: list[NewRequestData]) -> int:
+    def _preempt_until_allocated(self, req: Request, first_unscheduled: int,
+                                 count: int) -> bool:
+        """Preempt victims until ``req`` gets its slots (True) or is itself the victim."""
+        while True:
+            victim = self._pick_victim(first_unscheduled)
+            self._preempt(victim)
+            if victim is req:
+                return False
+            if self.kv.allocate_slots(req, req.num_computed_tokens, count):
+                return True
+
+    def _admit(self, budget: int, rows: StepRows, new_requests: list[NewRequestData]) -> None:
         kv, waiting = self.kv, self.waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = waiting.peek()
@@ -165,10 +172,8 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 generator_offset=len(req.output_token_ids),
             ))
-            rows.append(req)
-            counts.append(count)
+            rows.add(req, count, kv.rows[req.req_id])
             budget -= count
-        return budget
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """Among running requests not yet scheduled this step (the asking one included):
@@ -199,43 +204,56 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
-        plan = step.plan
-        sampled = result.sampled_token_ids.tolist()
-        expected = [rid for rid, s in zip(plan.req_ids, plan.sample_rows.tolist(),
-                                          strict=True) if s]
+        plan, rows = step.plan, step.rows
+        sample_flags = rows.sample
+        expected = rows.req_ids if all(sample_flags) else [
+            rid for rid, s in zip(rows.req_ids, sample_flags, strict=True) if s]
         if result.req_ids != expected:
             raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
                              f"the plan's sampled rows {expected}")
+        sampled = result.sampled_token_ids.tolist()
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
+        block_size = self.config.block_size
         max_model_len = self.config.max_model_len
+        running_status = RequestStatus.RUNNING
         sample_index = 0
+        num_generated = 0
         any_finished = False
-        for req, version, sample in zip(step.rows, step.versions, plan.sample_rows.tolist(),
-                                        strict=True):
+        for req, version, sample, count in zip(rows.reqs, rows.versions, sample_flags,
+                                               rows.counts, strict=True):
             index = sample_index
-            if sample:
-                sample_index += 1
-            if req.version != version or req.status != RequestStatus.RUNNING:
+            sample_index += sample
+            if req.version != version or req.status is not running_status:
                 continue  # preempted or aborted since it was scheduled: stale
-            kv.cache_full_blocks(req, req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            if count > 1 or computed % block_size == 0:  # a block may have become full
+                kv.cache_full_blocks(req, computed)
             if not sample:
                 continue
             token = sampled[index]
-            req.append_output(token)
-            self.generation_tokens += 1
-            finish, stop_reason = check_stop(req, token, max_model_len)
-            outputs.append(EngineCoreOutput(
-                request_id=req.req_id, version=version, new_token_ids=[token],
-                new_logprobs=_logprobs(result, index, req.sampling_params.logprobs),
-                finish_reason=finish, stop_reason=stop_reason,
-                num_cached_tokens=req.num_cached_tokens))
+            req.all_token_ids.append(token)
+            req.output_token_ids.append(token)
+            num_generated += 1
+            finish = stop_reason = None
+            if (token in req.maybe_stop_ids or len(req.output_token_ids) >= req.max_tokens
+                    or len(req.all_token_ids) >= max_model_len):
+                finish, stop_reason = check_stop(req, token, max_model_len)
+            output = EngineCoreOutput(request_id=req.req_id, version=version,
+                                      new_token_ids=[token],
+                                      num_cached_tokens=req.num_cached_tokens)
+            if req.logprobs_k is not None:
+                output.new_logprobs = _logprobs(result, index, req.logprobs_k)
+            outputs.append(output)
             if finish is not None:
+                output.finish_reason = finish
+                output.stop_reason = stop_reason
                 any_finished = True
                 del self.requests[req.req_id]
                 self._retire(req)
+        self.generation_tokens += num_generated
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running_status]
         return outputs
 
     # -- observability ------------------------------------------------------------------
