@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.distributed.plan_wire import PlanEncoder
+from shoal.runtime.distributed.plan_wire import PlanDecoder, PlanEncoder
 from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.executor.base import Executor
@@ -42,8 +42,10 @@ class MeasuringExecutor(Executor):
                                    intermediate_size=8, max_position_embeddings=1 << 16,
                                    eos_token_ids=[0])
         self.encoder = PlanEncoder(block_size)
+        self.decoder = PlanDecoder(block_size)  # what every rank runs
         # (reqs, tokens, wire, wire from a fresh codec = no deltas, no interned ids, pickle)
         self.sizes: list[tuple[int, int, int, int, int]] = []
+        self.codec_us: list[tuple[int, int, float, float]] = []  # (reqs, tokens, enc, dec)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -56,7 +58,13 @@ class MeasuringExecutor(Executor):
         pass
 
     def execute(self, plan: StepPlan) -> StepResult:
-        wire = len(self.encoder.encode(plan))
+        t0 = time.perf_counter()
+        data = self.encoder.encode(plan)
+        t1 = time.perf_counter()
+        self.decoder.decode(data)
+        t2 = time.perf_counter()
+        self.codec_us.append((plan.num_reqs, plan.num_tokens, (t1 - t0) * 1e6, (t2 - t1) * 1e6))
+        wire = len(data)
         fresh = len(PlanEncoder(self.encoder.block_size).encode(plan))
         self.sizes.append((plan.num_reqs, plan.num_tokens, wire, fresh,
                            len(pickle.dumps(plan))))
@@ -101,7 +109,10 @@ def plan_sizes(num_reqs: int = 256, decode_steps: int = 64) -> None:
         print(f"{name:<30}{len(rows):>4}{wire:>10,.0f}{fresh:>12,.0f}{pick:>11,.0f}"
               f"{pick / wire:>13.1f}")
     steady_max = max(r[2] for r in decode)
-    print(f"steady decode max {steady_max:,} B/step")
+    codec = [c for c in executor.codec_us if c[0] == c[1] == num_reqs]
+    print(f"decode max {steady_max:,} B/step; codec per decode step (median): encode "
+          f"{statistics.median(c[2] for c in codec):.0f} us, decode "
+          f"{statistics.median(c[3] for c in codec):.0f} us")
 
 
 def step_times(tp: int, batch: int, decode_steps: int) -> tuple[float, float, float]:

@@ -122,17 +122,19 @@ class PlanEncoder:
         self._free: list[int] = []
         self._tables = _TableState()
 
-    def _handle(self, req_id: str, new: list[tuple[int, str]]) -> int:
-        handle = self._handles.get(req_id)
-        if handle is None:
-            handle = self._free.pop() if self._free else len(self._handles)
-            self._handles[req_id] = handle
-            new.append((handle, req_id))
-        return handle
+    def _handles_of(self, req_ids: list[str], new: list[tuple[int, str]]) -> np.ndarray:
+        found = list(map(self._handles.get, req_ids))  # one C-level pass in the common case
+        for i, handle in enumerate(found):
+            if handle is None and (handle := self._handles.get(req_ids[i])) is None:
+                handle = self._free.pop() if self._free else len(self._handles)
+                self._handles[req_ids[i]] = handle
+                new.append((handle, req_ids[i]))
+            found[i] = handle
+        return np.array(found, dtype=np.int64)
 
     def encode(self, plan: StepPlan) -> bytes:
         new_handles: list[tuple[int, str]] = []
-        handles = np.array([self._handle(r, new_handles) for r in plan.req_ids], dtype=np.int64)
+        handles = self._handles_of(plan.req_ids, new_handles)
         for handle, _ in new_handles:  # a reused handle starts with an empty row
             self._tables.reserve(handle + 1, 0)
             self._tables.lens[handle] = 0
@@ -197,7 +199,7 @@ class PlanDecoder:
             self._tables.lens[handle] = 0
         handles = np.frombuffer(wire.handles, dtype=np.int32).astype(np.int64)
         try:
-            req_ids = [self._ids[h] for h in handles.tolist()]
+            req_ids = list(map(self._ids.__getitem__, handles.tolist()))
         except KeyError as exc:
             raise ValueError(f"step {wire.step_id}: unknown request handle {exc}") from None
         width = wire.table_width
