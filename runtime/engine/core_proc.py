@@ -63,6 +63,9 @@ def _phase_reporting(executor, startup: _Startup):
         def kv_bytes_per_block(self) -> int:
             return executor.kv_bytes_per_block()
 
+        def profile_num_kv_blocks(self) -> int | None:  # GPU KV sizing (phase "profiling")
+            return executor.profile_num_kv_blocks()
+
         def initialize_kv_cache(self, num_blocks: int) -> None:
             startup.begin("capturing")
             executor.initialize_kv_cache(num_blocks)
