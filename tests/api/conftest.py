@@ -1,0 +1,151 @@
+"""Serving test helpers: real ``shoal serve`` processes on free loopback ports, always
+stopped (and their engine-core child with them), plus probes into /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+API_KEY = "sk-shoal-test"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.05,
+               what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    model_dir: Path
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def model(self) -> str:
+        return "shoal-test"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, timeout: float = 5.0) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=timeout)
+
+    def engine_process(self) -> psutil.Process:
+        children = psutil.Process(self.proc.pid).children(recursive=False)
+        engines = [c for c in children if "shoal.runtime.engine.core_proc" in " ".join(c.cmdline())]
+        assert len(engines) == 1, f"expected one engine-core child, found {children}"
+        return engines[0]
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics").text
+        match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        assert match, f"metric {name} not exported"
+        return float(match.group(1))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                return self.get("/ready", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, timeout, 0.1, "/ready")
+
+    def stop(self) -> None:
+        """Kill the server and its engine child, whatever state they are in."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for proc in children:
+            try:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., Server]]:
+    """start_server(*flags, api_key=None, wait=True) -> Server; all stopped at session end."""
+    started: list[Server] = []
+
+    def start(*flags: str, api_key: str | None = None, wait: bool = True,
+              model_dir: Path | None = None) -> Server:
+        port = free_port()
+        model = model_dir or small_qwen3
+        log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+        cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "shoal-test",
+               "--num-kv-blocks", "512", "--log-level", "warning", *flags]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        server = Server(proc, port, model, api_key, log_path)
+        started.append(server)
+        if wait:
+            server.wait_ready()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(start_server) -> Server:
+    """One shared server (API key on) for the functional tests of a module."""
+    return start_server(api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(small_qwen3):
+    from shoal.runtime.frontend.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(small_qwen3)

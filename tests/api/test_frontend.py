@@ -1,0 +1,87 @@
+"""The front end in isolation: incremental detokenizer, stop strings, chat template."""
+
+from __future__ import annotations
+
+import pytest
+from shoal.runtime.frontend.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer, held_back_length
+from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.sampling_params import SamplingParams
+
+MIXED_TEXT = "Hello 👋🏽 世界, naïve café — 日本語のテキスト 🎉 def foo(): return 1"
+
+
+def stream(tokenizer: Tokenizer, token_ids: list[int], **params) -> tuple[list[str], str | None]:
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(**params))
+    pieces, stop = [], None
+    for token_id in token_ids:
+        stop = detok.update([token_id])
+        if stop is not None:
+            break
+        pieces.append(detok.take_new_text(finished=False))
+    detok.flush()
+    pieces.append(detok.take_new_text(finished=True))
+    return pieces, stop
+
+
+def test_emoji_and_cjk_stream_token_by_token_without_replacement_characters(tokenizer):
+    token_ids = tokenizer.encode(MIXED_TEXT)
+    assert len(token_ids) > len(MIXED_TEXT.split())  # multi-byte characters span tokens
+    pieces, _ = stream(tokenizer, token_ids)
+    assert "".join(pieces) == MIXED_TEXT
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_a_replacement(tokenizer):
+    token_ids = tokenizer.encode("ok 👋")
+    pieces, _ = stream(tokenizer, token_ids[:-1])  # cut inside the emoji's bytes
+    assert "".join(pieces).startswith("ok ")
+    assert "".join(pieces).endswith("\ufffd")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_split_across_tokens_ends_the_text(tokenizer, include):
+    stop = "世界, na"
+    token_ids = tokenizer.encode(MIXED_TEXT)
+    pieces, found = stream(tokenizer, token_ids, stop=[stop], include_stop_str_in_output=include)
+    assert found == stop
+    expected = MIXED_TEXT[:MIXED_TEXT.index(stop)] + (stop if include else "")
+    assert "".join(pieces) == expected
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["STOPWORD"]))
+    released = ""
+    for token_id in tokenizer.encode("a STOP sign"):
+        assert detok.update([token_id]) is None
+        released += detok.take_new_text(finished=False)
+        assert not released.endswith(("S", "ST", "STO", "STOP", "STOP "))
+    detok.flush()
+    released += detok.take_new_text(finished=True)
+    assert released == "a STOP sign"
+
+
+def test_held_back_length_is_the_longest_stop_prefix_at_the_end():
+    assert held_back_length("abc", ["cd"]) == 1
+    assert held_back_length("abcd", ["cdx", "bcdz"]) == 3
+    assert held_back_length("abc", ["x"]) == 0
+    assert held_back_length("", ["abc"]) == 0
+
+
+def test_the_chat_template_renders_the_checkpoint_format(tokenizer):
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    text = template.render([ChatMessage("system", "be brief"), ChatMessage("user", "hi")])
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+def test_a_template_that_raises_is_a_clear_error():
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        template.render([ChatMessage("user", "x")])
+
+
+def test_the_template_runs_in_a_sandbox():
+    template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        template.render([ChatMessage("user", "x")])
