@@ -29,7 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="one worker process per rank (gloo on CPU, NCCL on GPU)")
+    p.add_argument("--rank-timeout", type=float, default=30.0,
+                   help="seconds a tensor-parallel rank may make no progress before the "
+                        "engine is declared dead")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "triton", "flashinfer"])
@@ -75,7 +79,8 @@ def _main(args: argparse.Namespace) -> int:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,
+        enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint)
     settings = ServerSettings(
