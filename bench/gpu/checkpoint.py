@@ -33,14 +33,15 @@ def model_dir(smoke: bool) -> Path:
 
 def ensure_checkpoint(smoke: bool) -> Path:
     out = model_dir(smoke)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     shape = TINY if smoke else QWEN3_0_6B
     dtype = torch.float32 if smoke else torch.bfloat16
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = Qwen3Config(**shape, rms_norm_eps=1e-6, rope_theta=1e6, initializer_range=0.02,
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, initializer_range=0.02,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                          bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, use_sliding_window=False)
     log(f"building a random {'tiny' if smoke else 'Qwen3-0.6B'}-shaped checkpoint on {device}")
     with torch.device(device):
