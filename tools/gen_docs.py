@@ -53,6 +53,8 @@ def crd_reference(crd: dict) -> str:
 
 
 def _type_of(node: dict) -> str:
+    if node.get("x-kubernetes-int-or-string"):
+        return "integer or string"
     kind = node.get("type", "object" if "properties" in node else "any")
     if kind == "array":
         return f"[]{_type_of(node.get('items', {}))}"
@@ -60,9 +62,10 @@ def _type_of(node: dict) -> str:
         return f"{kind} (one of: {', '.join(str(v) for v in node['enum'])})"
     bounds = []
     if "minimum" in node:
-        bounds.append(f">= {node['minimum']}")
+        # OpenAPI v3.0: exclusiveMinimum/exclusiveMaximum are booleans qualifying the bound
+        bounds.append(f"{'>' if node.get('exclusiveMinimum') else '>='} {node['minimum']}")
     if "maximum" in node:
-        bounds.append(f"<= {node['maximum']}")
+        bounds.append(f"{'<' if node.get('exclusiveMaximum') else '<='} {node['maximum']}")
     if "pattern" in node:
         bounds.append(f"pattern `{node['pattern']}`")
     return f"{kind}{' (' + ', '.join(bounds) + ')' if bounds else ''}"
@@ -76,7 +79,8 @@ def _field_rows(node: dict, path: str):
         desc = " ".join(child.get("description", "").split()).replace("|", "\\|")
         req = " **required**" if name in required else ""
         shown_default = "" if default is None else f"`{json.dumps(default)}`"
-        yield f"| `{child_path}`{req} | {_type_of(child)} | {shown_default} | {desc} |"
+        kind = _type_of(child).replace("|", "\\|")  # a `|` in a pattern would split the cell
+        yield f"| `{child_path}`{req} | {kind} | {shown_default} | {desc} |"
         target = child.get("items", child) if child.get("type") == "array" else child
         if "properties" in target:
             yield from _field_rows(target, child_path + ("[]" if target is not child else ""))
@@ -97,8 +101,10 @@ def cli_reference() -> str:
     lines = ["# `shoal` command-line reference", "",
              "Generated from the argument parsers by `tools/gen_docs.py`; do not edit by hand.", ""]
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summaries = {a.dest: a.help or "" for a in subparsers._choices_actions}
     for name, sub in subparsers.choices.items():
-        lines += [f"## `shoal {name}`", "", (sub.description or "").strip(), "",
+        summary = (sub.description or summaries.get(name) or "").strip()
+        lines += [f"## `shoal {name}`", "", summary, "",
                   "| flag | default | help |", "| --- | --- | --- |"]
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):
@@ -108,6 +114,7 @@ def cli_reference() -> str:
             help_text = (action.help or "").replace("|", "\\|").replace("%%", "%")
             if action.choices:
                 help_text += f" (choices: {', '.join(str(c) for c in action.choices)})"
+            help_text = help_text.strip()
             lines.append(f"| {flags} | {default} | {help_text} |")
         lines.append("")
     return "\n".join(lines)
@@ -132,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     for path in drifted:
-        print(f"{path.relative_to(ROOT)} is out of date: run python tools/gen_docs.py", file=sys.stderr)
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        print(f"{shown} is out of date: run python tools/gen_docs.py", file=sys.stderr)
     return 1 if drifted else 0
 
 
