@@ -97,6 +97,8 @@ class RouterApp:
             await self._proxy(scope, receive, send)
         elif path == "/v1/models" and method == "GET":
             await self._proxy(scope, receive, send)
+        elif path == "/debug/blocks" and method == "GET":
+            await self._blocks(send)
         else:
             await _error(send, 404, f"no route for {method} {path}")
 
@@ -112,6 +114,16 @@ class RouterApp:
                     await self._on_shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _blocks(self, send: Send) -> None:
+        """The router's view: block keys it believes each replica holds (affinity only)."""
+        indexes = getattr(self.policy, "indexes", None)
+        if indexes is None:
+            await _error(send, 404, f"policy {self.policy.name} keeps no block view")
+            return
+        view = {"policy": self.policy.name, "precise": bool(getattr(self.policy, "precise", 0)),
+                "replicas": {url: sorted(index.blocks()) for url, index in indexes.items()}}
+        await _respond(send, 200, json.dumps(view).encode())
 
     # -- proxying -------------------------------------------------------------------------
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:

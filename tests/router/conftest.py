@@ -115,3 +115,31 @@ def fake_fleet(spawn, free_port):
 def wait_for():
     """wait_for(predicate, timeout=30, what="") -> the first truthy value, or AssertionError."""
     return wait_until
+
+
+@pytest.fixture(scope="module")
+def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
+    """engine_fleet_factory(replicas, engine_args, kv_events) -> a started LocalFleet of real
+    `shoal serve` engines (tiny qwen3) and a router; all stopped when the module ends."""
+    from shoal.runtime.router.fleet import FleetConfig, LocalFleet
+
+    fleets: list[LocalFleet] = []
+
+    def build(replicas: int = 2, engine_args: list[str] | None = None,
+              kv_events: bool = False) -> LocalFleet:
+        router_args = ["--health-interval", "0.2", "--scrape-interval", "0.2"]
+        if kv_events:
+            router_args += ["--tokenizer", str(tiny_qwen3)]
+        config = FleetConfig(replicas=replicas, model=str(tiny_qwen3),
+                             port=_free_port("127.0.0.1"), engine_port=_free_port("127.0.0.2"),
+                             engine_args=engine_args or [], router_args=router_args,
+                             kv_events=kv_events, kv_events_port=_free_port("127.0.0.2"),
+                             ready_timeout=180, log_dir=tmp_path_factory.mktemp("fleet"))
+        fleet = LocalFleet(config)
+        fleets.append(fleet)
+        fleet.start()
+        return fleet
+
+    yield build
+    for fleet in fleets:
+        fleet.stop()

@@ -1,0 +1,154 @@
+"""End to end through `shoal fleet` machinery with real `shoal serve` engines (tiny qwen3):
+streaming pass-through, disconnect freeing engine blocks, a killed replica, precise mode."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
+from shoal.runtime.router.engine_metrics import parse_engine_metrics
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+
+
+def normalized(sse: bytes) -> bytes:
+    """The per-request id and creation second differ between any two requests."""
+    sse = re.sub(rb'"id": ?"[^"]+"', b'"id":"-"', sse)
+    return re.sub(rb'"created": ?\d+', b'"created":0', sse)
+
+
+def engine_metrics(url: str):
+    return parse_engine_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
+
+
+@pytest.fixture(scope="module")
+def fleet(engine_fleet_factory):
+    return engine_fleet_factory(2, ["--num-kv-blocks", "40", "--max-model-len", "512"],
+                                kv_events=True)
+
+
+def test_streaming_through_the_router_is_byte_identical(fleet):
+    router = fleet.config.router_url
+    body = {"messages": [{"role": "system", "content": "You are a harbor pilot. " * 6},
+                         {"role": "user", "content": "When does the tide turn?"}],
+            "max_tokens": 12, "stream": True, "temperature": 0, "seed": 3, "ignore_eos": True}
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        routed = b"".join(r.iter_raw())
+    # the same request straight to each engine: one of them served it, both are deterministic
+    direct = [httpx.post(f"{e}/v1/chat/completions", json=body, timeout=60).content
+              for e in fleet.config.engine_urls()]
+    # (no usage chunk: its cached_tokens would differ between a cold and a warm engine)
+    assert routed.count(b"data: ") > 12 and routed.endswith(b"data: [DONE]\n\n")
+    assert normalized(routed) == normalized(direct[0]) == normalized(direct[1])
+
+
+def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
+    router = fleet.config.router_url
+    body = {"prompt": "The longest voyage began " * 4, "max_tokens": 400, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
+        chunks = r.iter_raw()
+        next(chunks)
+        next(chunks)
+        busy = wait_for(lambda: [e for e in fleet.config.engine_urls()
+                                 if engine_metrics(e).num_running == 1], timeout=10,
+                        what="the request running on an engine")
+        assert engine_metrics(busy[0]).kv_usage > 0
+    wait_for(lambda: engine_metrics(busy[0]).num_running == 0
+             and engine_metrics(busy[0]).kv_usage == 0.0, timeout=15,
+             what="blocks freed after the disconnect")
+
+
+def router_view(router: str) -> dict[str, set[int]]:
+    view = httpx.get(f"{router}/debug/blocks", timeout=5).json()
+    assert view["precise"]
+    return {url: set(blocks) for url, blocks in view["replicas"].items()}
+
+
+def cached_tokens(engine: str, prompt: list[int]) -> int:
+    r = httpx.post(f"{engine}/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def test_precise_view_matches_the_engines_caches_through_eviction(fleet, wait_for):
+    """Each probe: predict from the router's view how many leading blocks an engine holds,
+    then ask the engine (its cached_tokens). 40-block caches and 6-block prompts force
+    evictions, which the view must follow too."""
+    router = fleet.config.router_url
+    engines = fleet.config.engine_urls()
+    extra = ExtraKeys().digest()
+    prompts = [[(7 * p + t) % 900 + 50 for t in range(6 * BLOCK + 5)] for p in range(10)]
+    for p in prompts[:8]:  # through the router: the view fills from both engines' events
+        httpx.post(f"{router}/v1/completions", timeout=60,
+                   json={"prompt": p, "max_tokens": 1}).raise_for_status()
+    time.sleep(0.5)
+    removed_seen = False
+    checked = 0
+    previous: dict[str, set[int]] = {}
+    for round_ in range(3):
+        for engine in engines:
+            for p in prompts:
+                view = router_view(router)[engine]
+                if previous.get(engine, set()) - view:
+                    removed_seen = True
+                previous[engine] = view
+                keys = hash_prefix_blocks(p, BLOCK, extra)
+                predicted = 0
+                for key in keys:
+                    if key not in view:
+                        break
+                    predicted += 1
+                actual = cached_tokens(engine, p) // BLOCK
+                assert actual == predicted, (round_, engine, prompts.index(p))
+                checked += 1
+                # the probe itself stored and evicted blocks: wait until the view shows it
+                wait_for(lambda e=engine, k=keys: set(k[:6]) <= router_view(router)[e],
+                         timeout=5, what="probe's blocks in the view")
+    assert removed_seen, "no eviction happened: the cache is too large for this test"
+    assert checked == 3 * len(engines) * len(prompts)
+    for engine in engines:
+        assert len(router_view(router)[engine]) <= 40
+
+
+def test_router_key_hashes_match_engine_events_for_chat(fleet, wait_for):
+    """Token-precise affinity: the router's own hashes of a chat request (template +
+    tokenizer) are the block hashes the engine reported storing for it."""
+    router = fleet.config.router_url
+    body = {"messages": [{"role": "system", "content": "Unique crew manifest check. " * 8},
+                         {"role": "user", "content": "List the crew."}], "max_tokens": 1}
+    before = router_view(router)
+    httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    wait_for(lambda: any(router_view(router)[e] - before.get(e, set())
+                         for e in fleet.config.engine_urls()), timeout=5, what="new blocks")
+    r1 = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60).json()
+    metrics = httpx.get(f"{router}/metrics").text
+    assert re.search(r'shoal:router_affinity_hits_total\{replica="[^"]+"\} [1-9]', metrics)
+    assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
+
+
+def test_killed_replica_is_ejected_and_later_requests_succeed(engine_fleet_factory, wait_for):
+    fleet = engine_fleet_factory(2, ["--max-model-len", "512"])
+    router = fleet.config.router_url
+    victim_url = fleet.config.engine_urls()[0]
+    victim = fleet.engines[0]
+    os.killpg(victim.pid, signal.SIGKILL)  # the engine and its engine-core process
+    victim.wait(timeout=10)
+    ok = 0
+    for k in range(6):
+        r = httpx.post(f"{router}/v1/completions", timeout=60,
+                       json={"prompt": f"request {k} after the crash " * 3, "max_tokens": 2})
+        assert r.status_code == 200
+        ok += 1
+    assert ok == 6
+    wait_for(lambda: f'shoal:router_replica_ready{{replica="{victim_url}"}} 0.0'
+             in httpx.get(f"{router}/metrics").text, timeout=10, what="ejection")
