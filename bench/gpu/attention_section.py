@@ -1,8 +1,8 @@
 """Section ``attention``: every available backend vs the torch reference on real shapes.
 
-Qwen3-0.6B attention (16 query heads, 8 KV heads, head_dim 128, bf16, block 16) on a
-decode batch of 64 and on a mixed step (prefill chunks after a cached prefix plus
-decodes). For each backend: the largest deviation from ``kernels.reference`` and the time
+Qwen3-0.6B and Llama-3-8B attention (16 or 32 query heads, 8 KV heads, head_dim 128,
+bf16, block 16) on a decode batch of 64 and on a mixed step (prefill chunks after a
+cached prefix plus decodes). For each backend: the largest deviation from ``kernels.reference`` and the time
 of one layer's ``forward`` (KV write + attention); flashinfer's ``plan`` runs once per step
 in ``build_metadata``/first layer and is left out, as it is amortised over all layers.
 """
@@ -26,16 +26,21 @@ class Shapes:
     dtype: torch.dtype
 
 
-def cases(smoke: bool) -> dict[str, list[tuple[int, int]]]:
-    """(cached context, new query tokens) per request."""
+QWEN3_0_6B = Shapes(16, 8, 128, 16, torch.bfloat16)
+LLAMA3_8B = Shapes(32, 8, 128, 16, torch.bfloat16)
+TINY = Shapes(4, 2, 16, 16, torch.float32)
+
+
+def cases(smoke: bool) -> list[tuple[str, Shapes, list[tuple[int, int]]]]:
+    """(name, shapes, [(cached context, new query tokens) per request])."""
     gen = torch.Generator().manual_seed(0)
     if smoke:
-        return {"decode": [(int(c), 1) for c in torch.randint(4, 40, (3,), generator=gen)],
-                "mixed": [(4, 9), (17, 1), (30, 1)]}
-    decode_ctx = torch.randint(512, 1536, (64,), generator=gen)
-    mixed_ctx = torch.randint(512, 1536, (60,), generator=gen)
-    return {"decode": [(int(c), 1) for c in decode_ctx],
-            "mixed": [(256, 512)] * 4 + [(int(c), 1) for c in mixed_ctx]}
+        return [("qwen3-decode", TINY, [(int(c), 1) for c in torch.randint(4, 40, (3,), generator=gen)]),
+                ("qwen3-mixed", TINY, [(4, 9), (17, 1), (30, 1)])]
+    decode = [(int(c), 1) for c in torch.randint(512, 1536, (64,), generator=gen)]
+    mixed = [(256, 512)] * 4 + [(int(c), 1) for c in torch.randint(512, 1536, (60,), generator=gen)]
+    return [("qwen3-decode", QWEN3_0_6B, decode), ("qwen3-mixed", QWEN3_0_6B, mixed),
+            ("llama8b-decode", LLAMA3_8B, decode), ("llama8b-mixed", LLAMA3_8B, mixed)]
 
 
 def build_batch(requests, shapes: Shapes, device: str):
@@ -95,12 +100,10 @@ def run(smoke: bool) -> dict:
     from shoal.kernels.reference import paged_attention_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = (Shapes(4, 2, 16, 16, torch.float32) if smoke and device == "cpu"
-              else Shapes(16, 8, 128, 16, torch.bfloat16))
-    scale = shapes.head_dim ** -0.5
     backends = available_backends(device)
     results: dict[str, dict] = {}
-    for case, requests in cases(smoke).items():
+    for case, shapes, requests in cases(smoke):
+        scale = shapes.head_dim ** -0.5
         torch.manual_seed(1)
         meta, k_cache, v_cache, q, k, v = build_batch(requests, shapes, device)
         reference = None
@@ -122,4 +125,8 @@ def run(smoke: bool) -> dict:
             except Exception as exc:  # noqa: BLE001 - one backend failing keeps the others
                 results[row] = {"error": f"{type(exc).__name__}: {exc}"}
                 log(f"{row} failed: {exc!r}")
-    return {"device": device, "shapes": repr(shapes), "rows": results}
+    return {"device": device, "rows": results,
+            "shapes": "qwen3 = Qwen3-0.6B (16 q / 8 kv heads, dim 128), llama8b = Llama-3-8B "
+                      "(32 q / 8 kv heads, dim 128); bf16, block 16; decode: 64 requests with "
+                      "512-1536 cached tokens; mixed: 4 chunks of 512 after 256 cached + 60 decodes"
+                      if not smoke else "tiny fp32 (4 q / 2 kv heads, dim 16)"}

@@ -29,7 +29,7 @@ def render_env(env: dict) -> list[str]:
 
 
 def render_attention(att: dict) -> list[str]:
-    lines = [f"== attention, one layer ({att.get('shapes')})",
+    lines = [f"== attention, one layer: {att.get('shapes')}",
              f"{'case/backend':<22}{'max|err|':>12}{'us/layer':>12}{'vs flashinfer':>15}"]
     rows = att.get("rows", {})
     for key, row in rows.items():
@@ -93,7 +93,7 @@ def targets(results: dict) -> list[str]:
         lines.append("graphs >= 1.5x eager at batch 1: not measured")
     att = (results.get("attention") or {}).get("rows", {})
     ratios = []
-    for case in ("decode", "mixed"):
+    for case in sorted({key.split("/")[0] for key in att}):
         tri = att.get(f"{case}/triton", {}).get("us_per_layer")
         fi = att.get(f"{case}/flashinfer", {}).get("us_per_layer")
         if tri and fi:
