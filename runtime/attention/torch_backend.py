@@ -1,34 +1,48 @@
 """Pure-torch paged attention: the reference backend, on CPU and GPU.
 
 New K/V are written through ``slot_mapping`` with one ``index_copy_`` into the flattened
-cache. Decode rows (one query token) are handled together: their blocks are gathered in
-one indexing op and attended with batched matmuls, grouped by KV head (GQA without
-repeating K/V). Prefill chunks go through ``scaled_dot_product_attention`` one request at a
-time: causal on the fresh K/V when nothing is cached before them, otherwise over the
-context read through the block table with a causal mask shifted by the cached prefix.
-Only positions below ``seq_len`` are ever allowed to influence a result, so whatever sits
-in unused cache memory (even NaN) cannot leak in.
+cache. Decode rows (one query token each) are attended together: sorted by context length
+and cut into chunks, each chunk's blocks are gathered whole (one ``index_select`` per K and
+V into a reused workspace, so no page faults from fresh large buffers) and attended with
+batched matmuls per KV head on strided views (GQA without repeating K/V, no layout copy).
+Prefill chunks go through ``scaled_dot_product_attention`` one request at a time: causal on
+the fresh K/V when nothing is cached before them, otherwise over the context read through
+the block table with a causal mask shifted by the cached prefix.
+
+Positions at or past ``seq_len`` never influence a result: their scores are masked and
+their gathered values zeroed, so whatever sits in unused cache memory (even NaN) stays out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from shoal.runtime.attention.backend import AttentionMetadata
 
-# decode rows are gathered in chunks of at most this many K (and V) elements
-_DECODE_GATHER_ELEMENTS = 1 << 25
+# a decode chunk gathers at most this many context tokens (rows x padded length)
+_DECODE_CHUNK_TOKENS = 1 << 15
 
 
 @dataclass
 class _DecodeChunk:
     token_idx: torch.Tensor  # long [Bc]: rows of q/out
-    block_tables: torch.Tensor  # long [Bc, nb]
+    block_ids: torch.Tensor  # long [Bc * nb]: the rows' block tables, flattened
     seq_lens: torch.Tensor  # long [Bc]
-    num_blocks: int
-    min_seq_len: int
+    num_blocks: int  # nb: blocks per row after padding to the longest row
+    pad_index: torch.Tensor | None  # long: flat [Bc * S] positions past a row's end
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [Bc,1,S]
+
+    def mask(self, span: int, window: int | None) -> torch.Tensor:
+        """True where a score must be dropped; built by the first layer, reused by the rest."""
+        if window not in self.masks:
+            positions = torch.arange(span, device=self.seq_lens.device)
+            invalid = positions[None, :] >= self.seq_lens[:, None]
+            if window is not None:
+                invalid |= positions[None, :] <= self.seq_lens[:, None] - 1 - window
+            self.masks[window] = invalid[:, None, :]
+        return self.masks[window]
 
 
 @dataclass
@@ -43,40 +57,23 @@ class _Prefill:
 class TorchAttentionPlan:
     decode_chunks: list[_DecodeChunk]
     prefills: list[_Prefill]
-    all_decode_in_order: bool  # every row is one token and rows are tokens: out is direct
+    all_decode: bool  # every row is a single decode token
 
 
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self) -> None:
+        self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        starts = meta.query_start_loc_cpu
-        seq_lens = meta.seq_lens_cpu
-        decode_rows = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        num_reqs = len(seq_lens)
+        decode_rows = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
         prefills = [_Prefill(i, starts[i], starts[i + 1], seq_lens[i])
-                    for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
-        chunks: list[_DecodeChunk] = []
-        if decode_rows:
-            device = meta.block_tables.device
-            rows = torch.tensor(decode_rows, dtype=torch.long)
-            row_lens = [seq_lens[i] for i in decode_rows]
-            max_len = max(row_lens)
-            num_blocks = -(-max_len // meta.block_size)
-            per_row = max(1, num_blocks * meta.block_size)
-            # bounds the gathered copy; 256 = a typical KV heads x head_dim per token
-            chunk_rows = max(1, _DECODE_GATHER_ELEMENTS // (per_row * 256))
-            rows_dev = rows.to(device)
-            tables = meta.block_tables.index_select(0, rows_dev)[:, :num_blocks].long()
-            token_idx = torch.tensor([starts[i] for i in decode_rows], dtype=torch.long,
-                                     device=device)
-            lens = torch.tensor(row_lens, dtype=torch.long, device=device)
-            for lo in range(0, len(decode_rows), chunk_rows):
-                hi = min(lo + chunk_rows, len(decode_rows))
-                nb = -(-max(row_lens[lo:hi]) // meta.block_size)
-                chunks.append(_DecodeChunk(token_idx[lo:hi], tables[lo:hi, :nb], lens[lo:hi],
-                                           nb, min(row_lens[lo:hi])))
-        in_order = not prefills and len(decode_rows) == len(seq_lens)
-        meta.extra = TorchAttentionPlan(chunks, prefills, in_order)
+                    for i in range(num_reqs) if starts[i + 1] - starts[i] > 1]
+        chunks = _decode_chunks(meta, sorted(decode_rows, key=lambda i: -seq_lens[i]))
+        meta.extra = TorchAttentionPlan(chunks, prefills, len(decode_rows) == num_reqs)
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -87,50 +84,89 @@ class TorchAttentionBackend:
             plan = self.build_metadata(meta).extra
             assert isinstance(plan, TorchAttentionPlan)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        if plan.all_decode_in_order and len(plan.decode_chunks) == 1:
-            return _decode(q, k_cache, v_cache, plan.decode_chunks[0], scale, sliding_window)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
-            q_rows = q.index_select(0, chunk.token_idx)
-            out.index_copy_(0, chunk.token_idx,
-                            _decode(q_rows, k_cache, v_cache, chunk, scale, sliding_window))
-        block_tables = meta.block_tables
+            result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
+                                  scale, sliding_window)
+            out.index_copy_(0, chunk.token_idx, result)
         for p in plan.prefills:
             out[p.start:p.end] = _prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
-                                          k_cache, v_cache, block_tables, meta.block_size, p,
-                                          scale, sliding_window)
+                                          k_cache, v_cache, meta.block_tables, meta.block_size,
+                                          p, scale, sliding_window)
         return out
 
+    def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two reused gather buffers of ``numel`` elements (grown, never shrunk)."""
+        key = (like.dtype, like.device)
+        buf = self._workspace.get(key)
+        if buf is None or buf.numel() < 2 * numel:
+            buf = torch.empty(2 * numel, dtype=like.dtype, device=like.device)
+            self._workspace[key] = buf
+        return buf[:numel], buf[numel:2 * numel]
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: _DecodeChunk,
-            scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    span = chunk.num_blocks * k_cache.shape[1]
-    # [B, nb, bs, Hk, D] -> [B, Hk, S, D]; one gather per tensor for the whole chunk
-    keys = k_cache[chunk.block_tables].view(batch, span, num_kv_heads, head_dim)
-    values = v_cache[chunk.block_tables].view(batch, span, num_kv_heads, head_dim)
-    positions = torch.arange(span, device=q.device)
-    invalid = positions[None, :] >= chunk.seq_lens[:, None]  # [B, S]
-    if sliding_window is not None:
-        invalid |= positions[None, :] <= (chunk.seq_lens[:, None] - 1 - sliding_window)
-    if span > chunk.min_seq_len or sliding_window is not None:
-        # zero what lies outside the context: a masked score must not become NaN * 0
-        keys.masked_fill_(invalid[:, :, None, None], 0.0)
-        values.masked_fill_(invalid[:, :, None, None], 0.0)
-    group = num_heads // num_kv_heads
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, Hk, G, S]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hk, G, D]
-    return out.reshape(batch, num_heads, head_dim)
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                chunk: _DecodeChunk, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
+        batch, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        span = chunk.num_blocks * block_size
+        block_numel = block_size * num_kv_heads * head_dim
+        k_buf, v_buf = self._buffers(batch * chunk.num_blocks * block_numel, q)
+        k_rows = k_buf.view(-1, block_numel)
+        v_rows = v_buf.view(-1, block_numel)
+        torch.index_select(k_cache.view(num_blocks, block_numel), 0, chunk.block_ids, out=k_rows)
+        torch.index_select(v_cache.view(num_blocks, block_numel), 0, chunk.block_ids, out=v_rows)
+        if chunk.pad_index is not None:  # unused memory must not reach probs @ V as NaN * 0
+            v_buf.view(batch * span, -1).index_fill_(0, chunk.pad_index, 0.0)
+        keys = k_buf.view(batch, span, num_kv_heads, head_dim)
+        values = v_buf.view(batch, span, num_kv_heads, head_dim)
+        invalid = chunk.mask(span, sliding_window)
+        group = num_heads // num_kv_heads
+        qg = q.view(batch, num_kv_heads, group, head_dim)
+        out = torch.empty_like(qg)
+        for h in range(num_kv_heads):
+            # strided per-head views: batched GEMMs read them in place, no layout copy
+            scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(scale)
+            scores.masked_fill_(invalid, float("-inf"))  # [B, G, S]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[:, h] = torch.bmm(probs, values[:, :, h])
+        return out.view(batch, num_heads, head_dim)
+
+
+def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChunk]:
+    """Rows sorted longest first, cut so a chunk's padded context stays bounded."""
+    if not rows:
+        return []
+    device = meta.block_tables.device
+    bs = meta.block_size
+    seq_lens = meta.seq_lens_cpu
+    chunks: list[_DecodeChunk] = []
+    lo = 0
+    while lo < len(rows):
+        nb = -(-seq_lens[rows[lo]] // bs)  # the longest row of the chunk comes first
+        span = nb * bs
+        hi = lo + 1
+        # bounded size, and rows at least 3/4 as long as the first so padding stays small
+        while (hi < len(rows) and (hi - lo + 1) * span <= _DECODE_CHUNK_TOKENS
+               and 4 * seq_lens[rows[hi]] >= 3 * seq_lens[rows[lo]]):
+            hi += 1
+        chunk_rows = rows[lo:hi]
+        lens = torch.tensor([seq_lens[i] for i in chunk_rows], dtype=torch.long)
+        pads = (torch.arange(span)[None, :] >= lens[:, None]).view(-1).nonzero().view(-1)
+        row_index = torch.tensor(chunk_rows, dtype=torch.long).to(device)
+        tables = meta.block_tables.index_select(0, row_index)[:, :nb]
+        chunks.append(_DecodeChunk(
+            token_idx=torch.tensor([meta.query_start_loc_cpu[i] for i in chunk_rows],
+                                   dtype=torch.long).to(device),
+            block_ids=tables.reshape(-1).long(),
+            seq_lens=lens.to(device),
+            num_blocks=nb,
+            pad_index=pads.to(device) if pads.numel() else None))
+        lo = hi
+    return chunks
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

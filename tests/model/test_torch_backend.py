@@ -127,7 +127,7 @@ def test_sliding_window_limits_what_each_query_sees():
 def test_many_decode_rows_split_into_gather_chunks(monkeypatch):
     import shoal.runtime.attention.torch_backend as tb
 
-    monkeypatch.setattr(tb, "_DECODE_GATHER_ELEMENTS", 4096)  # forces several chunks
+    monkeypatch.setattr(tb, "_DECODE_CHUNK_TOKENS", 64)  # forces several chunks
     specs = [(n % 23, 1) for n in range(20)] + [(4, 3)]
     Case(specs, 4, 2, block_size=4, num_blocks=128).run()
 
