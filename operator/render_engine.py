@@ -214,6 +214,9 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
             "command": ["/bin/sh", "-c", f"sleep {PRESTOP_SLEEP_SECONDS}"]}}},
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
+        # The engine's last log lines ("engine core process exited ...") become the
+        # termination message the operator reports as the replica's lastFailure.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
         "readinessGates": [{"conditionType": ENGINE_READY_CONDITION}],

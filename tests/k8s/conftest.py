@@ -244,6 +244,38 @@ def standin_engines(engine_port: int) -> Iterator[Any]:
 
 
 @pytest.fixture
+def real_engines(engine_port: int, tiny_qwen3: Path, tmp_path: Path) -> Iterator[Any]:
+    """Start a real `shoal serve --host <pod ip>` (tiny Qwen3, CPU) per pod; `log_tail(pod)`
+    gives its last log lines, as the kubelet's FallbackToLogsOnError would."""
+    shoal = Path(sys.executable).with_name("shoal")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(pod_name: str, ip: str) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"{pod_name}.log").open("ab")
+        process = subprocess.Popen(
+            [str(shoal), "serve", "--host", ip, "--port", str(engine_port),
+             "--model", str(tiny_qwen3), "--served-model-name", "demo", "--device", "cpu",
+             "--max-num-seqs", "16", "--num-kv-blocks", "256", "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        started.append(process)
+        return process
+
+    def log_tail(pod_name: str) -> str:
+        path = tmp_path / f"{pod_name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(lines[-5:])[-2048:]
+
+    start.log_tail = log_tail  # type: ignore[attr-defined]
+    try:
+        yield start
+    finally:
+        kill_tree = _load_helper("fake_kubelet").kill_tree
+        for process in started:
+            kill_tree(process)
+
+
+@pytest.fixture
 def fake_kubelet_cls() -> type:
     return _load_helper("fake_kubelet").FakeKubelet
 

@@ -22,6 +22,25 @@ TEMPLATE_HASH = "serving.shoal.dev/template-hash"
 EngineStarter = Callable[[str, str], subprocess.Popen[bytes]]  # (pod name, ip) -> process
 
 
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL an engine and every process it started (a container's whole cgroup)."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    psutil.wait_procs(children, timeout=10)
+
+
 def _stamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -33,6 +52,7 @@ class FakePod:
     process: subprocess.Popen[bytes] | None
     restarts: int = 0
     last_exit: int | None = None
+    message: str = ""
     reported_dead: bool = False
 
 
@@ -42,6 +62,8 @@ class FakeKubelet:
     namespace: str
     deployment: str
     start_engine: EngineStarter
+    # pod name -> the engine's last log lines (FallbackToLogsOnError: the termination message)
+    termination_message: Callable[[str], str] = lambda name: ""
     pods: dict[str, FakePod] = field(default_factory=dict)
     _free_ips: list[str] = field(default_factory=lambda: [f"127.0.0.{n}" for n in range(2, 40)])
     _serial: int = 0
@@ -97,7 +119,8 @@ class FakeKubelet:
         self.pods[name] = FakePod(name, ip, self.start_engine(name, ip))
 
     @staticmethod
-    def _container(running: bool, restarts: int, last_exit: int | None) -> dict[str, Any]:
+    def _container(running: bool, restarts: int, last_exit: int | None,
+                   message: str = "") -> dict[str, Any]:
         status: dict[str, Any] = {
             "name": "engine", "ready": False, "restartCount": restarts,
             "state": {"running": {"startedAt": _stamp()}} if running else
@@ -105,7 +128,7 @@ class FakeKubelet:
         }
         if last_exit is not None:
             status["lastState"] = {"terminated": {"exitCode": last_exit, "reason": "Error",
-                                                  "finishedAt": _stamp()}}
+                                                  "message": message, "finishedAt": _stamp()}}
         return status
 
     async def _report_exit(self, pod: FakePod) -> None:
@@ -114,16 +137,31 @@ class FakeKubelet:
         pod.last_exit = 128 - code if code < 0 else code  # killed by signal N: 128+N
         pod.restarts += 1
         pod.reported_dead = True
+        pod.message = self.termination_message(pod.name)
         await self.api.patch(self._path("pods", pod.name) + "/status", json={"status": {
-            "containerStatuses": [self._container(False, pod.restarts, pod.last_exit)]}},
+            "containerStatuses": [self._container(False, pod.restarts, pod.last_exit,
+                                                  pod.message)]}},
             headers={"Content-Type": "application/merge-patch+json"})
 
     def kill_engine(self, name: str) -> None:
-        """The engine process dies (as when a rank dies and the engine exits)."""
+        """The engine process dies."""
         process = self.pods[name].process
         assert process is not None
         process.kill()
         process.wait()
+
+    def kill_rank(self, name: str, timeout: float = 30.0) -> int:
+        """A rank dies: SIGKILL the engine's child processes (engine core / workers); the
+        engine itself must notice and exit non-zero. Returns its exit code."""
+        import psutil
+
+        process = self.pods[name].process
+        assert process is not None
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "the engine has no child processes to kill"
+        for child in children:
+            child.kill()
+        return process.wait(timeout=timeout)
 
     async def restart_engine(self, name: str) -> None:
         """The kubelet restarts the container (same pod, same IP)."""
@@ -131,7 +169,8 @@ class FakeKubelet:
         pod.process = self.start_engine(name, pod.ip)
         pod.reported_dead = False
         await self.api.patch(self._path("pods", name) + "/status", json={"status": {
-            "containerStatuses": [self._container(True, pod.restarts, pod.last_exit)]}},
+            "containerStatuses": [self._container(True, pod.restarts, pod.last_exit,
+                                                  pod.message)]}},
             headers={"Content-Type": "application/merge-patch+json"})
 
     async def delete_pod(self, name: str) -> None:
@@ -142,9 +181,8 @@ class FakeKubelet:
         pod = self.pods.pop(name, None)
         if pod is None:
             return
-        if pod.process is not None and pod.process.poll() is None:
-            pod.process.kill()
-            pod.process.wait()
+        if pod.process is not None:
+            kill_tree(pod.process)
         self._free_ips.append(pod.ip)
 
     async def run(self, period: float = 0.3) -> None:

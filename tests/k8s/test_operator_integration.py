@@ -1,8 +1,10 @@
 """The real operator process against kmock's API-server emulator, with the test as the kubelet.
 
 The operator probes real HTTP /ready and scrapes real /metrics of one engine process per pod
-(127.0.0.N). Engines here are the stand-in (standin_engine.py), which honours the runtime's HTTP
-contract and can report chosen KV usage, queue depth and a slow observable startup.
+(127.0.0.N). The lifecycle test runs a real `shoal serve --host 127.0.0.N` (tiny Qwen3, CPU)
+per pod. The restart test uses the stand-in engine (standin_engine.py, same HTTP contract)
+because it checks aggregates of exact KV usage / queue depth / hit counts per replica, which a
+real engine cannot be made to report on demand.
 """
 
 from __future__ import annotations
@@ -77,15 +79,27 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(c for c in status.get("conditions") or [] if c["type"] == kind)
 
 
+async def engine_totals(pod_ips: list[str], port: int) -> tuple[float, float, float]:
+    """(mean KV usage, prefix hit tokens, prefix query tokens) as the engines report them."""
+    from shoal.operator.prom import parse_engine_metrics
+
+    async with httpx.AsyncClient(timeout=5) as http:
+        scraped = [parse_engine_metrics((await http.get(f"http://{ip}:{port}/metrics")).text)
+                   for ip in pod_ips]
+    return (sum(m.kv_cache_usage for m in scraped) / len(scraped),
+            sum(m.prefix_cache_hits for m in scraped),
+            sum(m.prefix_cache_queries for m in scraped))
+
+
 async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
-        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        apiserver: SimpleNamespace, operator_process: Any, real_engines: Any,
         fake_kubelet_cls: type, engine_port: int, crd: dict[str, Any]) -> None:
     api = apiserver.api
-    standin_engines.settings["*"] = ["--load-seconds", "3", "--prefix-queries", "100"]
     (await api.post(ISVC_PATH, json=service_body("demo"))).raise_for_status()
     operator_process.start()
     kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="demo-engine",
-                               start_engine=standin_engines)
+                               start_engine=real_engines,
+                               termination_message=real_engines.log_tail)
     kubelet_task = asyncio.create_task(kubelet.run())
     try:
         isvc = await get(api, f"{ISVC_PATH}/demo")
@@ -110,7 +124,7 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         pods_path = f"/api/v1/namespaces/{NS}/pods"
         seen_gated = False
         probe = httpx.AsyncClient(timeout=1)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             pods = await items(api, pods_path)
             if len(pods) == 2 and all(gate(p) == "True" for p in pods):
@@ -132,25 +146,41 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         pods = await items(api, pods_path)
         assert len(pods) == 2 and all(gate(p) == "True" for p in pods)
 
+        # Traffic on one engine: the same long prompt twice, so its prefix cache has hits.
+        pod_ips = sorted(p["status"]["podIP"] for p in pods)
+        prompt = " ".join(f"word{i}" for i in range(120))
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(2):
+                (await http.post(f"http://{pod_ips[0]}:{engine_port}/v1/completions", json={
+                    "model": "demo", "prompt": prompt, "max_tokens": 2})).raise_for_status()
+        kv, hits, queries = await engine_totals(pod_ips, engine_port)
+        assert hits > 0 and queries > hits
+
         # Status from real /ready and /metrics; every printer column resolves on it.
         async def ready_status() -> dict[str, Any] | None:
             obj = await get(api, f"{ISVC_PATH}/demo")
-            return obj if obj and (obj.get("status") or {}).get("phase") == "Ready" else None
-        isvc = await wait_for(ready_status, "phase Ready", operator=operator_process)
+            st = (obj or {}).get("status") or {}
+            return obj if st.get("phase") == "Ready" and \
+                st.get("prefixCacheHitRate") == round(hits / queries, 4) else None
+        isvc = await wait_for(ready_status, "phase Ready with the engines' hit rate",
+                              operator=operator_process)
         status = isvc["status"]
         assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
-        assert status["kvCacheUsage"] == 0.0 and status["prefixCacheHitRate"] == 0.0
+        assert status["kvCacheUsage"] == round(kv, 4)
         assert status["observedGeneration"] == isvc["metadata"]["generation"]
         assert {r["phase"] for r in status["replicaStatus"]} == {"ready"}
         columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
         shown = {c["name"]: json_path(isvc, c["jsonPath"]) for c in columns}
-        assert shown == {"Ready": "2/2", "KV%": 0, "Hit%": 0, "Queue": 0, "Model": "demo",
+        assert shown == {"Ready": "2/2", "KV%": round(kv * 100),
+                         "Hit%": round(hits / queries * 100), "Queue": 0, "Model": "demo",
                          "Phase": "Ready", "Age": isvc["metadata"]["creationTimestamp"]}
         assert condition(status, "Ready")["status"] == "True"
 
-        # One engine dies (as on a rank failure): Degraded with the reason, gate False.
+        # A rank dies (its engine-core process is killed): the engine exits non-zero by itself,
+        # and the service turns Degraded with the reason; the pod's gate goes False.
         victim = sorted(kubelet.pods)[0]
-        kubelet.kill_engine(victim)
+        exit_code = await asyncio.to_thread(kubelet.kill_rank, victim)
+        assert exit_code != 0
 
         async def degraded() -> dict[str, Any] | None:
             obj = await get(api, f"{ISVC_PATH}/demo")
@@ -162,13 +192,18 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         assert victim in condition(status, "Degraded")["message"]
         entry = next(r for r in status["replicaStatus"] if r["name"] == victim)
         assert entry["restarts"] == 1 and entry["lastFailure"]["reason"] == "RankFailure"
+        assert f"code {exit_code}" in entry["lastFailure"]["message"]
         assert gate(await get(api, f"{pods_path}/{victim}") or {}) == "False"
         events = await items(api, f"/api/v1/namespaces/{NS}/events")
         assert any(e["reason"] == "RankFailure" and victim in e["message"] for e in events)
 
         # The container restarts: back to Ready, gate True again.
         await kubelet.restart_engine(victim)
-        await wait_for(ready_status, "Ready after restart", operator=operator_process)
+
+        async def ready_again() -> bool:
+            obj = await get(api, f"{ISVC_PATH}/demo")
+            return ((obj or {}).get("status") or {}).get("phase") == "Ready"
+        await wait_for(ready_again, "Ready after restart", timeout=60, operator=operator_process)
         assert gate(await get(api, f"{pods_path}/{victim}") or {}) == "True"
 
         # A spec change reaches the children; pods of the new template become the updated ones.
@@ -200,7 +235,7 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
             done = st.get("phase") == "Ready" and st.get("updatedReplicas") == 2 and \
                 st.get("observedGeneration") == obj["metadata"]["generation"]
             return obj if done else None
-        isvc = await wait_for(rolled_out, "rollout to the new spec", timeout=40,
+        isvc = await wait_for(rolled_out, "rollout to the new spec", timeout=90,
                               operator=operator_process)
         assert isvc["metadata"]["generation"] == 2
     finally:
