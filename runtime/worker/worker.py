@@ -74,7 +74,7 @@ class Worker:
         mc = self.model_config()
         backend = get_attention_backend(self.config.attention_backend, self.device)
         max_positions = max(self.max_model_len, mc.max_position_embeddings)
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: parameters stay ordinary tensors
             model = build_model(mc, self.config.model, backend, self.parallel, max_positions,
                                 self.dtype, self.device)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,

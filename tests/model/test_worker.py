@@ -1,0 +1,126 @@
+"""Worker lifecycle: setup order, per-request state, results, and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.worker.worker import Worker, resolve_dtype
+
+
+def test_kv_sizing_follows_the_model_config(tiny_qwen3, load_worker):
+    worker = load_worker(tiny_qwen3, num_blocks=10, block_size=8)
+    mc = worker.model_config()
+    assert worker.kv_bytes_per_block() == mc.kv_bytes_per_token(torch.float32) * 8
+    assert worker.kv_bytes_per_block() == 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * 8
+    k, v = worker.runner.kv_caches[0]
+    assert k.shape == v.shape == (10, 8, mc.num_kv_heads, mc.head_dim)
+    assert len(worker.runner.kv_caches) == mc.num_layers
+    # TP: KV heads split, or replicated when fewer than ranks
+    assert mc.kv_bytes_per_token(torch.float32, tp_size=2) * 2 == mc.kv_bytes_per_token(
+        torch.float32)
+    assert mc.kv_bytes_per_token(torch.float32, tp_size=4) == mc.kv_bytes_per_token(
+        torch.float32, tp_size=2)
+
+
+def test_warmup_runs_a_full_size_step_and_leaves_no_state(tiny_llama, load_worker):
+    worker = load_worker(tiny_llama, num_blocks=16, block_size=16, max_num_batched_tokens=256)
+    worker.warmup()
+    assert worker.states == {}
+
+
+def test_request_state_lives_from_new_requests_to_finished(tiny_qwen2, load_worker,
+                                                           planner_factory, new_request):
+    worker = load_worker(tiny_qwen2, num_blocks=32, block_size=4)
+    planner = planner_factory(32, 4)
+    planner.add("a", [5, 6, 7, 8, 9])
+    planner.add("b", [10, 11])
+    # a's prompt is chunked: no sample this step, but its state exists already
+    result = worker.execute(planner.plan({"a": 3, "b": 2}, new=[new_request("a", [5, 6, 7, 8, 9]),
+                                                                new_request("b", [10, 11])]))
+    assert result.req_ids == ["b"] and result.sampled_token_ids.shape == (1,)
+    assert set(worker.states) == {"a", "b"}
+    assert worker.states["b"].output_token_ids == result.sampled_token_ids.tolist()
+    plan = planner.plan({"a": 2, "b": [int(result.sampled_token_ids[0])]})
+    plan.finished_req_ids = []
+    result = worker.execute(plan)
+    assert result.req_ids == ["a", "b"]
+    plan = planner.plan({"a": [int(result.sampled_token_ids[0])]})
+    plan.finished_req_ids = ["b"]
+    worker.execute(plan)
+    assert set(worker.states) == {"a"}
+
+
+def test_a_request_never_announced_is_a_clear_error(tiny_qwen2, load_worker, planner_factory):
+    worker = load_worker(tiny_qwen2, num_blocks=8, block_size=4)
+    planner = planner_factory(8, 4)
+    planner.add("ghost", [3, 4])
+    with pytest.raises(RuntimeError, match="'ghost' was never sent"):
+        worker.execute(planner.plan({"ghost": 2}))
+
+
+def test_logprobs_and_top_alternatives_come_back_in_the_result(tiny_llama, load_worker,
+                                                               planner_factory, new_request):
+    worker = load_worker(tiny_llama, num_blocks=16, block_size=4)
+    planner = planner_factory(16, 4)
+    planner.add("x", [3, 4, 5])
+    planner.add("y", [6, 7])
+    result = worker.execute(planner.plan(
+        {"x": 3, "y": 2}, new=[new_request("x", [3, 4, 5], temperature=0.0, logprobs=3),
+                               new_request("y", [6, 7], temperature=0.8, seed=1)]))
+    assert result.logprobs.shape == (2,) and result.top_token_ids.shape == (2, 3)
+    assert result.top_logprobs.dtype == np.float32
+    # greedy: the sampled token is the most likely one and its logprob is the top logprob
+    assert result.sampled_token_ids[0] == result.top_token_ids[0, 0]
+    assert result.logprobs[0] == pytest.approx(result.top_logprobs[0, 0])
+    assert (np.diff(result.top_logprobs[0]) <= 0).all()
+
+
+def test_min_tokens_keeps_the_model_eos_out(tiny_llama, load_worker, planner_factory,
+                                            new_request, monkeypatch):
+    worker = load_worker(tiny_llama, num_blocks=16, block_size=4)
+    eos = worker.model_config().eos_token_ids
+    model = worker.runner.model
+    plain_logits = model.compute_logits
+
+    def eos_favoured(hidden):  # make EOS the model's clear favourite
+        logits = plain_logits(hidden)
+        logits[:, eos[0]] += 1000.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", eos_favoured)
+    planner = planner_factory(16, 4)
+    planner.add("m", [3, 4, 5])
+    planner.add("n", [3, 4, 5])
+    result = worker.execute(planner.plan(
+        {"m": 3, "n": 3}, new=[new_request("m", [3, 4, 5], temperature=0.0, min_tokens=2),
+                               new_request("n", [3, 4, 5], temperature=0.0)]))
+    m_token, n_token = result.sampled_token_ids.tolist()
+    assert n_token == eos[0] and m_token not in eos
+
+
+def test_dtype_and_device_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", cpu)
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        Worker(EngineConfig(model="x", device="tpu"))
+
+
+def test_steps_before_setup_are_refused(tiny_llama, engine_config):
+    worker = Worker(engine_config(tiny_llama))
+    with pytest.raises(RuntimeError, match="load_model must run first"):
+        worker.kv_bytes_per_block()
+    worker.load_model()
+    with pytest.raises(ValueError, match="num_blocks must be at least 1"):
+        worker.init_kv_cache(0)
+
+
+def test_missing_model_directory_names_the_path(tmp_path, engine_config):
+    worker = Worker(engine_config(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        worker.load_model()
