@@ -98,8 +98,10 @@ def _failure(pod: dict[str, Any], probe: ProbeResult | None, now: datetime,
     if probe is not None and probe.ready_status is None and container.get("ready") is not False \
             and gate_status(pod):
         return Failure("EngineUnreachable", "/ready did not answer")
-    if probe is not None and probe.ready_body and probe.ready_body.get("status") == "failed":
-        return Failure("RankFailure", "engine reports status failed")
+    body = (probe.ready_body or {}) if probe is not None else {}
+    if body.get("status") == "failed" or body.get("phase") in ("failed", "dead"):
+        # The engine is up but its core is gone or hung: it is about to exit non-zero.
+        return Failure("RankFailure", f"engine reports {body.get('phase') or body['status']}")
     return None
 
 

@@ -283,10 +283,13 @@ def fake_kubelet_cls() -> type:
 class OperatorProcess:
     """`python -m shoal.operator` (= `shoal operator`) against the emulator."""
 
-    def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path) -> None:
+    def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path,
+                 liveness_port: int) -> None:
+        self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
         self.args = [sys.executable, "-m", "shoal.operator", "--server", server,
                      "--namespace", namespace, "--interval", "1", "--probe-timeout", "1",
-                     "--engine-port", str(engine_port), "--log-level", "INFO"]
+                     "--engine-port", str(engine_port), "--log-level", "INFO",
+                     "--liveness", self.liveness_url]
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -318,7 +321,11 @@ class OperatorProcess:
 @pytest.fixture
 def operator_process(apiserver: SimpleNamespace, engine_port: int,
                      tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(apiserver.url, "serving", engine_port, tmp_path / "operator.log")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        liveness_port = int(sock.getsockname()[1])
+    process = OperatorProcess(apiserver.url, "serving", engine_port, tmp_path / "operator.log",
+                              liveness_port)
     try:
         yield process
     finally:

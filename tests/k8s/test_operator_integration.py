@@ -296,3 +296,46 @@ async def test_operator_restart_mid_rollout_converges_without_duplicates(
     for path, wanted in expected.items():
         found = sorted(o["metadata"]["name"] for o in await names(path))
         assert found == wanted, path
+
+
+async def test_builtin_autoscaler_scales_up_on_kv_usage(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type) -> None:
+    api = apiserver.api
+    standin_engines.settings["*"] = ["--kv", "0.9"]  # every replica 90% full vs a 50% target
+    body = service_body("auto")
+    del body["spec"]["replicas"]
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3,
+                                   "targetKVCacheUsage": 0.5, "scaleDownDelaySeconds": 300}
+    (await api.post(ISVC_PATH, json=body)).raise_for_status()
+    operator_process.start()
+    kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="auto-engine",
+                               start_engine=standin_engines)
+    kubelet_task = asyncio.create_task(kubelet.run())
+    try:
+        async def live() -> bool:
+            try:
+                async with httpx.AsyncClient(timeout=1) as http:
+                    return (await http.get(operator_process.liveness_url)).status_code == 200
+            except httpx.HTTPError:
+                return False
+        await wait_for(live, "operator liveness endpoint", operator=operator_process)
+
+        async def at_max() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/auto")
+            st = (obj or {}).get("status") or {}
+            return obj if obj and obj["spec"].get("replicas") == 3 and \
+                st.get("readyReplicas") == 3 and st.get("phase") == "Ready" else None
+        isvc = await wait_for(at_max, "scale-up to maxReplicas", timeout=60,
+                              operator=operator_process)
+        assert isvc["status"]["ready"] == "3/3"
+        assert isvc["status"]["autoscaler"]["recommendation"] == 3
+        engine = await get(api, f"/apis/apps/v1/namespaces/{NS}/deployments/auto-engine")
+        assert engine is not None and engine["spec"]["replicas"] == 3
+        scaled = [e["message"] for e in await items(api, f"/api/v1/namespaces/{NS}/events")
+                  if e["reason"] == "Scaled"]
+        assert scaled[0].startswith("replicas 1 -> 2: KV cache 90%")
+        assert scaled[-1].startswith("replicas 2 -> 3")
+    finally:
+        kubelet_task.cancel()
+        kubelet.stop_all()

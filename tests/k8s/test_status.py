@@ -61,6 +61,8 @@ def observe(p: dict[str, Any], probe: ProbeResult | None, budget: int = 600) -> 
     (pod(gate="True"), DOWN, False, "unreachable", "EngineUnreachable"),
     (pod(), ProbeResult(503, {"status": "failed", "phase": "loading"}), False, "loading",
      "RankFailure"),
+    (pod(), ProbeResult(503, {"status": "not ready", "phase": "dead"}), False, "dead",
+     "RankFailure"),
     # a restarted engine that came back is healthy again: the old exit is history
     (pod(restarts=1, last_exit={"exitCode": 1}), READY, True, "ready", None),
 ])
