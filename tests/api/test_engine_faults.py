@@ -1,0 +1,63 @@
+"""A dead or hung engine is fatal: liveness fails, live streams end with an error, the server
+exits non-zero (so the container restarts). A failed startup exits non-zero with the cause."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+
+def stream_until_error(server, started: threading.Event, outcome: dict) -> None:
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+    try:
+        stream = client.completions.create(model=server.model, prompt="long: ", max_tokens=3000,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for _ in stream:
+            started.set()
+        outcome["result"] = "ended without an error"
+    except openai.APIError as exc:
+        outcome["result"] = exc
+    finally:
+        started.set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill -9", "SIGSTOP"])
+def test_engine_death_fails_health_errors_streams_and_exits_non_zero(start_server, how):
+    server = start_server()
+    started, outcome = threading.Event(), {}
+    reader = threading.Thread(target=stream_until_error, args=(server, started, outcome))
+    reader.start()
+    assert started.wait(30)
+    assert server.get("/health").status_code == 200
+    engine = server.engine_process()
+    t0 = time.monotonic()
+    engine.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGSTOP)
+    while server.get("/health").status_code != 503:
+        assert time.monotonic() - t0 < 5.0, "/health still 200 five seconds after the death"
+        time.sleep(0.1)
+    reader.join(10)
+    assert isinstance(outcome.get("result"), openai.APIError), outcome
+    assert "engine" in str(outcome["result"]).lower()
+    assert server.proc.wait(15) != 0
+    assert "engine" in server.log()
+
+
+@pytest.mark.slow
+def test_a_startup_failure_exits_non_zero_with_the_engines_error(start_server, small_qwen3,
+                                                                  tmp_path):
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        shutil.copy(small_qwen3 / name, broken / name)
+    server = start_server(model_dir=broken, wait=False)
+    assert server.proc.wait(60) != 0
+    log = server.log()
+    assert "engine" in log and "safetensors" in log.lower(), log[-2000:]
