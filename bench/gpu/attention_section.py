@@ -31,16 +31,18 @@ LLAMA3_8B = Shapes(32, 8, 128, 16, torch.bfloat16)
 TINY = Shapes(4, 2, 16, 16, torch.float32)
 
 
-def cases(smoke: bool) -> list[tuple[str, Shapes, list[tuple[int, int]]]]:
-    """(name, shapes, [(cached context, new query tokens) per request])."""
+def cases(smoke: bool) -> list[tuple[str, Shapes, list[tuple[int, int]], int | None]]:
+    """(name, shapes, [(cached context, new query tokens) per request], sliding window)."""
     gen = torch.Generator().manual_seed(0)
     if smoke:
-        return [("qwen3-decode", TINY, [(int(c), 1) for c in torch.randint(4, 40, (3,), generator=gen)]),
-                ("qwen3-mixed", TINY, [(4, 9), (17, 1), (30, 1)])]
+        return [("qwen3-decode", TINY, [(int(c), 1) for c in torch.randint(4, 40, (3,), generator=gen)], None),
+                ("qwen3-mixed", TINY, [(4, 9), (17, 1), (30, 1)], None),
+                ("window-mixed", TINY, [(4, 9), (17, 1), (30, 1)], 7)]
     decode = [(int(c), 1) for c in torch.randint(512, 1536, (64,), generator=gen)]
     mixed = [(256, 512)] * 4 + [(int(c), 1) for c in torch.randint(512, 1536, (60,), generator=gen)]
-    return [("qwen3-decode", QWEN3_0_6B, decode), ("qwen3-mixed", QWEN3_0_6B, mixed),
-            ("llama8b-decode", LLAMA3_8B, decode), ("llama8b-mixed", LLAMA3_8B, mixed)]
+    return [("qwen3-decode", QWEN3_0_6B, decode, None), ("qwen3-mixed", QWEN3_0_6B, mixed, None),
+            ("llama8b-decode", LLAMA3_8B, decode, None), ("llama8b-mixed", LLAMA3_8B, mixed, None),
+            ("window-mixed", QWEN3_0_6B, mixed, 300)]
 
 
 def build_batch(requests, shapes: Shapes, device: str):
@@ -102,7 +104,7 @@ def run(smoke: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backends = available_backends(device)
     results: dict[str, dict] = {}
-    for case, shapes, requests in cases(smoke):
+    for case, shapes, requests, window in cases(smoke):
         scale = shapes.head_dim ** -0.5
         torch.manual_seed(1)
         meta, k_cache, v_cache, q, k, v = build_batch(requests, shapes, device)
@@ -112,12 +114,12 @@ def run(smoke: bool) -> dict:
             try:
                 kc, vc = k_cache.clone(), v_cache.clone()
                 step_meta = backend.build_metadata(meta)
-                out = backend.forward(q, k, v, kc, vc, step_meta, scale)
+                out = backend.forward(q, k, v, kc, vc, step_meta, scale, window)
                 if reference is None:  # the cache now holds this step's K/V
                     reference = paged_attention_ref(q, kc, vc, meta.query_start_loc, meta.seq_lens,
-                                                    meta.block_tables, scale)
+                                                    meta.block_tables, scale, window)
                 error = (out.float() - reference.float()).abs().max().item()
-                step = functools.partial(backend.forward, q, k, v, kc, vc, step_meta, scale)
+                step = functools.partial(backend.forward, q, k, v, kc, vc, step_meta, scale, window)
                 ms = time_ms(step, device, warmup=0 if smoke else 5, iters=1 if smoke else 20)
                 results[row] = {"max_abs_error": error, "us_per_layer": ms * 1e3,
                                 "tokens": int(q.shape[0]), "requests": len(requests)}

@@ -37,7 +37,7 @@ def test_targets_pass_when_the_numbers_meet_them():
 
 def test_targets_fail_when_they_do_not():
     lines = _table_module().targets(_results(b64_graphs=2.5, b1_graphs=2.5, triton_us=160.0))
-    assert [line.split(": ")[1].split()[0] for line in lines[1:]] == ["FAIL", "FAIL", "FAIL"]
+    assert [line.split(": ")[1].split()[0] for line in lines[1:4]] == ["FAIL", "FAIL", "FAIL"]
 
 
 def test_missing_measurements_are_said_so_not_passed():
@@ -49,3 +49,11 @@ def test_a_failed_section_shows_its_error_and_the_rest_still_renders():
     text = _table_module().render_table({"env": {"error": "RuntimeError: no GPU"}, **_results()})
     assert "env: ERROR RuntimeError: no GPU" in text
     assert "qwen3-decode/triton" in text
+
+
+def test_attention_disagreeing_with_the_reference_fails_the_correctness_line():
+    results = _results()
+    results["attention"]["rows"]["qwen3-decode/triton"]["max_abs_error"] = 0.4
+    line = _table_module().targets(results)[-1]
+    assert line.startswith("attention matches the reference") and "FAIL" in line
+    assert "qwen3-decode/triton" in line
