@@ -8,7 +8,7 @@
 # Needs docker, kubectl, helm, curl, a reachable cluster with nvidia.com/gpu nodes and
 # SHOAL_E2E_REGISTRY (a registry the nodes pull from); without them it prints SKIP, exits 0.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "${BASH_SOURCE[0]%/*}/.."
 
 for tool in docker kubectl helm curl python3; do
   command -v "$tool" >/dev/null 2>&1 || { echo "SKIP: $tool not found"; exit 0; }

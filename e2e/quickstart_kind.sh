@@ -7,7 +7,7 @@
 # Needs docker (with a daemon), kind, kubectl, helm and curl; without them it prints SKIP and
 # exits 0. KEEP_CLUSTER=1 leaves the cluster up for a look around.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "${BASH_SOURCE[0]%/*}/.."
 
 for tool in docker kind kubectl helm curl python3; do
   command -v "$tool" >/dev/null 2>&1 || { echo "SKIP: $tool not found"; exit 0; }
