@@ -142,7 +142,7 @@ def _volumes(owner: Owner, spec: ServiceSpec) -> tuple[list[dict[str, Any]], lis
         # NCCL and torch worker processes exchange tensors through /dev/shm
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
     ]
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "model-cache", "mountPath": CACHE_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
