@@ -34,3 +34,25 @@ def test_every_section_runs_and_the_table_comes_last(tmp_path):
     assert done.stdout.rstrip().splitlines()[-1].startswith("attention matches the reference")
     assert "PASS" in done.stdout.rstrip().splitlines()[-1]
     assert (tmp_path / "out" / "table.txt").read_text().strip() in done.stdout
+
+
+def test_direct_checkpoint_writer_matches_hf_qwen3_names_and_loads(tmp_path, monkeypatch):
+    """The fallback for a GPU machine whose transformers cannot build the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(REPO / "bench" / "gpu"))
+    checkpoint = pytest.importorskip("checkpoint")
+    monkeypatch.setenv("SHOAL_BENCH_CHECKPOINT", "direct")
+    monkeypatch.setenv("SHOAL_BENCH_MODEL_DIR", str(tmp_path / "direct"))
+    model_dir = checkpoint.ensure_checkpoint(smoke=True)
+
+    hf, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.worker.worker import Worker
+
+    worker = Worker(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=8))
+    worker.load_model()
+    embed = worker.runner.model.model.embed_tokens.weight
+    torch.testing.assert_close(embed, hf.model.embed_tokens.weight)
