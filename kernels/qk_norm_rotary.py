@@ -4,7 +4,8 @@ Qwen3 normalises every query and key head over ``head_dim`` and then rotates it;
 two torch ops that is four reads/writes of q and k per layer, here one read and one write.
 One program per token handles all of its heads. Rotary is the neox form used by Llama and
 Qwen: the head's two halves ``(x1, x2)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``,
-with ``cos_sin_cache[position] = [cos | sin]`` (each ``head_dim / 2`` wide).
+with ``cos[position]`` and ``sin[position]`` each ``head_dim / 2`` wide (the tables the
+model's rotary embedding already holds).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ def _qk_norm_rotary_kernel(
     out_ptr,
     weight_ptr,
     positions_ptr,
-    cos_sin_ptr,
+    cos_ptr,
+    sin_ptr,
     stride_xt,
     stride_xh,
     stride_ot,
     stride_oh,
-    stride_cs,
+    stride_cos,
+    stride_sin,
     eps,
     num_heads: tl.constexpr,
     HALF: tl.constexpr,  # head_dim // 2
@@ -51,8 +54,8 @@ def _qk_norm_rotary_kernel(
     n2 = ((x2 * inv_rms[:, None]).to(x_ty).to(tl.float32) * w2).to(x_ty).to(tl.float32)
 
     position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * stride_cs + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_sin + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     out_base = out_ptr + token * stride_ot + heads * stride_oh
     out_ty = out_ptr.dtype.element_ty
     tl.store(out_base + dims, (n1 * cos - n2 * sin).to(out_ty), mask=mask)
@@ -63,7 +66,8 @@ def qk_norm_rotary(
     x: torch.Tensor,  # [T, num_heads, head_dim]
     weight: torch.Tensor,  # [head_dim]
     positions: torch.Tensor,  # [T]
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+    cos: torch.Tensor,  # [max_position, head_dim // 2]
+    sin: torch.Tensor,  # [max_position, head_dim // 2]
     eps: float,
     out: torch.Tensor | None = None,  # may be x itself: each program reads before it writes
 ) -> torch.Tensor:
@@ -72,21 +76,22 @@ def qk_norm_rotary(
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
     if weight.shape != (head_dim,):
         raise ValueError(f"weight must be [{head_dim}], got {tuple(weight.shape)}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != head_dim // 2:
+            raise ValueError(f"{name} must be [max_position, {head_dim // 2}], got {tuple(table.shape)}")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
     if out is None:
         out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    check_launchable(x, weight, positions, cos_sin_cache, out)
-    if x.stride(-1) != 1 or out.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("x, out and cos_sin_cache must be contiguous in their last dimension")
+    check_launchable(x, weight, positions, cos, sin, out)
+    if any(t.stride(-1) != 1 for t in (x, out, cos, sin)):
+        raise ValueError("x, out, cos and sin must be contiguous in their last dimension")
     half = head_dim // 2
     _qk_norm_rotary_kernel[(num_tokens,)](
-        x, out, weight.contiguous(), positions, cos_sin_cache,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_sin_cache.stride(0),
+        x, out, weight.contiguous(), positions, cos, sin,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         eps,
         num_heads=num_heads,
         HALF=half,

@@ -93,12 +93,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rotary_ref(
     x: torch.Tensor,  # [T, num_heads, head_dim]
     positions: torch.Tensor,  # [T]
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos half, then sin half
+    cos: torch.Tensor,  # [max_position, head_dim // 2]
+    sin: torch.Tensor,
 ) -> torch.Tensor:
     """Neox-style rotary embedding (rotate the two halves of the head), as Llama/Qwen use."""
     half = x.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions.long()].float().split(half, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos = cos[positions.long()].float().unsqueeze(1)
+    sin = sin[positions.long()].float().unsqueeze(1)
     x1, x2 = x.float()[..., :half], x.float()[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -107,8 +108,9 @@ def head_rms_norm_rotary_ref(
     x: torch.Tensor,  # [T, num_heads, head_dim]
     weight: torch.Tensor,  # [head_dim]
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
     """Qwen3's per-head q/k RMSNorm followed by rotary, the pair the fused kernel computes."""
-    return rotary_ref(rms_norm_ref(x, weight, eps), positions, cos_sin_cache)
+    return rotary_ref(rms_norm_ref(x, weight, eps), positions, cos, sin)
