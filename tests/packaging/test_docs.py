@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,16 @@ def test_cli_reference_lists_every_subcommand_and_flag() -> None:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}`" in section, f"shoal {name} {flag}"
+
+
+def test_tests_cited_by_the_docs_exist() -> None:
+    cited = set()
+    for doc in (ROOT / "docs").rglob("*.md"):
+        cited |= {(doc.name, path, name) for path, name in
+                  re.findall(r"(tests/[\w/]+\.py)::(\w+)", doc.read_text())}
+    assert len(cited) >= 10
+    for doc, path, name in sorted(cited):
+        source = ROOT / path
+        assert source.is_file(), f"{doc} cites {path}, which does not exist"
+        assert re.search(rf"^(async )?def {name}\(", source.read_text(), re.M), (
+            f"{doc} cites {path}::{name}, which does not exist")

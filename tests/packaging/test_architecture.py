@@ -1,0 +1,82 @@
+"""The dependency rules of docs/architecture.md and the developers' guide, checked on the
+import statements of the product code (including imports inside functions)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"shoal.runtime": ROOT / "runtime", "shoal.operator": ROOT / "operator",
+            "shoal.kernels": ROOT / "kernels", "shoal": ROOT / "shoal"}
+
+
+def imports_of(folder: Path) -> dict[str, set[str]]:
+    """file (relative to the repo) -> absolute module names it imports."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        names: set[str] = set()
+        package = _module_name(path).rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this file's package
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    names.add(f"{base}.{node.module}" if node.module else base)
+                elif node.module:
+                    names.add(node.module)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def _module_name(path: Path) -> str:
+    for prefix, folder in PACKAGES.items():
+        if path.is_relative_to(folder):
+            parts = path.relative_to(folder).with_suffix("").parts
+            return ".".join((prefix, *parts))
+    raise ValueError(path)
+
+
+def violations(folder: Path, forbidden: str, allowed: str = r"$^") -> list[str]:
+    return [f"{file}: {name}" for file, names in imports_of(folder).items()
+            for name in sorted(names)
+            if re.match(forbidden, name) and not re.match(allowed, name)]
+
+
+@pytest.mark.parametrize("folder", ["runtime", "operator", "kernels"])
+def test_nothing_outside_the_api_layer_imports_it(folder: str) -> None:
+    found = violations(ROOT / folder, r"shoal\.runtime\.api\b")
+    assert [v for v in found if not v.startswith("runtime/api/")] == []
+
+
+def test_kernels_import_nothing_of_the_runtime_or_operator() -> None:
+    assert violations(ROOT / "kernels", r"shoal\.(runtime|operator)\b") == []
+
+
+def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
+    # also no torch: the operator image does not have it
+    assert violations(ROOT / "operator", r"(shoal\.(runtime|kernels)|torch|triton)\b") == []
+
+
+def test_router_shares_only_the_block_hash_with_the_engine() -> None:
+    found = violations(ROOT / "runtime" / "router", r"shoal\.",
+                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$)")
+    assert found == []
+
+
+@pytest.mark.parametrize("folder", ["engine", "scheduler", "kv", "executor"])
+def test_engine_side_never_tokenizes_or_serves_http(folder: str) -> None:
+    forbidden = r"(shoal\.runtime\.(frontend|api)|tokenizers|fastapi|uvicorn|starlette|httpx)\b"
+    assert violations(ROOT / "runtime" / folder, forbidden) == []
+
+
+def test_the_checker_sees_function_level_and_relative_imports() -> None:
+    found = imports_of(ROOT / "runtime" / "api")
+    assert "shoal.runtime.api.errors" in found["runtime/api/state.py"]  # `from .errors import`
+    # imported inside the handler only (the CLI stays cheap)
+    assert "shoal.runtime.model.make_model" in found["runtime/api/cli.py"]
+    assert violations(ROOT / "runtime" / "api", r"shoal\.runtime\.engine\b")
