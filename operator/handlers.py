@@ -74,9 +74,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     async def on_change(body: kopf.Body, type: str | None, **_: Any) -> None:
         # Only spec changes (generation ahead of what status saw) need an immediate round;
         # status-only updates (our own writes) wait for the timer.
-        if type == "DELETED":
-            return
         meta, status = body.get("metadata") or {}, body.get("status") or {}
+        if type == "DELETED" or meta.get("deletionTimestamp"):
+            return  # children go with their owner (garbage collection); nothing to converge
         if meta.get("generation") != status.get("observedGeneration") or not status:
             await run_round(body, "spec change")
 

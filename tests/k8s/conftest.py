@@ -281,12 +281,12 @@ def fake_kubelet_cls() -> type:
 
 
 class OperatorProcess:
-    """`python -m shoal.operator` (= `shoal operator`) against the emulator."""
+    """`shoal operator` (the console script) against the emulator."""
 
     def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path,
                  liveness_port: int) -> None:
         self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
-        self.args = [sys.executable, "-m", "shoal.operator", "--server", server,
+        self.args = [str(Path(sys.executable).with_name("shoal")), "operator", "--server", server,
                      "--namespace", namespace, "--interval", "1", "--probe-timeout", "1",
                      "--engine-port", str(engine_port), "--log-level", "INFO",
                      "--liveness", self.liveness_url]

@@ -37,9 +37,12 @@ def test_operator_entry_point_does_not_import_torch() -> None:
     assert out.strip() == "False"
 
 
-def test_help_runs_as_a_module() -> None:
-    out = subprocess.run([sys.executable, "-m", "shoal.operator", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+@pytest.mark.parametrize("command", [["shoal", "operator"], ["-m", "shoal.operator"]],
+                         ids=["console-script", "module"])
+def test_help(command: list[str]) -> None:
+    argv = [str(Path(sys.executable).with_name("shoal")), *command[1:]] \
+        if command[0] == "shoal" else [sys.executable, *command]
+    out = subprocess.run([*argv, "--help"], capture_output=True, text=True, check=True).stdout
     assert "--namespace" in out and "--liveness" in out
 
 

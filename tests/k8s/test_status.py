@@ -180,6 +180,17 @@ def test_gate_patches_follow_ready_and_skip_unchanged_pods() -> None:
     assert (cond_c["status"], cond_c["reason"]) == ("False", "EngineLoading")
 
 
+def test_events_are_valid_core_v1_events() -> None:
+    import kubernetes_validate
+    from shoal.operator.events import render_event
+    from shoal.operator.meta import Owner
+
+    event = render_event(Owner("m", "ml", "uid-1"), "Warning", "RankFailure", "p0: exited", NOW)
+    kubernetes_validate.validate(event, "1.30.0", strict=True)
+    assert event["involvedObject"]["kind"] == "InferenceService"
+    assert event["metadata"]["name"].startswith("m.")
+
+
 def test_a_failure_is_announced_once_per_incident() -> None:
     replicas = [observe(pod("a", restarts=1, last_exit={"exitCode": 1}), DOWN)]
     assert [r.name for r in new_failures([], replicas)] == ["a"]
