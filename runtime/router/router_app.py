@@ -58,9 +58,7 @@ def build_router(config: RouterConfig) -> RouterApp:
                     "engines' block hashes")
     policy = make_policy(config.policy, precise=config.kv_events,
                          load_factor=config.load_factor)
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))  # health polls and scrapes
     pool = ReplicaPool(client, config.health_interval, config.scrape_interval)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
@@ -96,6 +94,6 @@ def build_router(config: RouterConfig) -> RouterApp:
 
     settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
         config.block_size, config.chars_per_block, config.model_revision))
-    app = RouterApp(pool, policy, client, settings, tokenizer, startup, shutdown)
+    app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown)
     app.subscriber = lambda: subscriber  # type: ignore[attr-defined]
     return app
