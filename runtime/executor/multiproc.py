@@ -59,6 +59,21 @@ def _exit_description(proc: subprocess.Popen) -> str:
     return f"exited with status {code}"
 
 
+def _likely_culprit(stalled: list[_Rank]) -> int:
+    """Of ranks that all stopped answering, the one to blame: a stopped (SIGSTOP, traced)
+    process over ranks that merely wait for it inside a collective."""
+    import psutil
+
+    for r in stalled:
+        try:
+            if psutil.Process(r.proc.pid).status() in (psutil.STATUS_STOPPED,
+                                                       psutil.STATUS_TRACING_STOP):
+                return r.rank
+        except psutil.NoSuchProcess:
+            return r.rank
+    return stalled[0].rank
+
+
 class _Rank:
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection) -> None:
         self.rank = rank
@@ -169,10 +184,12 @@ class MultiprocExecutor(Executor):
             remaining = deadline - time.monotonic()
             ready = wait(list(pending), timeout=remaining) if remaining > 0 else []
             if not ready:
-                slow = min(r.rank for r in pending.values())
-                raise self._fail(slow, timeout_message or
+                stalled = sorted(r.rank for r in pending.values())
+                culprit = _likely_culprit([self._ranks[i] for i in stalled])
+                others = f"; ranks {stalled} all stalled" if len(stalled) > 1 else ""
+                raise self._fail(culprit, timeout_message or
                                  f"made no progress for {self.rank_timeout:g} s "
-                                 f"(while waiting for it to {doing})")
+                                 f"(while waiting for it to {doing}{others})")
             for conn in ready:
                 r = pending.pop(conn)  # type: ignore[arg-type]
                 try:
@@ -182,13 +199,41 @@ class MultiprocExecutor(Executor):
                                      f"(while waiting for it to {doing})") from None
                 kind, payload = message[:1], message[1:]
                 if kind == wp.ERROR:
-                    raise self._fail(r.rank, f"failed to {doing}: "
-                                     f"{payload.decode(errors='replace')}")
+                    text = payload.decode(errors="replace")
+                    cause = self._dead_peer(r.rank, doing)
+                    if cause is not None:  # this rank's error may only echo a peer's death
+                        peer, story = cause
+                        raise self._fail(peer, f"{story}; rank {r.rank} then failed: "
+                                         f"{text.splitlines()[0]}")
+                    raise self._fail(r.rank, f"failed to {doing}: {text}")
                 if kind != kinds[r.rank]:
                     raise self._fail(r.rank, f"sent {kind!r} while {kinds[r.rank]!r} was "
                                      f"expected (while waiting for it to {doing})")
                 replies[r.rank] = payload
         return replies
+
+    def _dead_peer(self, reporter: int, doing: str, wait_s: float = 0.5
+                   ) -> tuple[int, str] | None:
+        """When a rank reports an error, a peer that has exited is the likelier root cause
+        (a broken collective fails every survivor). The peer's own error if it sent one,
+        else how it exited; None when every other rank is still running."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r in self._ranks:
+                if r.rank == reporter or r.proc.poll() is None:
+                    continue
+                try:
+                    if r.conn.poll(0):
+                        message = r.conn.recv_bytes()
+                        if message[:1] == wp.ERROR:
+                            return r.rank, (f"failed to {doing}: "
+                                            f"{message[1:].decode(errors='replace')}")
+                except (EOFError, OSError):
+                    pass
+                return r.rank, f"{_exit_description(r.proc)} (while waiting for it to {doing})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _call_all(self, method: str, *args: object) -> list[object]:
         """Run a Worker method on every rank; the return values in rank order."""

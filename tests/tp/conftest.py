@@ -81,3 +81,102 @@ def wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:
 @pytest.fixture
 def alive_after() -> Callable[[list[int], float], list[int]]:
     return wait_until_gone
+
+
+# -- a real `shoal serve --tensor-parallel-size 2` ------------------------------------------
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TPServer:
+    """One `shoal serve` process; knows its engine core and its rank processes."""
+
+    HOST = "127.0.0.1"
+
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+        import subprocess
+        import sys
+
+        self.port = _free_port(self.HOST)
+        self.base_url = f"http://{self.HOST}:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model_dir),
+               "--host", self.HOST, "--port", str(self.port), "--device", "cpu",
+               "--tensor-parallel-size", "2", "--num-kv-blocks", "512", "--max-num-seqs", "8",
+               "--served-model-name", "tp-test", "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> int | None:
+        import httpx
+
+        try:
+            return httpx.get(self.base_url + "/health", timeout=1.0).status_code
+        except httpx.HTTPError:
+            return None
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.log()}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def rank_pids(self) -> list[int]:
+        """Rank processes in rank order (their command lines carry no rank: order by pid,
+        which is the order the executor started them in)."""
+        ranks = [p for p in self.descendants()
+                 if "shoal.runtime.worker.worker_proc" in " ".join(p.cmdline())]
+        return sorted(p.pid for p in ranks)
+
+    def stop(self) -> None:
+        import signal
+
+        for proc in self.descendants():
+            try:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def tp_server(tiny_qwen3: Path, tmp_path: Path) -> Iterator[Callable[..., TPServer]]:
+    """tp_server(*extra_flags) -> a ready TPServer over tiny qwen3; stopped after the test."""
+    servers: list[TPServer] = []
+
+    def start(*flags: str) -> TPServer:
+        server = TPServer(tiny_qwen3, tmp_path / f"serve{len(servers)}.log", *flags)
+        servers.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -63,6 +63,7 @@ def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+    assert failure.rank == 1, failure  # the stopped rank, not rank 0 waiting on it
     assert "no progress for 1.5 s" in str(failure)
     assert 1.5 <= elapsed < 5
     assert alive_after(pids, 5) == []
