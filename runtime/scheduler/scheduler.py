@@ -103,24 +103,45 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         block_size = self.config.block_size
         rows = StepRows()
-        add_row = rows.add
         preempted = False
         kv = self.kv
         tables, table_rows = kv.tables, kv.rows
         running = self.running
+        # the hot loop: StepRows.add inlined, list appends bound once
+        add_req, add_id, add_count = rows.reqs.append, rows.req_ids.append, rows.counts.append
+        add_start, add_row, add_sample = rows.starts.append, rows.table_rows.append, \
+            rows.sample.append
+        add_version, add_input, extend_input = rows.versions.append, rows.input_ids.append, \
+            rows.input_ids.extend
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            req_id = req.req_id
             computed = req.num_computed_tokens
-            count = min(len(req.all_token_ids) - computed, budget)
-            table = tables.get(req.req_id)
+            tokens = req.all_token_ids
+            num_tokens = len(tokens)
+            count = num_tokens - computed
+            if count > budget:
+                count = budget
+            table = tables.get(req_id)
             # fast path: the step's tokens fit the blocks it already holds
             if (table is None or computed + count > len(table) * block_size) \
                     and not kv.allocate_slots(req, computed, count):
                 preempted = True
                 if not self._preempt_until_allocated(req, i, count):
                     continue  # it preempted itself; running[i] is now the next request
-            add_row(req, count, table_rows[req.req_id])
+            if count == 1:
+                add_input(tokens[computed])
+            else:
+                extend_input(tokens[computed:computed + count])
+            add_req(req)
+            add_id(req_id)
+            add_count(count)
+            add_start(computed)
+            add_row(table_rows[req_id])
+            add_sample(computed + count >= num_tokens)
+            add_version(req.version)
+            req.num_computed_tokens = computed + count
             budget -= count
             i += 1
         new_requests: list[NewRequestData] = []
