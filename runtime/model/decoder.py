@@ -8,6 +8,8 @@ the attention backend finds request boundaries and KV pages in ``AttentionMetada
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.config import ModelConfig
@@ -45,6 +47,12 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.sliding_window
+        # CUDA: q/k norm + rotary as one Triton kernel per tensor instead of ~12 small ops
+        self.fused_qk_norm_rotary = None
+        if config.qk_norm and torch.device(device).type == "cuda" and find_spec("triton"):
+            from shoal.kernels.qk_norm_rotary import qk_norm_rotary
+
+            self.fused_qk_norm_rotary = qk_norm_rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -53,9 +61,15 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.fused_qk_norm_rotary is not None and self.q_norm is not None \
+                and self.k_norm is not None:
+            fused, cos, sin = self.fused_qk_norm_rotary, self.rotary.cos, self.rotary.sin
+            q = fused(q, self.q_norm.weight, positions, cos, sin, self.q_norm.eps)
+            k = fused(k, self.k_norm.weight, positions, cos, sin, self.k_norm.eps)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
