@@ -97,3 +97,88 @@ def test_tests_cited_by_the_docs_exist() -> None:
         assert source.is_file(), f"{doc} cites {path}, which does not exist"
         assert re.search(rf"^(async )?def {name}\(", source.read_text(), re.M), (
             f"{doc} cites {path}::{name}, which does not exist")
+
+
+# --- the hand-written docs name only things that exist --------------------------------------
+
+HAND_WRITTEN = ["README.md", "docs/quickstart.md", "docs/operations.md",
+                "docs/troubleshooting.md"]
+
+
+def _text(relative: str) -> str:
+    return (ROOT / relative).read_text()
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("relative", HAND_WRITTEN + ["docs/architecture.md"])
+def test_relative_links_resolve(relative: str) -> None:
+    source = ROOT / relative
+    for target in re.findall(r"\]\(([^)\s]+)\)", source.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (source.parent / path).resolve() if path else source
+        assert linked.exists(), f"{relative}: broken link {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{relative}: no anchor {target}"
+
+
+def _crd_paths() -> set[str]:
+    crd = yaml.safe_load((ROOT / "crds" / "serving.shoal.dev_inferenceservices.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    return {p.replace("[]", "") for section in ("spec", "status")
+            for p in _schema_paths(schema[section], section)}
+
+
+@pytest.mark.parametrize("relative", HAND_WRITTEN)
+def test_spec_fields_named_in_the_docs_exist_in_the_crd(relative: str) -> None:
+    paths = _crd_paths()
+    spec_sections = {p.split(".")[1] for p in paths if p.startswith("spec.")}
+    for code in re.findall(r"`([^`\s]+)`", _text(relative)):
+        for field in code.replace("[]", "").split(".."):  # `a.minReplicas..maxReplicas`
+            parts = field.split(".")
+            if parts[0] in ("spec", "status") and len(parts) > 1 and field.isascii() \
+                    and not field.endswith(".py"):
+                assert field in paths, f"{relative}: `{code}` is not a CRD field"
+            elif parts[0] in spec_sections and len(parts) > 1 and \
+                    re.fullmatch(r"[A-Za-z.]+", field):
+                assert f"spec.{field}" in paths, f"{relative}: `{code}` is not a spec field"
+
+
+@pytest.mark.parametrize("relative", HAND_WRITTEN)
+def test_flags_named_in_the_docs_exist(relative: str) -> None:
+    import argparse
+
+    from shoal.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions
+                      if isinstance(a, argparse._SubParsersAction))
+    flags = {flag for sub in subparsers.choices.values() for action in sub._actions
+             for flag in action.option_strings}
+    helm_flags = {"--set", "--namespace", "--create-namespace", "--dry-run"}
+    for code in re.findall(r"`(--[a-z][\w-]*)", _text(relative)):
+        assert code in flags | helm_flags, f"{relative}: `{code}` is no `shoal` flag"
+
+
+def _exported_metric_types() -> dict[str, str]:
+    from shoal.runtime.api.metrics import ServerMetrics
+    from shoal.runtime.router.replica_pool import ReplicaPool
+    from shoal.runtime.router.router_metrics import RouterMetrics
+
+    text = ServerMetrics("m").render().decode() + \
+        RouterMetrics(ReplicaPool(None)).render().decode()  # type: ignore[arg-type]
+    return dict(re.findall(r"^# TYPE (\S+) (\w+)$", text, re.M))
+
+
+@pytest.mark.parametrize("relative", HAND_WRITTEN)
+def test_metrics_named_in_the_docs_are_exported(relative: str) -> None:
+    types = _exported_metric_types()
+    for name in re.findall(r"shoal:[a-z0-9_]+", _text(relative)):
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or types.get(base) == "histogram", (
+            f"{relative}: {name} is exported by neither the engine nor the router")
