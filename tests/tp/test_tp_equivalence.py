@@ -42,3 +42,32 @@ def test_tp2_greedy_tokens_equal_tp1(arch, tiny_model_dirs, make_engine, run_to_
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-4, atol=1e-4)
     assert sum(o.num_cached_tokens for outs in tensor_parallel.values() for o in outs) > 0
     tp2_engine.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_qwen2(tmp_path_factory):
+    """Tied qwen2 with 1001 tokens: at TP=2 the embedding and the LM head (one tensor) are
+    padded to 1002 rows, and the padding must never be embedded nor win an argmax."""
+    import torch
+    from shoal.runtime.model.make_model import hf_config
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config("qwen2", "tiny")
+    config.vocab_size = 1001
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("odd-vocab")
+    model.save_pretrained(out)
+    return out
+
+
+def test_tp2_pads_a_vocabulary_that_does_not_divide(odd_vocab_qwen2, make_engine,
+                                                    run_to_completion, greedy):
+    requests = [greedy("top", [1000, 999, 3, 4], max_tokens=12),  # ids in the last shard
+                greedy("low", [1, 2, 3], max_tokens=12)]
+    single = run_to_completion(make_engine(odd_vocab_qwen2, tp=1), requests)
+    tensor_parallel = run_to_completion(make_engine(odd_vocab_qwen2, tp=2), requests)
+    for req_id, outs in single.items():
+        want = [t for o in outs for t in o.new_token_ids]
+        got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]
+        assert got == want and max(got) < 1001
