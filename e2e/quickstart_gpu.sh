@@ -18,6 +18,7 @@ kubectl cluster-info >/dev/null 2>&1 || { echo "SKIP: no reachable cluster"; exi
 gpus=$(kubectl get nodes -o jsonpath='{.items[*].status.allocatable.nvidia\.com/gpu}')
 [ -n "${gpus// /}" ] || { echo "SKIP: no node has nvidia.com/gpu"; exit 0; }
 
+export REGISTRY="$SHOAL_E2E_REGISTRY"
 forward_pid=""
 cleanup() {
   [ -n "$forward_pid" ] && kill "$forward_pid" 2>/dev/null || true
@@ -27,7 +28,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-export REGISTRY="$SHOAL_E2E_REGISTRY"
 docker build -f Dockerfile.runtime -t $REGISTRY/shoal-runtime:0.1.0 .
 docker build -f Dockerfile.operator -t $REGISTRY/shoal-operator:0.1.0 .
 docker push $REGISTRY/shoal-runtime:0.1.0
