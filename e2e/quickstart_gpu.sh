@@ -18,6 +18,11 @@ kubectl cluster-info >/dev/null 2>&1 || { echo "SKIP: no reachable cluster"; exi
 gpus=$(kubectl get nodes -o jsonpath='{.items[*].status.allocatable.nvidia\.com/gpu}')
 [ -n "${gpus// /}" ] || { echo "SKIP: no node has nvidia.com/gpu"; exit 0; }
 
+# It installs and later removes release `shoal` and namespace `serving`: never someone else's.
+if helm status shoal --namespace shoal-system >/dev/null 2>&1 || kubectl get namespace serving >/dev/null 2>&1; then
+  echo "FAIL: release shoal or namespace serving exists already; use a scratch cluster"; exit 1
+fi
+
 export REGISTRY="$SHOAL_E2E_REGISTRY"
 forward_pid=""
 cleanup() {
