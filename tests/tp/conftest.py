@@ -98,7 +98,9 @@ class TPServer:
 
     HOST = "127.0.0.1"
 
-    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
+        import os
         import subprocess
         import sys
 
@@ -110,7 +112,8 @@ class TPServer:
                "--host", self.HOST, "--port", str(self.port), "--device", "cpu",
                "--tensor-parallel-size", "2", "--num-kv-blocks", "512", "--max-num-seqs", "8",
                "--served-model-name", "tp-test", "--log-level", "warning", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -168,13 +171,15 @@ class TPServer:
 
 @pytest.fixture
 def tp_server(tiny_qwen3: Path, tmp_path: Path) -> Iterator[Callable[..., TPServer]]:
-    """tp_server(*extra_flags) -> a ready TPServer over tiny qwen3; stopped after the test."""
+    """tp_server(*extra_flags, env=None, wait=True) -> a TPServer over tiny qwen3 (ready
+    unless wait=False); stopped after the test."""
     servers: list[TPServer] = []
 
-    def start(*flags: str) -> TPServer:
-        server = TPServer(tiny_qwen3, tmp_path / f"serve{len(servers)}.log", *flags)
+    def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True) -> TPServer:
+        server = TPServer(tiny_qwen3, tmp_path / f"serve{len(servers)}.log", *flags, env=env)
         servers.append(server)
-        server.wait_ready()
+        if wait:
+            server.wait_ready()
         return server
 
     yield start

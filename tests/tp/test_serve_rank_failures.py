@@ -94,3 +94,21 @@ def test_sigstop_of_a_rank_brings_the_server_down_after_the_rank_timeout(tp_serv
     streams, pids, hurt_at = hurt_a_rank_mid_generation(server, signal.SIGSTOP)
     assert_engine_went_down(server, streams, pids, hurt_at, alive_after, health_within_s=5)
     assert "rank 1: made no progress for 1.5 s" in server.log()  # the executor saw it
+
+
+def test_a_rank_that_cannot_load_its_shard_fails_the_server_startup(tp_server):
+    import subprocess
+
+    from shoal.runtime.worker.worker_proc import FAULT_ENV
+
+    server = tp_server(env={FAULT_ENV: "1:load"}, wait=False)
+    try:
+        code = server.proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"server still running with a failed rank:\n{server.log()}") \
+            from None
+    assert code != 0
+    log = server.log()
+    assert "rank 1" in log and "failed to load its shard" in log
+    assert "injected load fault on rank 1" in log
+    assert server.health() is None  # the port is closed: nothing left serving
