@@ -2,7 +2,8 @@
 
 Tokenizes with the checkpoint's HF tokenizer, validates every prompt before any reaches the
 engine (a bad one leaves the engine untouched), fans ``n > 1`` out into n engine requests
-sharing the prompt (so the prefix cache serves the copies), steps the engine until all are
+sharing the prompt (the copies enter once the first has computed it, so the prefix cache
+serves them), steps the engine until all are
 done, and detokenizes. Stop strings are found here, as the serving front end does, and end
 the request in the engine.
 """
@@ -66,8 +67,15 @@ class LLM:
                 samples[req_id] = _Sample(i, j, child)
         for request in requests:  # all valid, or none enters the engine
             self.engine.validate(request)
+        # samples 1..n-1 of a prompt enter once sample 0 has computed the prompt, so its
+        # full blocks are in the prefix cache and they skip that prefill
+        siblings: dict[str, list[EngineCoreRequest]] = {}
         for request in requests:
-            self.engine.add_request(request)
+            sample = samples[request.request_id]
+            if sample.sample_index == 0:
+                self.engine.add_request(request)
+            else:
+                siblings.setdefault(f"{batch}-{sample.prompt_index}-0", []).append(request)
         cached = [0] * len(prompt_list)
         try:
             while self.engine.has_unfinished_requests():
@@ -76,6 +84,8 @@ class LLM:
                     cached[sample.prompt_index] = max(cached[sample.prompt_index],
                                                       out.num_cached_tokens)
                     self._absorb(out, sample)
+                    for request in siblings.pop(out.request_id, ()):
+                        self.engine.add_request(request)
         except BaseException:
             self.engine.abort_requests(list(samples))
             raise

@@ -46,11 +46,13 @@ def test_token_id_prompts_single_and_batched(llm):
     assert [len(r.outputs[0].token_ids) for r in batched] == [4, 4]
 
 
-def test_n_samples_are_seeded_reproducible_and_distinct(llm):
+def test_n_samples_are_seeded_reproducible_distinct_and_share_the_prompt(llm):
     params = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=10, ignore_eos=True)
-    first = llm.generate("hello world", params)[0]
-    again = llm.generate("hello world", params)[0]
+    prompt = list(range(100, 140))  # 40 tokens: 4 full blocks of 8 are shared
+    first = llm.generate(prompt, params)[0]
+    again = llm.generate(prompt, params)[0]
     assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert first.num_cached_tokens == 32
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1  # seeds differ per sample
 
