@@ -82,11 +82,13 @@ def test_llm_with_the_triton_backend_matches_torch_through_the_real_scheduler(ti
     _assert_same_greedy(runs["torch"], runs["triton"])
 
 
-def test_the_fused_qk_norm_rotary_path_of_the_model_decodes_like_the_unfused_one(tiny_qwen3,
-                                                                                continuous_batch):
-    """On CUDA the model uses the fused kernel for Qwen3's q/k norm + rotary; here it is
-    switched on by hand (interpreted) to prove the wiring: same greedy tokens and margins."""
+def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, continuous_batch):
+    """On CUDA the model runs Qwen3's q/k norm + rotary and every RMSNorm as Triton kernels;
+    here they are switched on by hand (interpreted) to prove the wiring: same greedy tokens
+    and top-2 margins as the torch ops."""
     from shoal.kernels.qk_norm_rotary import qk_norm_rotary
+    from shoal.kernels.rms_norm import rms_norm
+    from shoal.runtime.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(5)
     prompts = {"a": torch.randint(3, 1024, (9,), generator=gen).tolist(),
@@ -96,9 +98,13 @@ def test_the_fused_qk_norm_rotary_path_of_the_model_decodes_like_the_unfused_one
         worker = _worker(tiny_qwen3, "torch")
         layers = worker.runner.model.model.layers
         assert all(layer.self_attn.fused_qk_norm_rotary is None for layer in layers)  # CPU default
+        norms = [m for m in worker.runner.model.modules() if isinstance(m, RMSNorm)]
+        assert len(norms) == 4 * len(layers) + 1 and all(n.fused is None for n in norms)
         if fused:
             for layer in layers:
                 layer.self_attn.fused_qk_norm_rotary = qk_norm_rotary
+            for norm in norms:
+                norm.fused = rms_norm
         runs[fused] = continuous_batch(worker, BLOCK_SIZE, token_budget=16, max_new=4).run(prompts)
 
     for req in prompts:
