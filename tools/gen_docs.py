@@ -34,8 +34,10 @@ def crd_reference(crd: dict) -> str:
     ]
     columns = version.get("additionalPrinterColumns", [])
     if columns:
-        lines += ["## `kubectl get` columns", "", "| column | type | from |", "| --- | --- | --- |"]
-        lines += [f"| {c['name']} | {c['type']} | `{c['jsonPath']}` |" for c in columns]
+        lines += ["## `kubectl get` columns", "", "| column | type | from | meaning |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {c['name']} | {c['type']} | `{c['jsonPath']}` | {c.get('description', '')} |"
+                  for c in columns]
         lines.append("")
     for section in ("spec", "status"):
         node = schema.get("properties", {}).get(section)
