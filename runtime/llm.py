@@ -141,22 +141,22 @@ class LLM:
         self.engine.abort_requests([req_id])
 
     def _decode(self, sample: _Sample) -> str:
-        return self.tokenizer.decode(sample.token_ids,
-                                     skip_special_tokens=sample.params.skip_special_tokens)
+        return str(self.tokenizer.decode(sample.token_ids,
+                                         skip_special_tokens=sample.params.skip_special_tokens))
 
 
 def _normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     """str | list[str] | list[int] | list[list[int]] -> one entry per prompt."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items: list = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if all(isinstance(p, int) for p in prompts):
-        return [list(prompts)]  # type: ignore[arg-type]
-    for p in prompts:
+    if all(isinstance(p, int) for p in items):
+        return [items]
+    for p in items:
         if not isinstance(p, str) and not (isinstance(p, list)
                                            and all(isinstance(t, int) for t in p)):
             raise TypeError("prompts must be a string, a list of strings, a list of token ids "
                             f"or a list of token-id lists; got an element {type(p).__name__}")
-    return prompts  # type: ignore[return-value]
+    return items
