@@ -15,7 +15,7 @@ import time
 
 import torch
 from checkpoint import count_weight_bytes, ensure_checkpoint
-from common import copy_bandwidth_gbps, log, read_result
+from common import copy_bandwidth_gbps, log, read_result, time_ms
 
 
 def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, max_num_seqs: int,
@@ -38,7 +38,7 @@ def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, m
 
 def _time_batch(worker, batch_size: int, context_len: int, steps: int, warmup: int,
                 block_size: int, token_budget: int, vocab: int, tag: str,
-                finished: list[str]) -> tuple[float, list[str]]:
+                finished: list[str]) -> tuple[float, float | None, list[str]]:
     from plans import DirectBatch
 
     gen = torch.Generator().manual_seed(batch_size)
@@ -56,7 +56,20 @@ def _time_batch(worker, batch_size: int, context_len: int, steps: int, warmup: i
         batch.record(result.sampled_token_ids)
         if i >= warmup:
             samples.append(elapsed)
-    return statistics.median(samples) * 1e3, req_ids
+    return statistics.median(samples) * 1e3, _replay_ms(worker, batch_size), req_ids
+
+
+def _replay_ms(worker, batch_size: int) -> float | None:
+    """GPU time of the model forward alone: the last step's graph replayed on its own inputs
+    (it rewrites the same K/V into the same slots). Step time minus this is host work,
+    logits and sampling."""
+    graphs = getattr(worker.runner, "decode_graphs", None)
+    if graphs is None:
+        return None
+    b = batch_size
+    inputs = [t[:b].clone() for t in (graphs.input_ids, graphs.positions, graphs.seq_lens,
+                                      graphs.block_tables, graphs.slot_mapping)]
+    return time_ms(lambda: graphs.run(*inputs), "cuda", warmup=2, iters=10)
 
 
 def run(smoke: bool) -> dict:
@@ -78,6 +91,7 @@ def run(smoke: bool) -> dict:
     kv_per_token = cfg.kv_bytes_per_token(dtype)
 
     times: dict[str, dict[int, float]] = {}
+    replays: dict[int, float] = {}
     capture: dict[str, float | None] = {}
     for mode in ("eager", "graphs"):
         times[mode] = {}
@@ -90,10 +104,12 @@ def run(smoke: bool) -> dict:
                 f"(graph capture {capture[mode]})")
             finished: list[str] = []
             for b in batches:
-                ms, finished = _time_batch(worker, b, context_len, steps, warmup, block_size,
+                ms, replay, finished = _time_batch(worker, b, context_len, steps, warmup, block_size,
                                            token_budget, cfg.vocab_size, mode, finished)
                 times[mode][b] = ms
-                log(f"{mode} batch {b}: {ms:.2f} ms per decode step")
+                if replay is not None:
+                    replays[b] = replay
+                log(f"{mode} batch {b}: {ms:.2f} ms per decode step (graph replay {replay} ms)")
             del worker
         except Exception as exc:  # noqa: BLE001 - eager results survive a graphs failure
             log(f"{mode} failed: {type(exc).__name__}: {exc}")
@@ -109,6 +125,7 @@ def run(smoke: bool) -> dict:
             "batch": b,
             "eager_ms": times["eager"].get(b),
             "graphs_ms": times["graphs"].get(b),
+            "replay_ms": replays.get(b),
             "floor_ms": floor_bytes / (bandwidth * 1e9) * 1e3,
             "bytes_read": floor_bytes,
         })
