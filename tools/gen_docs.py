@@ -2,6 +2,7 @@
 
 - docs/reference/inferenceservice.md from the CRD's openAPIV3Schema (crds/)
 - docs/reference/cli.md from the `shoal` argument parsers
+- docs/reference/chart-values.md from charts/shoal/values.schema.json and values.yaml
 
 `python tools/gen_docs.py` rewrites them; `--check` exits 1 when they drifted (a test runs it).
 """
@@ -17,6 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = ROOT / "crds" / "serving.shoal.dev_inferenceservices.yaml"
+CHART_DIR = ROOT / "charts" / "shoal"
 OUT_DIR = ROOT / "docs" / "reference"
 
 
@@ -122,8 +124,50 @@ def cli_reference() -> str:
     return "\n".join(lines)
 
 
+def chart_values_reference(schema: dict, values: dict) -> str:
+    lines = ["# Helm chart values (charts/shoal)", "",
+             "Generated from `values.schema.json` (which `helm` enforces: unknown keys are "
+             "errors) and the defaults in `values.yaml` by `tools/gen_docs.py`; do not edit "
+             "by hand.", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    lines += list(_value_rows(schema, schema, values, ""))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _schema_type(root: dict, node: dict) -> str:
+    if "$ref" in node:
+        node = root["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    if "enum" in node:
+        return " \\| ".join(json.dumps(v) for v in node["enum"])
+    if "anyOf" in node:
+        return " or ".join(_schema_type(root, option) for option in node["anyOf"])
+    if "const" in node:
+        return json.dumps(node["const"])
+    kind = node.get("type", "any")
+    if kind == "array":
+        return f"[]{_schema_type(root, node.get('items', {}))}"
+    return " or ".join(kind) if isinstance(kind, list) else kind
+
+
+def _value_rows(root: dict, node: dict, values: dict | None, path: str):
+    for name, child in node.get("properties", {}).items():
+        key = f"{path}{name}"
+        default = (values or {}).get(name)
+        if child.get("type") == "object" and "properties" in child:
+            yield from _value_rows(root, child, default if isinstance(default, dict) else {},
+                                   key + ".")
+            continue
+        shown = "" if default is None else f"`{json.dumps(default)}`"
+        desc = " ".join(child.get("description", "").split()).replace("|", "\\|")
+        yield f"| `{key}` | {_schema_type(root, child)} | {shown} | {desc} |"
+
+
 def generated() -> dict[Path, str]:
     docs = {OUT_DIR / "cli.md": cli_reference()}
+    schema_path, values_path = CHART_DIR / "values.schema.json", CHART_DIR / "values.yaml"
+    if schema_path.exists():
+        docs[OUT_DIR / "chart-values.md"] = chart_values_reference(
+            json.loads(schema_path.read_text()), yaml.safe_load(values_path.read_text()))
     if CRD_PATH.exists():
         docs[OUT_DIR / "inferenceservice.md"] = crd_reference(yaml.safe_load(CRD_PATH.read_text()))
     return docs

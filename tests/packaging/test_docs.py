@@ -182,3 +182,26 @@ def test_metrics_named_in_the_docs_are_exported(relative: str) -> None:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert name in types or types.get(base) == "histogram", (
             f"{relative}: {name} is exported by neither the engine nor the router")
+
+
+def _leaf_keys(values: dict, path: str = ""):
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key != "resources" and key != "labels":
+            yield from _leaf_keys(value, f"{path}{key}.")
+        else:
+            yield f"{path}{key}"
+
+
+def test_chart_values_reference_lists_every_value_with_its_default() -> None:
+    import json
+
+    values = yaml.safe_load((ROOT / "charts" / "shoal" / "values.yaml").read_text())
+    text = (REFERENCE / "chart-values.md").read_text()
+    for key in _leaf_keys(values):
+        node = values
+        for part in key.split("."):
+            node = node[part]
+        if isinstance(node, dict):  # shown as sub-keys (resources.requests, ...) or whole
+            assert f"| `{key}" in text, key
+            continue
+        assert f"| `{key}` |" in text and f"`{json.dumps(node)}`" in text, key
