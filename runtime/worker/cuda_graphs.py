@@ -79,6 +79,7 @@ class DecodeGraphRunner:
         if not sizes:
             raise ValueError("no capture sizes")
         self.sizes = sorted(sizes)
+        self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
         largest = self.sizes[-1]
@@ -116,6 +117,11 @@ class DecodeGraphRunner:
 
         ``prepare`` is the backend's ``build_metadata``, run once per size outside capture.
         """
+        with torch.cuda.device(self.device):  # TP ranks: capture on this rank's GPU
+            return self._capture_all(forward, prepare)
+
+    def _capture_all(self, forward: DecodeForward,
+                     prepare: Callable[[AttentionMetadata], AttentionMetadata]) -> float:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
