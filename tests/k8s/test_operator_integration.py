@@ -146,8 +146,41 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         pods = await items(api, pods_path)
         assert len(pods) == 2 and all(gate(p) == "True" for p in pods)
 
-        # Traffic on one engine: the same long prompt twice, so its prefix cache has hits.
+        # A long generation on one engine fills its KV cache: the status shows it while it runs.
         pod_ips = sorted(p["status"]["podIP"] for p in pods)
+        busy_pod = next(p["metadata"]["name"] for p in pods
+                        if p["status"]["podIP"] == pod_ips[0])
+
+        async def generate_long() -> None:
+            async with httpx.AsyncClient(timeout=120) as http, http.stream(
+                    "POST", f"http://{pod_ips[0]}:{engine_port}/v1/completions", json={
+                        "model": "demo", "prompt": "hello " * 100, "max_tokens": 3000,
+                        "ignore_eos": True, "stream": True}) as response:
+                async for _ in response.aiter_lines():
+                    pass
+        generation = asyncio.create_task(generate_long())
+
+        async def kv_in_status() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/demo")
+            st = (obj or {}).get("status") or {}
+            entry = next((r for r in st.get("replicaStatus") or [] if r["name"] == busy_pod), {})
+            return st if (st.get("kvCacheUsage") or 0) > 0 and entry.get("running") == 1 \
+                and (entry.get("kvCacheUsage") or 0) > 0 else None
+        try:
+            status = await wait_for(kv_in_status, "KV usage of a running request in status",
+                                    timeout=40, operator=operator_process)
+        finally:
+            generation.cancel()  # the client goes away: the engine aborts and frees the blocks
+        assert status["runningRequests"] == 1 and status["kvCacheUsagePercent"] >= 1
+        assert not generation.done() or generation.cancelled()
+
+        async def engines_idle() -> bool:
+            async with httpx.AsyncClient(timeout=5) as http:
+                text = (await http.get(f"http://{pod_ips[0]}:{engine_port}/metrics")).text
+            return 'shoal:num_requests_running{model_name="demo"} 0.0' in text
+        await wait_for(engines_idle, "the aborted request to leave the engine")
+
+        # Traffic on one engine: the same long prompt twice, so its prefix cache has hits.
         prompt = " ".join(f"word{i}" for i in range(120))
         async with httpx.AsyncClient(timeout=60) as http:
             for _ in range(2):
@@ -183,9 +216,11 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         assert exit_code != 0
 
         async def degraded() -> dict[str, Any] | None:
+            # (The engine first reports phase "dead" on /ready, then exits; wait for the exit.)
             obj = await get(api, f"{ISVC_PATH}/demo")
             st = (obj or {}).get("status") or {}
-            return st if st.get("phase") == "Degraded" and \
+            entry = next((r for r in st.get("replicaStatus") or [] if r["name"] == victim), {})
+            return st if st.get("phase") == "Degraded" and entry.get("restarts") == 1 and \
                 condition(st, "Degraded")["reason"] == "RankFailure" else None
         status = await wait_for(degraded, "Degraded/RankFailure", operator=operator_process)
         assert status["readyReplicas"] == 1 and status["ready"] == "1/2"
@@ -229,15 +264,20 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
                 "least-load" in router["spec"]["template"]["spec"]["containers"][0]["args"]
         await wait_for(router_updated, "router policy updated", operator=operator_process)
 
+        # (The new engines' own startup was covered above; here only the rollout is checked.)
         async def rolled_out() -> dict[str, Any] | None:
             obj = await get(api, f"{ISVC_PATH}/demo")
             st = (obj or {}).get("status") or {}
-            done = st.get("phase") == "Ready" and st.get("updatedReplicas") == 2 and \
+            done = st.get("updatedReplicas") == 2 and st.get("replicas") == 2 and \
                 st.get("observedGeneration") == obj["metadata"]["generation"]
             return obj if done else None
-        isvc = await wait_for(rolled_out, "rollout to the new spec", timeout=90,
+        isvc = await wait_for(rolled_out, "rollout to the new spec", timeout=60,
                               operator=operator_process)
         assert isvc["metadata"]["generation"] == 2
+        pods = await items(api, pods_path)
+        assert {p["metadata"]["annotations"]["serving.shoal.dev/template-hash"] for p in pods} \
+            == {engine["spec"]["template"]["metadata"]["annotations"][
+                "serving.shoal.dev/template-hash"]}
     finally:
         kubelet_task.cancel()
         kubelet.stop_all()
