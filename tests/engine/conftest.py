@@ -8,6 +8,18 @@ import pytest
 from shoal.runtime.kv.block_hash import ExtraKeys
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP barriers
+    stall for whole scheduler slices: engine tests run single-threaded (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @dataclass
 class Seq:
     req_id: str
