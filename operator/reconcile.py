@@ -129,7 +129,7 @@ async def _autoscale(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
         return None
     history = tuple(Recommendation(float(r["at"]), int(r["replicas"]))
                     for r in (status.get("autoscaler") or {}).get("recommendations") or [])
-    current = spec.replicas if spec.replicas else spec.autoscaling.min_replicas
+    current = spec.replicas
     decision = decide_scale(spec.autoscaling, current, ready, kv, waiting, history, time.time())
     if decision.replicas != current:
         # The same field the scale subresource (HPA/KEDA) writes: one knob for desired replicas.
@@ -158,11 +158,10 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
                                        subresource="status")
         return status
 
-    desired = spec.replicas if spec.autoscaling is None or spec.replicas else \
-        spec.autoscaling.min_replicas
+    desired = spec.replicas
     current_hash = await _apply_children(ctx, owner, spec, desired)
 
-    pods = [p for p in await ctx.kube.list(POD, owner.namespace, engine_selector(owner))]
+    pods = await ctx.kube.list(POD, owner.namespace, engine_selector(owner))
     probes = await _probe_all(ctx, pods)
     now = _now()
     replicas = [observe_replica(p, r, now, spec.startup_timeout_seconds)

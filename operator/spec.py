@@ -188,7 +188,9 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     if resources.gpus == 0 and runtime.device == "cuda":
         raise SpecError("spec.resources.gpus", "must be >= 1 when spec.runtime.device is cuda")
     autoscaling = _parse_autoscaling(root.sub("autoscaling")) if root.has("autoscaling") else None
-    replicas = root.integer("replicas", 1, minimum=0) or 0
+    # With autoscaling and no replicas yet, start at the minimum (the autoscaler writes it).
+    default_replicas = autoscaling.min_replicas if autoscaling is not None else 1
+    replicas = root.integer("replicas", default_replicas, minimum=0) or 0
     if autoscaling is not None and root.has("replicas"):
         if not autoscaling.min_replicas <= replicas <= autoscaling.max_replicas:
             raise SpecError("spec.replicas", "must lie within autoscaling min/max replicas")

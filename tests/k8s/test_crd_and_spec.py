@@ -116,6 +116,14 @@ def test_defaults_are_the_same_in_crd_and_parser(admit: Any, crd_schema: dict[st
     assert spec.model.served_name == "Qwen/Qwen3-0.6B"
 
 
+def test_autoscaled_services_start_at_min_replicas() -> None:
+    spec = parse_spec({"model": {"uri": "builtin://default"},
+                       "autoscaling": {"minReplicas": 2, "maxReplicas": 5}})
+    assert spec.replicas == 2
+    assert parse_spec({"model": {"uri": "builtin://default"}, "replicas": 4,
+                       "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}).replicas == 4
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_are_admitted_and_parse(path: Path, admit: Any) -> None:
     services = [d for d in yaml.safe_load_all(path.read_text())
