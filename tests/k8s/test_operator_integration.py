@@ -193,9 +193,12 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         async def ready_status() -> dict[str, Any] | None:
             obj = await get(api, f"{ISVC_PATH}/demo")
             st = (obj or {}).get("status") or {}
+            # (a scrape taken while the second request was in flight has its hits but also
+            # its blocks: wait for one taken after, which matches the engines' idle figures)
             return obj if st.get("phase") == "Ready" and \
-                st.get("prefixCacheHitRate") == round(hits / queries, 4) else None
-        isvc = await wait_for(ready_status, "phase Ready with the engines' hit rate",
+                st.get("prefixCacheHitRate") == round(hits / queries, 4) and \
+                st.get("kvCacheUsage") == round(kv, 4) else None
+        isvc = await wait_for(ready_status, "phase Ready with the engines' KV and hit rate",
                               operator=operator_process)
         status = isvc["status"]
         assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
