@@ -63,14 +63,16 @@ def percentile(values: list[float], q: float) -> float:
 
 async def stream_chat(client: httpx.AsyncClient, router: str, messages: list[dict],
                       max_tokens: int, result: RunResult) -> str:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "stream": True,
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
     async with client.stream("POST", f"{router}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            await response.aread()
+            detail = (await response.aread())[:300]
+            if not result.errors:
+                print(f"  first error: {response.status_code} {detail!r}", flush=True)
             result.errors += 1
             return ""
         async for line in response.aiter_lines():
@@ -123,6 +125,7 @@ async def run_workload(name: str, router: str, engines: list[str], args: argpars
         sampler = asyncio.create_task(sample_in_flight(client, router, engines, totals, stop))
 
         async def conversation(system_index: int, user: int) -> None:
+            await asyncio.sleep(user * args.arrival_gap)  # users arrive over time
             messages = [{"role": "system", "content": systems[system_index]}]
             for turn in range(args.turns):
                 question = " ".join(rng.choice(WORDS) for _ in range(12))
@@ -169,16 +172,20 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
     parser.add_argument("--systems", type=int, default=8)
-    parser.add_argument("--system-words", type=int, default=160)
-    parser.add_argument("--users", type=int, default=24)
+    parser.add_argument("--system-words", type=int, default=150)
+    parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--num-kv-blocks", type=int, default=160,
+    parser.add_argument("--arrival-gap", type=float, default=0.25,
+                        help="seconds between users' first requests")
+    parser.add_argument("--num-kv-blocks", type=int, default=96,
                         help="per engine: room for a share of the system prompts, not all")
     parser.add_argument("--overhead-requests", type=int, default=40)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-args", default="")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only this policy row (repeatable; the first is the baseline)")
     args = parser.parse_args()
 
     from shoal.runtime.model.make_model import cached_model
@@ -202,7 +209,8 @@ def main() -> int:
                 ("cache-affinity approx", ["--policy", "cache-affinity"])]):
             routers[name] = fleet.add_router(args.base_port + 10 + offset,
                                              [*flags, "--scrape-interval", "0.5"])
-        order = ["round-robin", "least-load", "cache-affinity approx", "cache-affinity precise"]
+        order = [n for n in ("round-robin", "least-load", "cache-affinity approx",
+                             "cache-affinity precise") if not args.only or n in args.only]
         results = []
         for i, name in enumerate(order):
             print(f"running {name} ...", flush=True)
@@ -216,6 +224,7 @@ def main() -> int:
     print(f"\nworkload: {args.systems} system prompts (~{args.system_words} words) x "
           f"{args.users} users x {args.turns} turns = {n_req} chat requests, "
           f"max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
+          f"a user every {args.arrival_gap}s, "
           f"{args.replicas} engines x {args.num_kv_blocks} KV blocks ({engine_host(0)}..)")
     header = (f"{'policy':<24}{'hit rate':>9}{'x RR':>6}{'TTFT p50':>10}{'x RR':>6}"
               f"{'TTFT p99':>10}{'req/s':>8}{'max/mean':>10}{'aff.hits':>9}{'errors':>7}")

@@ -3,11 +3,12 @@
 Decision, in order:
 1. bounded load: only replicas whose in-flight count is within 1.25 x the mean qualify;
 2. the qualifying replica believed to hold the longest leading run of the request's
-   blocks wins (ties: lower pressure, then ring order);
-3. if no qualifying replica holds any block, the request's home on the consistent-hash
-   ring (its first block's hash), or the next qualifying replica clockwise, takes it.
-So a new prefix gets a stable home, its followers find it there, and a hot prefix spills
-to its ring neighbours, which then hold it too.
+   blocks wins;
+3. ties, including "nobody holds any of it" for a new prefix, go to the lowest pressure
+   (in-flight + waiting + KV usage), then to ring order from the request's first block.
+So new prefixes spread over the least busy replicas (an idle fleet: their ring homes, which
+every router agrees on), their followers find them there, and a hot prefix spills to the
+next best replica, which then holds it too.
 """
 
 from __future__ import annotations
@@ -27,12 +28,9 @@ def pick_by_affinity(ring_order: Sequence[str], allowed: set[str],
     candidates = [url for url in ring_order if url in allowed]
     if not candidates:
         raise ValueError("no candidate replica")
-    best = max(matched.get(url, 0) for url in candidates)
-    if best == 0:
-        return candidates[0]
     rank = {url: i for i, url in enumerate(candidates)}
-    top = [url for url in candidates if matched.get(url, 0) == best]
-    return min(top, key=lambda url: (pressure.get(url, 0.0), rank[url]))
+    return min(candidates, key=lambda url: (-matched.get(url, 0), pressure.get(url, 0.0),
+                                            rank[url]))
 
 
 class CacheAffinityPolicy:
