@@ -70,7 +70,7 @@ def _row_lengths(tables: np.ndarray) -> np.ndarray:
 
 def derived_positions(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Each request's new tokens sit at the end of its context."""
-    query_lens = np.diff(query_start_loc.astype(np.int64))
+    query_lens: np.ndarray = np.diff(query_start_loc.astype(np.int64))
     starts = np.repeat(seq_lens.astype(np.int64) - query_lens, query_lens)
     within = np.arange(int(query_lens.sum()), dtype=np.int64) - np.repeat(
         query_start_loc[:-1].astype(np.int64), query_lens)
@@ -81,7 +81,7 @@ def derived_slot_mapping(query_start_loc: np.ndarray, positions: np.ndarray,
                          block_tables: np.ndarray, block_size: int) -> np.ndarray | None:
     """block_table[row][pos // block_size] * block_size + pos % block_size, or None when a
     position lies outside its row's table (then the mapping cannot be derived)."""
-    query_lens = np.diff(query_start_loc.astype(np.int64))
+    query_lens: np.ndarray = np.diff(query_start_loc.astype(np.int64))
     rows = np.repeat(np.arange(len(query_lens)), query_lens)
     block_index = positions // block_size
     if positions.size and (positions.min() < 0 or block_index.max() >= block_tables.shape[1]):
@@ -176,9 +176,8 @@ class PlanEncoder:
             finished_req_ids=plan.finished_req_ids,
         )
         for req_id in plan.finished_req_ids:
-            handle = self._handles.pop(req_id, None)
-            if handle is not None:
-                self._free.append(handle)
+            if req_id in self._handles:
+                self._free.append(self._handles.pop(req_id))
         return msgspec.msgpack.encode(wire)
 
 
@@ -227,9 +226,8 @@ class PlanDecoder:
         sample_rows = np.unpackbits(np.frombuffer(wire.sample_rows, dtype=np.uint8),
                                     count=num_reqs).astype(bool)
         for req_id in wire.finished_req_ids:
-            handle = self._by_id.pop(req_id, None)
-            if handle is not None:
-                del self._ids[handle]
+            if req_id in self._by_id:
+                del self._ids[self._by_id.pop(req_id)]
         return StepPlan(
             step_id=wire.step_id,
             req_ids=req_ids,

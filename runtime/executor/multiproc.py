@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from typing import cast
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.distributed.plan_wire import PlanEncoder, decode_result
@@ -178,11 +179,12 @@ class MultiprocExecutor(Executor):
         """Wait for one message from every rank (``expected``: its kind, one for all or one
         per rank); payloads by rank. Any other outcome is a RankFailure."""
         kinds = expected if isinstance(expected, list) else [expected] * len(self._ranks)
-        pending = {r.conn: r for r in self._ranks}
+        pending = {id(r.conn): r for r in self._ranks}
         replies: dict[int, bytes] = {}
         while pending:
             remaining = deadline - time.monotonic()
-            ready = wait(list(pending), timeout=remaining) if remaining > 0 else []
+            conns = [r.conn for r in pending.values()]
+            ready = wait(conns, timeout=remaining) if remaining > 0 else []
             if not ready:
                 stalled = sorted(r.rank for r in pending.values())
                 culprit = _likely_culprit([self._ranks[i] for i in stalled])
@@ -191,7 +193,7 @@ class MultiprocExecutor(Executor):
                                  f"made no progress for {self.rank_timeout:g} s "
                                  f"(while waiting for it to {doing}{others})")
             for conn in ready:
-                r = pending.pop(conn)  # type: ignore[arg-type]
+                r = pending.pop(id(conn))
                 try:
                     message = r.conn.recv_bytes()
                 except (EOFError, OSError):
@@ -254,8 +256,9 @@ class MultiprocExecutor(Executor):
     def profile_num_kv_blocks(self) -> int | None:
         """Each rank profiles its own device; the cache is what the tightest rank holds
         (allocation must succeed on every rank). None when the ranks run on CPU."""
-        counts = [c for c in self._call_all("profile_num_kv_blocks") if c is not None]
-        return min(counts) if counts else None  # type: ignore[type-var]
+        counts = [cast(int, c) for c in self._call_all("profile_num_kv_blocks")
+                  if c is not None]
+        return min(counts) if counts else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("init_kv_cache", num_blocks)

@@ -29,8 +29,12 @@ def make_engine() -> Iterator[Callable[..., EngineCore]]:
         return core
 
     yield make
+    # shutting down (twice is fine) leaves no rank process behind, whatever the test did
+    rank_pids = [pid for core in engines for pid in getattr(core.executor, "pids", [])]
     for core in engines:
         core.shutdown()
+        core.shutdown()
+    assert wait_until_gone(rank_pids, 10) == [], "rank processes outlived shutdown()"
 
 
 def greedy_request(req_id: str, prompt: list[int], max_tokens: int,

@@ -97,18 +97,6 @@ def test_an_exception_inside_a_rank_step_carries_its_message(tiny_llama, make_en
     assert alive_after(pids, 5) == []
 
 
-def test_a_rank_that_cannot_load_its_shard_fails_startup_fast(tiny_qwen2, make_engine,
-                                                               monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "1:load")
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        make_engine(tiny_qwen2, tp=2)
-    assert time.monotonic() - start < 30
-    message = str(info.value)
-    assert "rank 1" in message and "failed to load its shard" in message
-    assert "injected load fault on rank 1" in message
-
-
 def test_a_rank_whose_checkpoint_is_unreadable_fails_startup_with_its_error(
         tiny_llama, tmp_path, make_engine):
     model_dir = tmp_path / "model"
@@ -117,8 +105,9 @@ def test_a_rank_whose_checkpoint_is_unreadable_fails_startup_with_its_error(
         if path.suffix != ".safetensors":
             (model_dir / path.name).write_bytes(path.read_bytes())
     (model_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not a safetensors file")
-    with pytest.raises(RankFailure, match="failed to load its shard"):
+    with pytest.raises(RankFailure, match="failed to load its shard") as info:
         make_engine(model_dir, tp=2)
+    assert "SafetensorError" in str(info.value)  # the rank's own error, not a summary
 
 
 ORPHAN_SCRIPT = textwrap.dedent("""
@@ -146,11 +135,3 @@ def test_no_rank_survives_an_engine_killed_with_sigkill(tiny_llama, alive_after)
         if engine.poll() is None:
             engine.kill()
             engine.wait()
-
-
-def test_shutdown_stops_every_rank(tiny_llama, make_engine, alive_after):
-    core = make_engine(tiny_llama, tp=2)
-    pids = core.executor.pids
-    core.shutdown()
-    core.shutdown()  # twice is fine
-    assert alive_after(pids, 5) == []

@@ -103,7 +103,7 @@ def test_a_rank_that_cannot_load_its_shard_fails_the_server_startup(tp_server):
 
     server = tp_server(env={FAULT_ENV: "1:load"}, wait=False)
     try:
-        code = server.proc.wait(timeout=90)
+        code = server.proc.wait(timeout=60)  # fails fast: no waiting for a timeout
     except subprocess.TimeoutExpired:
         raise AssertionError(f"server still running with a failed rank:\n{server.log()}") \
             from None
