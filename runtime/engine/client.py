@@ -3,8 +3,9 @@
 It starts the engine-core process, follows its startup phases, sends requests and aborts,
 and routes each step's outputs to per-request queues. Outputs for requests it no longer
 tracks (aborted, finished) or for an older version of a request are stale and dropped. A
-heartbeat runs every ``heartbeat_interval`` seconds; if the process exits or a heartbeat is
-not answered within ``heartbeat_timeout``, the engine is dead: every live request gets an
+heartbeat runs every ``heartbeat_interval`` seconds; if the process exits, a heartbeat is
+not answered within ``heartbeat_timeout``, or one step has run longer than the config's
+``rank_timeout``, the engine is dead: every live request gets an
 ``EngineDeadError`` and ``on_dead`` is called (the server then exits non-zero).
 """
 
@@ -30,6 +31,7 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core_wire import (
     CoreMessageType,
     FatalError,
+    Heartbeat,
     RequestError,
     StartupPhase,
     UtilityCall,
@@ -99,8 +101,11 @@ class AsyncEngineClient:
         self._context = zmq.asyncio.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._output = self._context.socket(zmq.PULL)
+        self._heartbeat = self._context.socket(zmq.PAIR)
+        self._heartbeat.setsockopt(zmq.LINGER, 0)
         self._input.bind(f"ipc://{self._ipc_dir}/input")
         self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self._heartbeat.bind(f"ipc://{self._ipc_dir}/heartbeat")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders = {
             CoreMessageType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
@@ -109,6 +114,7 @@ class AsyncEngineClient:
             CoreMessageType.REQUEST_ERROR: msgspec.msgpack.Decoder(RequestError),
             CoreMessageType.FATAL: msgspec.msgpack.Decoder(FatalError),
         }
+        self._heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._ready = asyncio.Event()
@@ -124,6 +130,7 @@ class AsyncEngineClient:
             sys.executable, "-m", "shoal.runtime.engine.core_proc",
             "--input", f"ipc://{self._ipc_dir}/input",
             "--output", f"ipc://{self._ipc_dir}/output",
+            "--heartbeat", f"ipc://{self._ipc_dir}/heartbeat",
             "--parent-pid", str(os.getpid()),
             "--config", msgspec.json.encode(self.config).decode()])
         self._tasks = [asyncio.create_task(self._read_outputs()),
@@ -160,6 +167,7 @@ class AsyncEngineClient:
                 await asyncio.to_thread(self.process.wait, 5.0)
         self._input.close(linger=0)
         self._output.close(linger=0)
+        self._heartbeat.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -249,19 +257,31 @@ class AsyncEngineClient:
                 return
             if not self._ready.is_set():
                 continue
-            started = time.monotonic()
             try:
-                reply = await self.call_utility("heartbeat", timeout=self.heartbeat_timeout)
-            except EngineDeadError:
-                return
+                beat = await self._beat()
             except TimeoutError:
                 self._mark_dead(f"the engine core did not answer a heartbeat within "
-                                f"{self.heartbeat_timeout:.1f} s (hung)")
+                                f"{self.heartbeat_timeout:.1f} s (stopped or hung)")
                 return
-            if not reply.ok:
-                self._mark_dead(f"the engine core reported unhealthy: {reply.result}")
+            if beat.step_running_s > self.config.rank_timeout:
+                self._mark_dead(f"the engine core has been stuck in one step for "
+                                f"{beat.step_running_s:.1f} s (limit {self.config.rank_timeout} s)")
                 return
-            logger.debug("heartbeat %.1f ms", 1000 * (time.monotonic() - started))
+
+    async def _beat(self) -> Heartbeat:
+        call_id = next(self._call_ids)
+        try:
+            await self._heartbeat.send(self._encoder.encode(Heartbeat(call_id)), zmq.NOBLOCK)
+        except zmq.Again as exc:  # the core's end is gone or not reading
+            raise TimeoutError from exc
+        deadline = time.monotonic() + self.heartbeat_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self._heartbeat.poll(remaining * 1000):
+                raise TimeoutError
+            beat = self._heartbeat_decoder.decode(await self._heartbeat.recv())
+            if beat.call_id == call_id:  # older replies arrived late: skip them
+                return beat
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -6,6 +6,9 @@ there is work (block briefly when idle), run one step, send that step's outputs.
 are answered between steps, so a busy engine still proves it is alive and a hung one
 (stopped, deadlocked) is noticed by the API. Any exception is fatal: it is reported on the
 output socket and the process exits non-zero. It never outlives the API process.
+
+Heartbeats are answered by a thread on their own socket, with how long the current step has
+been running: the API tells a slow step (seconds of CPU prefill) from a stuck one.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -22,6 +26,7 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core_wire import (
     CoreMessageType,
     FatalError,
+    Heartbeat,
     RequestError,
     StartupPhase,
     UtilityCall,
@@ -95,8 +100,40 @@ def build_engine_core(config: EngineConfig, startup: _Startup):
     return EngineCore(config)  # the core picks the multiprocess executor for TP > 1
 
 
+class LoopProgress:
+    """When the loop's current step started (None between steps); read by the heartbeat
+    thread (a plain attribute: reads and writes are atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        self.step_started: float | None = None
+
+    def step_running_s(self) -> float:
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+
+def start_heartbeat_thread(context: zmq.Context, address: str,
+                           progress: LoopProgress) -> threading.Thread:
+    def answer() -> None:
+        socket = context.socket(zmq.PAIR)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        decoder = msgspec.msgpack.Decoder(Heartbeat)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while True:
+                call = decoder.decode(socket.recv())
+                socket.send(encoder.encode(Heartbeat(call.call_id, progress.step_running_s())))
+        except zmq.ContextTerminated:
+            socket.close()
+
+    thread = threading.Thread(target=answer, name="heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_pid: int) -> None:
+                    parent_pid: int, heartbeat_address: str | None = None) -> None:
     """Process entry point (spawned). Exits 0 on a clean shutdown, 1 on any error."""
     from shoal.runtime.distributed.lifeline import install_lifeline
 
@@ -114,6 +151,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     def send(kind: CoreMessageType, message: msgspec.Struct) -> None:
         outputs.send_multipart([kind.value, encoder.encode(message)], copy=False)
 
+    progress = LoopProgress()
+    if heartbeat_address:
+        start_heartbeat_thread(context, heartbeat_address, progress)
     code = 0
     try:
         startup = _Startup(send)
@@ -122,7 +162,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                       num_kv_blocks=core.stats().num_kv_blocks,
                       eos_token_ids=list(core.model_config.eos_token_ids),
                       vocab_size=core.model_config.vocab_size)
-        EngineLoop(core, inputs, send, config.kv_events_endpoint).run()
+        EngineLoop(core, inputs, send, config.kv_events_endpoint, progress).run()
     except SystemExit as exc:
         code = int(exc.code or 0)
     except BaseException:
@@ -136,8 +176,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 class EngineLoop:
-    def __init__(self, core, inputs: zmq.Socket, send, kv_events_endpoint: str | None) -> None:
+    def __init__(self, core, inputs: zmq.Socket, send, kv_events_endpoint: str | None,
+                 progress: LoopProgress | None = None) -> None:
         self.core = core
+        self.progress = progress or LoopProgress()
         self.inputs = inputs
         self.send = send
         self.decoders = {
@@ -158,10 +200,17 @@ class EngineLoop:
             busy = self.core.has_unfinished_requests()
             if self.inputs.poll(0 if busy else IDLE_POLL_MS):
                 self._take_inputs()
-            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            outputs = self._step() if self.core.has_unfinished_requests() else []
             if self.publisher is not None:
                 self.publisher.publish(self.core.drain_kv_events())
             self._send_outputs(outputs)
+
+    def _step(self) -> list:
+        self.progress.step_started = time.monotonic()
+        try:
+            return self.core.step()
+        finally:
+            self.progress.step_started = None
 
     def _take_inputs(self) -> None:
         while True:
@@ -228,11 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shoal-engine-core")
     parser.add_argument("--input", required=True, help="zmq address to pull requests from")
     parser.add_argument("--output", required=True, help="zmq address to push outputs to")
+    parser.add_argument("--heartbeat", default=None, help="zmq PAIR address for heartbeats")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    run_engine_core(config, args.input, args.output, args.parent_pid)
+    run_engine_core(config, args.input, args.output, args.parent_pid, args.heartbeat)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 API -> core (PUSH -> PULL): ``[RequestType byte, msgpack payload]``: ADD carries an
 ``EngineCoreRequest``, ABORT a list of request ids, UTILITY a ``UtilityCall``.
+Heartbeats use their own PAIR socket, answered by a thread in the core process, so a step
+that takes seconds (a big prefill on CPU) does not look like a hang, while a stopped
+process or a loop stuck in one step does.
 core -> API (PUSH -> PULL): ``[CoreMessageType byte, msgpack payload]``. Light on purpose: the
 API process imports this module and ``messages.py`` only, never torch or the engine.
 """
@@ -27,6 +30,13 @@ STARTUP_PHASES = ("loading", "profiling", "capturing", "ready")
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     method: str  # "heartbeat" | "reset_prefix_cache" | "check_invariants"
+
+
+class Heartbeat(msgspec.Struct, array_like=True):
+    """Answered by the core's heartbeat thread, even in the middle of a long step."""
+
+    call_id: int
+    step_running_s: float = 0.0  # how long the loop's current step has run; 0 between steps
 
 
 class UtilityReply(msgspec.Struct, array_like=True):
