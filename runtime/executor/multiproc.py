@@ -13,7 +13,6 @@ to exit) fails the startup with that rank's own message.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
@@ -26,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
@@ -58,6 +58,24 @@ def _exit_description(proc: subprocess.Popen) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
+
+
+def _kill_ranks(ranks: list[_Rank], rendezvous_dir: str) -> None:
+    """SIGKILL every rank still running, reap them, drop the rendezvous directory. Holds no
+    reference to the executor, so it can run as the executor's finalizer."""
+    for r in ranks:
+        if r.proc.poll() is None:
+            try:
+                r.proc.kill()
+            except ProcessLookupError:
+                pass
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            logger.error("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+        r.conn.close()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
 def _likely_culprit(stalled: list[_Rank]) -> int:
@@ -99,7 +117,9 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._ranks: list[_Rank] = []
         self._rendezvous_dir = tempfile.mkdtemp(prefix="shoal-tp-")
-        atexit.register(self._kill_all)
+        # ranks die with the executor: on failure, shutdown(), garbage collection (say, an
+        # EngineCore whose constructor raised after starting us) or interpreter exit
+        self._reaper = weakref.finalize(self, _kill_ranks, self._ranks, self._rendezvous_dir)
         try:
             self._spawn_ranks()
             setup_deadline = time.monotonic() + startup_timeout_s
@@ -134,19 +154,7 @@ class MultiprocExecutor(Executor):
                     [r.proc.pid for r in self._ranks])
 
     def _kill_all(self) -> None:
-        for r in self._ranks:
-            if r.proc.poll() is None:
-                try:
-                    r.proc.kill()
-                except ProcessLookupError:
-                    pass
-        for r in self._ranks:
-            try:
-                r.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                logger.error("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
-            r.conn.close()
-        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+        self._reaper()  # idempotent: a finalizer runs at most once
 
     def _fail(self, rank: int, message: str) -> RankFailure:
         failure = RankFailure(rank, message)
@@ -298,7 +306,6 @@ class MultiprocExecutor(Executor):
                 except subprocess.TimeoutExpired:
                     pass
         self._kill_all()
-        atexit.unregister(self._kill_all)
 
     @property
     def pids(self) -> list[int]:

@@ -135,3 +135,28 @@ def test_no_rank_survives_an_engine_killed_with_sigkill(tiny_llama, alive_after)
         if engine.poll() is None:
             engine.kill()
             engine.wait()
+
+
+def test_ranks_die_with_an_engine_whose_construction_fails(tiny_llama):
+    import gc
+
+    import psutil
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.engine.core import EngineCore
+
+    def our_ranks() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children()
+                if "shoal.runtime.worker.worker_proc" in " ".join(p.cmdline())
+                and p.status() != psutil.STATUS_ZOMBIE]
+
+    assert our_ranks() == []
+    config = EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=64,
+                          max_model_len=5000)  # beyond the model's 4096: the core refuses
+    try:  # not pytest.raises: its traceback would keep the half-built engine alive
+        EngineCore(config)
+    except ValueError as exc:
+        assert "max_model_len" in str(exc)
+    else:
+        raise AssertionError("the engine core accepted max_model_len beyond the model's")
+    gc.collect()
+    assert our_ranks() == []
