@@ -149,3 +149,8 @@ def tokenizer(small_qwen3):
     from shoal.runtime.frontend.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(small_qwen3)
+
+
+@pytest.fixture
+def free_tcp_port() -> int:
+    return free_port()
