@@ -10,6 +10,7 @@ measured device copy bandwidth.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 
@@ -19,7 +20,7 @@ from common import copy_bandwidth_gbps, log, read_result, time_ms
 
 
 def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, max_num_seqs: int,
-                 max_len: int, token_budget: int):
+                 max_len: int, token_budget: int, backend: str):
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.worker.worker import Worker
 
@@ -27,7 +28,7 @@ def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, m
         model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
         max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget, max_model_len=max_len,
         num_kv_blocks=num_blocks, enforce_eager=enforce_eager,
-        attention_backend="triton" if device == "cuda" else "auto",  # graphs need triton
+        attention_backend=backend,
     )
     worker = Worker(config)
     worker.load_model()
@@ -93,12 +94,17 @@ def run(smoke: bool) -> dict:
     times: dict[str, dict[int, float]] = {}
     replays: dict[int, float] = {}
     capture: dict[str, float | None] = {}
-    for mode in ("eager", "graphs"):
+    backends: dict[str, str] = {}
+    # graphs need triton; SHOAL_BENCH_ATTENTION overrides (e.g. to compare backends)
+    gpu_backend = os.environ.get("SHOAL_BENCH_ATTENTION") or ("triton" if device == "cuda" else "auto")
+    runs = [("eager", gpu_backend), ("graphs", gpu_backend)]
+    for mode, backend in runs:
         times[mode] = {}
+        backends[mode] = backend
         try:
             started = time.perf_counter()
             worker = _make_worker(model_dir, device, mode == "eager", blocks, max(batches), max_len,
-                                  token_budget)
+                                  token_budget, backend)
             capture[mode] = getattr(worker, "graph_capture_seconds", None)
             log(f"{mode}: worker ready in {time.perf_counter() - started:.1f} s "
                 f"(graph capture {capture[mode]})")
@@ -112,8 +118,10 @@ def run(smoke: bool) -> dict:
                 log(f"{mode} batch {b}: {ms:.2f} ms per decode step (graph replay {replay} ms)")
             del worker
         except Exception as exc:  # noqa: BLE001 - eager results survive a graphs failure
-            log(f"{mode} failed: {type(exc).__name__}: {exc}")
-            capture[mode + "_error"] = f"{type(exc).__name__}: {exc}"  # type: ignore[assignment]
+            log(f"{mode} ({backend}) failed: {type(exc).__name__}: {exc}")
+            capture[f"{mode}_{backend}_error"] = f"{type(exc).__name__}: {exc}"  # type: ignore[assignment]
+            if mode == "eager" and backend == "triton" and not times[mode]:
+                runs.append(("eager", "torch"))  # the triton path broke: still measure eager
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -131,5 +139,5 @@ def run(smoke: bool) -> dict:
         })
     return {"model": "Qwen3-0.6B-shaped bf16" if not smoke else "tiny qwen3", "device": device,
             "context_len": context_len, "bandwidth_gbps": bandwidth, "weight_bytes": weight_bytes,
-            "capture": capture, "rows": rows}
+            "capture": capture, "backends": backends, "rows": rows}
 

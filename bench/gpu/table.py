@@ -47,7 +47,8 @@ def render_attention(att: dict) -> list[str]:
 
 
 def render_decode(dec: dict) -> list[str]:
-    lines = [f"== decode step ({dec.get('model')}, context {dec.get('context_len')} tokens/request)",
+    lines = [f"== decode step ({dec.get('model')}, context {dec.get('context_len')} tokens/request, "
+             f"attention {dec.get('backends')})",
              f"{'batch':>6}{'eager ms':>11}{'graphs ms':>11}{'replay ms':>11}{'floor ms':>10}"
              f"{'graphs/floor':>14}{'eager/graphs':>14}"]
     for row in dec.get("rows", []):
