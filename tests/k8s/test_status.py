@@ -196,3 +196,31 @@ def test_a_failure_is_announced_once_per_incident() -> None:
     assert [r.name for r in new_failures([], replicas)] == ["a"]
     previous = [{"name": "a", "lastFailure": {"reason": "RankFailure"}}]
     assert new_failures(previous, replicas) == []
+
+
+def _undeclared(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """Fields the API server would prune (not declared in the structural schema)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        props = schema.get("properties") or {}
+        missing = [f"{path}.{k}" for k in value if k not in props]
+        return missing + [m for k, v in value.items() if k in props
+                          for m in _undeclared(props[k], v, f"{path}.{k}")]
+    if isinstance(value, list) and "items" in schema:
+        return [m for i, v in enumerate(value) for m in _undeclared(schema["items"], v,
+                                                                     f"{path}[{i}]")]
+    return []
+
+
+def test_every_status_field_is_declared_in_the_crd(crd_schema: dict[str, Any]) -> None:
+    import jsonschema
+
+    replicas = [observe(pod("a"), READY),
+                observe(pod("b", restarts=1, last_exit={"exitCode": 1}), DOWN)]
+    status = build_status(replicas=replicas, desired=2, current_hash="h1", generation=1,
+                          served_name="m", url="u", selector="s", previous={}, now=NOW)
+    status["recycle"] = {"count": 1, "lastAt": 1700000000.0}
+    status["autoscaler"] = {"recommendation": 2,
+                            "recommendations": [{"at": 1700000000.0, "replicas": 2}]}
+    status_schema = crd_schema["properties"]["status"]
+    assert _undeclared(status_schema, status, "status") == []
+    jsonschema.Draft4Validator(status_schema).validate(status)
