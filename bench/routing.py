@@ -150,7 +150,12 @@ async def run_workload(name: str, router: str, engines: list[str], args: argpars
     return result
 
 
-async def overhead(router: str, engine: str, n: int) -> tuple[float, float]:
+async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[float, float,
+                                                                              float]:
+    """p50 latency direct and via the router, and the router's CPU seconds per request."""
+    import psutil
+
+    process = psutil.Process(router_pid)
     body = {"prompt": "hello", "max_tokens": 1, "temperature": 0.0}
     direct: list[float] = []
     routed: list[float] = []
@@ -158,13 +163,15 @@ async def overhead(router: str, engine: str, n: int) -> tuple[float, float]:
         for _ in range(3):  # warm connections on both paths
             await client.post(f"{engine}/v1/completions", json=body)
             await client.post(f"{router}/v1/completions", json=body)
+        cpu_before = sum(process.cpu_times()[:2])
         for _ in range(n):
             for url, into in ((engine, direct), (router, routed)):
                 start = time.perf_counter()
                 r = await client.post(f"{url}/v1/completions", json=body)
                 into.append(time.perf_counter() - start)
                 r.raise_for_status()
-    return statistics.median(direct), statistics.median(routed)
+        cpu = (sum(process.cpu_times()[:2]) - cpu_before) / n
+    return statistics.median(direct), statistics.median(routed), cpu
 
 
 def main() -> int:
@@ -181,7 +188,7 @@ def main() -> int:
                         help="seconds between users' first requests")
     parser.add_argument("--num-kv-blocks", type=int, default=96,
                         help="per engine: room for a share of the system prompts, not all")
-    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-args", default="")
     parser.add_argument("--only", action="append", default=[],
@@ -215,9 +222,10 @@ def main() -> int:
         for i, name in enumerate(order):
             print(f"running {name} ...", flush=True)
             results.append(asyncio.run(run_workload(name, routers[name], engines, args, i)))
-        direct_p50, routed_p50 = asyncio.run(
-            overhead(routers["round-robin"], engines[0],
-                     args.overhead_requests))
+        overhead_router = fleet.extra_routers[0]  # round-robin: no prefix work, pure proxying
+        direct_p50, routed_p50, router_cpu = asyncio.run(
+            overhead(routers["round-robin"], engines[0], args.overhead_requests,
+                     overhead_router.pid))
 
     base = results[0]
     n_req = args.users * args.turns
@@ -239,7 +247,8 @@ def main() -> int:
               f"{r.balance:>10.2f}{r.affinity_hits:>9.0f}{r.errors:>7}")
     print(f"\nrouter overhead (tiny completion, sequential, {args.overhead_requests} each): "
           f"direct p50 {direct_p50 * 1000:.2f} ms, via router p50 {routed_p50 * 1000:.2f} ms, "
-          f"overhead {(routed_p50 - direct_p50) * 1000:.2f} ms")
+          f"overhead {(routed_p50 - direct_p50) * 1000:.2f} ms; router CPU "
+          f"{router_cpu * 1000:.2f} ms per request (includes its health polls and scrapes)")
     return 0
 
 

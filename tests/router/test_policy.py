@@ -163,6 +163,8 @@ def test_longest_match_wins_and_ties_go_to_lower_pressure():
                             {"a": 3.0, "b": 1.0}) == "b"
     assert pick_by_affinity(order, {"b", "c"}, {}, {}) == "b"  # first allowed on the ring
     assert pick_by_affinity(order, {"a", "c"}, {"b": 9}, {}) == "a"  # b is over the bound
+    # a new prefix (no match anywhere) goes to the least busy qualifying replica
+    assert pick_by_affinity(order, {"a", "b", "c"}, {}, {"a": 2.0, "b": 1.0, "c": 0.5}) == "c"
 
 
 def test_round_robin_and_least_load():
