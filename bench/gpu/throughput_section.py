@@ -8,6 +8,7 @@ to an in-process EngineCore; output tokens per second of wall time, eager vs CUD
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 
@@ -25,7 +26,8 @@ def workload(smoke: bool, vocab: int) -> list[tuple[list[int], int]]:
             for _ in range(count)]
 
 
-def run_engine(model_dir, device: str, enforce_eager: bool, requests, smoke: bool, tag: str) -> dict:
+def run_engine(model_dir, device: str, enforce_eager: bool, requests, smoke: bool, tag: str,
+               backend: str) -> dict:
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.engine.core import EngineCore
     from shoal.runtime.engine.messages import EngineCoreRequest
@@ -36,7 +38,7 @@ def run_engine(model_dir, device: str, enforce_eager: bool, requests, smoke: boo
         max_num_seqs=256, max_num_batched_tokens=64 if smoke else 8192,
         max_model_len=64 if smoke else 2048 + 64, enforce_eager=enforce_eager,
         num_kv_blocks=64 if smoke else None,  # GPU: sized by profiling (gpu_memory_utilization)
-        attention_backend="triton" if device == "cuda" else "auto",
+        attention_backend=backend,
     )
     started = time.perf_counter()
     core = EngineCore(config)
@@ -79,13 +81,19 @@ def run(smoke: bool) -> dict:
 
     requests = workload(smoke, load_model_config(model_dir).vocab_size)
     rows: dict[str, dict] = {}
-    for mode in ("eager", "graphs"):
+    backend = os.environ.get("SHOAL_BENCH_ATTENTION") or ("triton" if device == "cuda" else "auto")
+    runs = [("eager", backend), ("graphs", backend)]
+    for mode, mode_backend in runs:
         try:
-            rows[mode] = run_engine(model_dir, device, mode == "eager", requests, smoke, mode)
+            rows[mode] = run_engine(model_dir, device, mode.startswith("eager"), requests, smoke,
+                                    mode, mode_backend)
+            rows[mode]["attention_backend"] = mode_backend
             log(f"{mode}: {rows[mode]}")
         except Exception as exc:  # noqa: BLE001 - the other mode still runs
             rows[mode] = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"{mode} failed: {exc!r}")
+            if mode == "eager" and mode_backend == "triton":
+                runs.append(("eager-torch", "torch"))  # the triton path broke: still measure
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
