@@ -194,6 +194,9 @@ class RouterApp:
             decision = self.policy.choose(keys, [r.snapshot() for r in candidates], now)
             replica = self.pool.replicas[decision.url]
             tried.add(replica.url)
+            # recorded now, not when the answer starts: a non-streaming answer starts only
+            # when it is done, and same-prefix requests arriving meanwhile must follow this one
+            self.policy.routed(replica.url, keys, now)
             if attempt:
                 self.metrics.retries.inc()
             url = f"{replica.url}{path}" + (f"?{query}" if query else "")
@@ -220,7 +223,6 @@ class RouterApp:
                     replica.requests += 1
                     if decision.matched_blocks:
                         replica.affinity_hits += 1
-                    self.policy.routed(replica.url, keys, now)
                     await self._relay(upstream, send)
                     return
                 finally:
