@@ -78,6 +78,7 @@ def build_router(config: RouterConfig) -> RouterApp:
             subscriber = KVEventsSubscriber(config.kv_events_port, indexes.get)
             pool.on_change.append(subscriber.sync)
             subscriber.sync(set(pool.replicas))
+            app.metrics.watch_kv_events(subscriber.states)
         background.append(asyncio.create_task(discovery.run(pool.sync), name="discovery"))
         pool.start()
         await pool.wait_first_check(timeout=config.health_interval * 2)
@@ -95,5 +96,4 @@ def build_router(config: RouterConfig) -> RouterApp:
     settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
         config.block_size, config.chars_per_block, config.model_revision))
     app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown)
-    app.subscriber = lambda: subscriber  # type: ignore[attr-defined]
     return app

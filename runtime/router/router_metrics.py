@@ -6,11 +6,12 @@ there is one source of truth; latencies are histograms observed by the proxy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from shoal.runtime.router.kv_events_subscriber import EventStreamState
 from shoal.runtime.router.replica_pool import ReplicaPool
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -27,6 +28,7 @@ def imbalance(in_flight: list[int]) -> float:
 class _PoolCollector(Collector):
     def __init__(self, pool: ReplicaPool) -> None:
         self.pool = pool
+        self.kv_event_states: Mapping[str, EventStreamState] = {}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         replicas = list(self.pool.replicas.values())
@@ -49,6 +51,20 @@ class _PoolCollector(Collector):
             in_flight.add_metric([r.url], r.in_flight)
             ready.add_metric([r.url], 1.0 if r.ready else 0.0)
         yield from (requests, hits, ejections, in_flight, ready)
+        if self.kv_event_states:
+            batches = CounterMetricFamily("shoal:router_kv_event_batches",
+                                          "KV-event batches applied", labels=["replica"])
+            gaps = CounterMetricFamily("shoal:router_kv_event_gaps",
+                                       "Missed KV-event batches (sequence jumps)",
+                                       labels=["replica"])
+            restarts = CounterMetricFamily("shoal:router_kv_event_restarts",
+                                           "Engine restarts seen (view cleared)",
+                                           labels=["replica"])
+            for url, state in list(self.kv_event_states.items()):
+                batches.add_metric([url], state.batches)
+                gaps.add_metric([url], state.gaps)
+                restarts.add_metric([url], state.restarts)
+            yield from (batches, gaps, restarts)
         yield GaugeMetricFamily("shoal:router_load_imbalance",
                                 "max/mean in-flight over ready replicas",
                                 value=imbalance([r.in_flight for r in replicas if r.ready]))
@@ -57,7 +73,8 @@ class _PoolCollector(Collector):
 class RouterMetrics:
     def __init__(self, pool: ReplicaPool) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_PoolCollector(pool))
+        self._pool_collector = _PoolCollector(pool)
+        self.registry.register(self._pool_collector)
         self.decision_seconds = Histogram(
             "shoal:router_decision_seconds", "Request received to upstream request sent",
             buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -72,6 +89,10 @@ class RouterMetrics:
         self.client_disconnects = Counter("shoal:router_client_disconnects",
                                           "Requests cancelled upstream because the client left",
                                           registry=self.registry)
+
+    def watch_kv_events(self, states: Mapping[str, EventStreamState]) -> None:
+        """Export the KV-event subscriber's per-replica stream counters (precise mode)."""
+        self._pool_collector.kv_event_states = states
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -118,6 +118,11 @@ def test_precise_view_matches_the_engines_caches_through_eviction(fleet, wait_fo
     assert checked == 3 * len(engines) * len(prompts)
     for engine in engines:
         assert len(router_view(router)[engine]) <= 40
+    metrics = httpx.get(f"{router}/metrics").text
+    for engine in engines:
+        assert f'shoal:router_kv_event_gaps_total{{replica="{engine}"}} 0.0' in metrics
+        assert not re.search(rf'kv_event_batches_total\{{replica="{re.escape(engine)}"\}} 0\.0',
+                             metrics)
 
 
 def test_router_key_hashes_match_engine_events_for_chat(fleet, wait_for):
