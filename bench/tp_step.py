@@ -5,9 +5,10 @@
    TP wire codec and, as the peer, pickled whole (what a plain multiprocessing queue would
    send). Reported: bytes per step for steady 256-request decode steps and for the prefill
    steps before them.
-2. Step time. The bench model (qwen3 "bench") served by EngineCore at TP=1 (in process) and
-   TP=2 (two gloo ranks); executor time per prefill step and per decode step. Informational:
-   2 shared cores, where TP=2 splits the same cores between ranks and adds all-reduces.
+2. Step time. The bench model (qwen3 "bench") served by EngineCore at TP=1 in process, TP=1
+   in one rank process (same compute: the difference is the process boundary) and TP=2 (two
+   gloo ranks); executor time per prefill step and per decode step. Informational: 2 shared
+   cores, where TP=2 splits the same cores between ranks and adds all-reduces.
 
     .venv/bin/python bench/tp_step.py [--decode-batch 16] [--decode-steps 24]
 """
@@ -115,14 +116,17 @@ def plan_sizes(num_reqs: int = 256, decode_steps: int = 64) -> None:
           f"{statistics.median(c[3] for c in codec):.0f} us")
 
 
-def step_times(tp: int, batch: int, decode_steps: int) -> tuple[float, float, float]:
+def step_times(tp: int, batch: int, decode_steps: int, in_process: bool
+               ) -> tuple[float, float, float]:
+    from shoal.runtime.executor.multiproc import MultiprocExecutor
     from shoal.runtime.model.make_model import cached_model
 
     model = cached_model("qwen3", "bench")
     config = EngineConfig(model=str(model), tensor_parallel_size=tp, max_num_seqs=batch,
                           num_kv_blocks=batch * 16, max_num_batched_tokens=512)
     start = time.perf_counter()
-    core = EngineCore(config)
+    # TP=1 twice: in process (what it uses) and in one rank process (the IPC cost alone)
+    core = EngineCore(config) if in_process else EngineCore(config, MultiprocExecutor(config))
     startup = time.perf_counter() - start
     prefill_ms: list[float] = []
     decode_ms: list[float] = []
@@ -160,14 +164,19 @@ def main() -> None:
     plan_sizes()
     if args.skip_model:
         return
-    results = {tp: step_times(tp, args.decode_batch, args.decode_steps) for tp in (1, 2)}
+    setups = {"TP=1 in process": (1, True), "TP=1, 1 rank process": (1, False),
+              "TP=2, 2 rank processes": (2, False)}
+    results = {name: step_times(tp, args.decode_batch, args.decode_steps, in_process)
+               for name, (tp, in_process) in setups.items()}
     print(f"\nStep time, qwen3 bench model on CPU, {args.decode_batch} requests x 128-token "
           f"prompts (median ms; prefill steps of <= 512 tokens)")
-    print(f"{'TP':<4}{'prefill ms/step':>17}{'decode ms/step':>16}{'startup s':>11}")
-    for tp, (prefill, decode, startup) in results.items():
-        print(f"{tp:<4}{prefill:>17.1f}{decode:>16.1f}{startup:>11.1f}")
-    p1, d1, _ = results[1]
-    p2, d2, _ = results[2]
+    print(f"{'executor':<24}{'prefill ms/step':>17}{'decode ms/step':>16}{'startup s':>11}")
+    for name, (prefill, decode, startup) in results.items():
+        print(f"{name:<24}{prefill:>17.1f}{decode:>16.1f}{startup:>11.1f}")
+    p1, d1, _ = results["TP=1 in process"]
+    pp, dp, _ = results["TP=1, 1 rank process"]
+    p2, d2, _ = results["TP=2, 2 rank processes"]
+    print(f"rank process / in process: decode +{dp - d1:.1f} ms/step (plan out, result back)")
     print(f"TP=2 / TP=1: prefill {p2 / p1:.2f}x, decode {d2 / d1:.2f}x (time; < 1 is faster)")
 
 
