@@ -111,3 +111,21 @@ def test_only_pure_decode_steps_within_the_ladder_reach_a_graph(rng, paged_batch
     assert try_replay(runner, three, three, meta_for([(3, 1), (5, 1), (2, 1)])) is None  # above 2
     with pytest.raises(RuntimeError, match="not captured"):  # eligible: it would replay on CUDA
         try_replay(runner, ids, ids, meta_for([(3, 1), (5, 1)]))
+
+
+def test_no_capture_off_cuda_with_enforce_eager_or_with_a_backend_that_does_host_work():
+    from shoal.runtime.attention.torch_backend import TorchAttentionBackend
+    from shoal.runtime.worker.cuda_graphs import capture_decode_graphs
+
+    def never_called(*args):
+        raise AssertionError("nothing may run when graphs are not captured")
+
+    triton = TritonAttentionBackend()
+    cuda = torch.device("cuda")
+    common = dict(max_num_seqs=8, max_model_len=64, block_size=16)
+    assert capture_decode_graphs(never_called, [], triton, torch.device("cpu"), enforce_eager=False,
+                                 **common) is None
+    assert capture_decode_graphs(never_called, [], triton, cuda, enforce_eager=True, **common) is None
+    assert capture_decode_graphs(never_called, [], TorchAttentionBackend(), cuda, enforce_eager=False,
+                                 **common) is None
+    assert TritonAttentionBackend.cuda_graph_safe and not getattr(TorchAttentionBackend, "cuda_graph_safe", False)
