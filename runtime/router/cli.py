@@ -46,6 +46,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=1.25,
                         help="bounded load: no replica takes a request while its in-flight "
                              "count exceeds this x the mean (default 1.25)")
+    parser.add_argument("--approx-capacity", type=int, default=50_000, metavar="BLOCKS",
+                        help="approximate mode: prefix blocks remembered per replica (LRU); "
+                             "near the engines' cache size, the router forgets what they "
+                             "evict (default 50000)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas tried per request before its first byte (default 3)")
 
@@ -87,7 +91,7 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         chars_per_block=args.chars_per_block, kv_events=args.kv_events,
         kv_events_port=args.kv_events_port, health_interval=args.health_interval,
         scrape_interval=args.scrape_interval, load_factor=args.load_factor,
-        max_attempts=args.max_attempts)
+        max_attempts=args.max_attempts, approx_capacity=args.approx_capacity)
 
 
 def _main(args: argparse.Namespace) -> int:

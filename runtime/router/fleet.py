@@ -208,7 +208,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
                    "--scrape-interval", str(args.scrape_interval),
                    "--health-interval", str(args.health_interval),
                    "--load-factor", str(args.load_factor),
-                   "--max-attempts", str(args.max_attempts)]
+                   "--max-attempts", str(args.max_attempts),
+                   "--approx-capacity", str(args.approx_capacity)]
     if args.model_revision:
         router_args += ["--model-revision", args.model_revision]
     tokenizer = args.tokenizer or (args.model if args.kv_events else None)

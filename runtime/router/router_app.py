@@ -35,6 +35,7 @@ class RouterConfig:
     health_interval: float = 1.0
     scrape_interval: float = 1.0
     load_factor: float = 1.25
+    approx_capacity: int = 50_000  # prefix blocks remembered per replica (approximate mode)
     max_attempts: int = 3
 
     def validate(self) -> None:
@@ -44,6 +45,8 @@ class RouterConfig:
             raise ValueError("--discovery kubernetes needs --service")
         if self.discovery not in ("static", "kubernetes"):
             raise ValueError(f"unknown discovery {self.discovery!r}")
+        if self.approx_capacity < 1:
+            raise ValueError("--approx-capacity must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
         if self.kv_events and self.policy != "cache-affinity":
@@ -57,7 +60,8 @@ def build_router(config: RouterConfig) -> RouterApp:
         log.warning("--kv-events without --tokenizer: only token-id prompts can match the "
                     "engines' block hashes")
     policy = make_policy(config.policy, precise=config.kv_events,
-                         load_factor=config.load_factor)
+                         load_factor=config.load_factor,
+                         approx_capacity=config.approx_capacity)
     client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))  # health polls and scrapes
     pool = ReplicaPool(client, config.health_interval, config.scrape_interval)
     discovery: StaticDiscovery | KubernetesDiscovery

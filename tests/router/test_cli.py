@@ -26,6 +26,9 @@ def test_operator_style_flags_parse_into_a_config():
                                                                     "chat-engine")
     assert (config.engine_port, config.block_size, config.kv_events_port) == (8000, 32, 5600)
     assert config.kv_events and config.policy == "cache-affinity"
+    approx = config_from_args(parse("--backend", "http://a:1", "--approx-capacity", "64"))
+    assert build_router(approx).policy.indexes == {}  # type: ignore[attr-defined]
+    assert approx.approx_capacity == 64 and not approx.kv_events
 
 
 @pytest.mark.parametrize("config,message", [
@@ -33,6 +36,7 @@ def test_operator_style_flags_parse_into_a_config():
     (RouterConfig(discovery="kubernetes"), "--service"),
     (RouterConfig(backends=["http://a:1"], policy="round-robin", kv_events=True), "kv-events"),
     (RouterConfig(backends=["http://a:1"], max_attempts=0), "max-attempts"),
+    (RouterConfig(backends=["http://a:1"], approx_capacity=0), "approx-capacity"),
 ])
 def test_bad_combinations_are_rejected(config, message):
     with pytest.raises(ValueError, match=message):
