@@ -6,7 +6,7 @@ round interval chosen on the command line.
 
 from __future__ import annotations
 
-import copy
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,7 @@ import kopf
 from shoal.operator.constants import GROUP, PLURAL, VERSION
 from shoal.operator.kube import ApiError, KubeClient
 from shoal.operator.kubeconfig import ClusterAccess
-from shoal.operator.reconcile import ReconcileContext, reconcile
+from shoal.operator.reconcile import ISVC, ReconcileContext, reconcile
 
 log = logging.getLogger("shoal.operator")
 
@@ -57,10 +57,22 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             certificate_path=a.cert_path, private_key_path=a.key_path,
             default_namespace=a.default_namespace)
 
+    # One round at a time per object: the timer and a spec change must not interleave (double
+    # Events, a status written from an older view).
+    locks: dict[str, asyncio.Lock] = {}
+
     async def run_round(body: kopf.Body, why: str) -> None:
         ctx = state["ctx"]
+        uid = str((body.get("metadata") or {}).get("uid") or id(body))
         try:
-            await reconcile(ctx, _plain(body))
+            async with locks.setdefault(uid, asyncio.Lock()):
+                # Read the object afresh: kopf's copy may predate the previous round's status.
+                meta = body.get("metadata") or {}
+                fresh = await ctx.kube.get(ISVC, meta.get("namespace") or "default",
+                                           meta["name"])
+                if fresh is not None and not (fresh.get("metadata") or {}).get(
+                        "deletionTimestamp"):
+                    await reconcile(ctx, fresh)
         except (ApiError, httpx.HTTPError) as exc:
             # Transient API trouble: the next round retries from scratch (level-based).
             raise kopf.TemporaryError(f"{why}: {exc}", delay=options.interval) from exc
@@ -76,13 +88,10 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # status-only updates (our own writes) wait for the timer.
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         if type == "DELETED" or meta.get("deletionTimestamp"):
+            locks.pop(str(meta.get("uid")), None)
             return  # children go with their owner (garbage collection); nothing to converge
         if meta.get("generation") != status.get("observedGeneration") or not status:
             await run_round(body, "spec change")
 
     return registry
 
-
-def _plain(body: kopf.Body) -> dict[str, Any]:
-    """A detached deep copy: rounds may run while kopf updates its view of the object."""
-    return copy.deepcopy({key: body.get(key) or {} for key in ("metadata", "spec", "status")})
