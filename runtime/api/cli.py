@@ -66,6 +66,12 @@ def _main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag, value, minimum in (("--max-queued-requests", args.max_queued_requests, 0),
+                                 ("--shutdown-timeout", args.shutdown_timeout, 0),
+                                 ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+                                 ("--port", args.port, 0)):
+        if value < minimum:
+            raise SystemExit(f"shoal serve: {flag} must be at least {minimum}, got {value}")
     model = args.model
     if model is None:
         from shoal.runtime.model.make_model import cached_model

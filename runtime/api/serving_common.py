@@ -176,8 +176,26 @@ def stream_response(state: ServerState, generation: Generation,
             state.live.discard(generation)
             await generation.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return GenerationStream(events(), state, generation)
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that aborts its generation however the response ends, including a
+    disconnect before the body generator ever started (its ``finally`` would not run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], state: ServerState,
+                 generation: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._state = state
+        self._generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.abort_unfinished()
+            self._state.live.discard(self._generation)
 
 
 def _sse(payload: dict) -> bytes:

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -27,6 +28,12 @@ def stream_until_error(server, started: threading.Event, outcome: dict) -> None:
         started.set()
 
 
+def non_streaming_status(server, outcome: dict) -> None:
+    response = httpx.post(server.v1 + "/completions", timeout=60,
+                          json={"prompt": "also long", "max_tokens": 3000, "ignore_eos": True})
+    outcome["non_streaming_status"] = response.status_code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill -9", "SIGSTOP"])
 def test_engine_death_fails_health_errors_streams_and_exits_non_zero(start_server, how):
@@ -34,7 +41,10 @@ def test_engine_death_fails_health_errors_streams_and_exits_non_zero(start_serve
     started, outcome = threading.Event(), {}
     reader = threading.Thread(target=stream_until_error, args=(server, started, outcome))
     reader.start()
+    waiting = threading.Thread(target=non_streaming_status, args=(server, outcome))
     assert started.wait(30)
+    waiting.start()
+    time.sleep(0.3)  # the non-streaming request is in the engine too
     assert server.get("/health").status_code == 200
     engine = server.engine_process()
     t0 = time.monotonic()
@@ -43,6 +53,8 @@ def test_engine_death_fails_health_errors_streams_and_exits_non_zero(start_serve
         assert time.monotonic() - t0 < 5.0, "/health still 200 five seconds after the death"
         time.sleep(0.1)
     reader.join(10)
+    waiting.join(10)
+    assert outcome["non_streaming_status"] == 503
     assert isinstance(outcome.get("result"), openai.APIError), outcome
     assert "engine" in str(outcome["result"]).lower()
     assert server.proc.wait(15) != 0
