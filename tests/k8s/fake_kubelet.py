@@ -163,6 +163,19 @@ class FakeKubelet:
             child.kill()
         return process.wait(timeout=timeout)
 
+    async def crash_loop(self, name: str, restarts: int = 5) -> None:
+        """The engine keeps dying at start: the kubelet backs off (CrashLoopBackOff)."""
+        pod = self.pods[name]
+        if pod.process is not None:
+            kill_tree(pod.process)
+        pod.restarts, pod.last_exit, pod.reported_dead = restarts, 1, True
+        container = self._container(False, restarts, 1, "engine exited during load")
+        container["state"] = {"waiting": {"reason": "CrashLoopBackOff",
+                                          "message": "back-off 5m0s restarting failed container"}}
+        await self.api.patch(self._path("pods", name) + "/status", json={"status": {
+            "containerStatuses": [container]}},
+            headers={"Content-Type": "application/merge-patch+json"})
+
     async def restart_engine(self, name: str) -> None:
         """The kubelet restarts the container (same pod, same IP)."""
         pod = self.pods[name]

@@ -382,3 +382,42 @@ async def test_builtin_autoscaler_scales_up_on_kv_usage(
     finally:
         kubelet_task.cancel()
         kubelet.stop_all()
+
+
+async def test_crash_looping_replica_is_recycled_with_backoff(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type) -> None:
+    api = apiserver.api
+    (await api.post(ISVC_PATH, json=service_body("loop", replicas=2))).raise_for_status()
+    operator_process.start()
+    kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="loop-engine",
+                               start_engine=standin_engines)
+    kubelet_task = asyncio.create_task(kubelet.run())
+    pods_path = f"/api/v1/namespaces/{NS}/pods"
+
+    async def phase_ready() -> dict[str, Any] | None:
+        obj = await get(api, f"{ISVC_PATH}/loop")
+        st = (obj or {}).get("status") or {}
+        return st if st.get("phase") == "Ready" and st.get("readyReplicas") == 2 else None
+    try:
+        await wait_for(phase_ready, "Ready", operator=operator_process)
+        victim = sorted(kubelet.pods)[0]
+        await kubelet.crash_loop(victim)
+
+        async def recycled() -> list[dict[str, Any]]:
+            events = await items(api, f"/api/v1/namespaces/{NS}/events")
+            return [e for e in events if e["reason"] == "Recycled" and victim in e["message"]]
+        (event,) = await wait_for(recycled, "the crash-looping pod recycled",
+                                  operator=operator_process)
+        assert "CrashLoop" in event["message"] and event["type"] == "Warning"
+        assert victim not in {p["metadata"]["name"] for p in await items(api, pods_path)}
+        assert any(e["reason"] == "CrashLoop" for e in
+                   await items(api, f"/api/v1/namespaces/{NS}/events"))
+
+        # A fresh pod replaces it; once all are ready the recycle count is forgotten.
+        status = await wait_for(phase_ready, "Ready with a fresh pod", operator=operator_process)
+        assert victim not in {r["name"] for r in status["replicaStatus"]}
+        assert status["recycle"]["count"] == 0
+    finally:
+        kubelet_task.cancel()
+        kubelet.stop_all()
