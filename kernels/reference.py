@@ -114,3 +114,9 @@ def head_rms_norm_rotary_ref(
 ) -> torch.Tensor:
     """Qwen3's per-head q/k RMSNorm followed by rotary, the pair the fused kernel computes."""
     return rotary_ref(rms_norm_ref(x, weight, eps), positions, cos, sin)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation on the fused gate/up projection, as the torch model computes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -83,11 +83,13 @@ def test_llm_with_the_triton_backend_matches_torch_through_the_real_scheduler(ti
 
 
 def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, continuous_batch):
-    """On CUDA the model runs Qwen3's q/k norm + rotary and every RMSNorm as Triton kernels;
+    """On CUDA the model runs Qwen3's q/k norm + rotary, every RMSNorm and the SwiGLU
+    activation as Triton kernels;
     here they are switched on by hand (interpreted) to prove the wiring: same greedy tokens
     and top-2 margins as the torch ops."""
     from shoal.kernels.qk_norm_rotary import qk_norm_rotary
     from shoal.kernels.rms_norm import rms_norm
+    from shoal.kernels.silu_and_mul import silu_and_mul
     from shoal.runtime.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(5)
@@ -103,6 +105,7 @@ def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, c
         if fused:
             for layer in layers:
                 layer.self_attn.fused_qk_norm_rotary = qk_norm_rotary
+                layer.mlp.act_fn = silu_and_mul
             for norm in norms:
                 norm.fused = rms_norm
         runs[fused] = continuous_batch(worker, BLOCK_SIZE, token_budget=16, max_new=4).run(prompts)

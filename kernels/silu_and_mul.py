@@ -1,0 +1,45 @@
+"""SwiGLU's activation in one kernel: ``silu(gate) * up`` from the fused gate/up projection.
+
+In torch this is a SiLU pass and a multiply pass over ``[T, intermediate]`` (two launches,
+an intermediate tensor); here one program per (row, column block) reads both halves once.
+Rounds like the torch ops in half precision: SiLU's result to the input dtype, then the
+product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from shoal.kernels.launch import check_launchable
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    x_ty = x_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * I]`` (gate half, then up half) -> ``[..., I]``."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"the last dimension must hold gate and up halves, got {gate_up.shape[-1]}")
+    size = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], size), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and size:
+        check_launchable(rows, out)
+        block = min(BLOCK, triton.next_power_of_2(size))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
+            rows, out, rows.stride(0), out.stride(0), size, BLOCK_N=block)
+    return out.view(*gate_up.shape[:-1], size)
