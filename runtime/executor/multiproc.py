@@ -142,7 +142,7 @@ class MultiprocExecutor(Executor):
                                         int(self.rank_timeout % 1 * 1e6)))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shoal.runtime.worker.worker_proc",
-                 str(theirs.fileno()), str(os.getpid()), pdeathsig],
+                 str(theirs.fileno()), str(os.getpid()), pdeathsig, f"rank={rank}"],
                 pass_fds=(theirs.fileno(),), start_new_session=False)
             theirs.close()  # only the rank holds its end: EOF here means the rank is gone
             conn = Connection(ours.detach())

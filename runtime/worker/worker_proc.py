@@ -1,8 +1,9 @@
 """One tensor-parallel rank as its own process: join the group, load the shard, run plans.
 
 Started by the multiprocess executor as
-``python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG`` where FD is this
-rank's end of a socket pair. Messages are length-framed (multiprocessing
+``python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG rank=R`` where FD is
+this rank's end of a socket pair (``rank=R`` only names the rank for ``ps``; SETUP is what
+configures it). Messages are length-framed (multiprocessing
 ``Connection``) and start with one kind byte:
 
     parent -> rank   SETUP  pickled RankSetup            (first message, once)
@@ -123,9 +124,9 @@ def serve(conn: Connection, setup: RankSetup) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print("usage: python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG(0|1)",
-              file=sys.stderr)
+    if len(argv) != 4:
+        print("usage: python -m shoal.runtime.worker.worker_proc FD PARENT_PID PDEATHSIG(0|1) "
+              "rank=R", file=sys.stderr)
         return 2
     from shoal.runtime.distributed.lifeline import install_lifeline
 

@@ -152,11 +152,13 @@ class TPServer:
             return []
 
     def rank_pids(self) -> list[int]:
-        """Rank processes in rank order (their command lines carry no rank: order by pid,
-        which is the order the executor started them in)."""
-        ranks = [p for p in self.descendants()
-                 if "shoal.runtime.worker.worker_proc" in " ".join(p.cmdline())]
-        return sorted(p.pid for p in ranks)
+        """Rank processes in rank order (each command line ends with ``rank=R``)."""
+        ranks = {}
+        for proc in self.descendants():
+            cmdline = proc.cmdline()
+            if "shoal.runtime.worker.worker_proc" in cmdline:
+                ranks[int(cmdline[-1].removeprefix("rank="))] = proc.pid
+        return [ranks[r] for r in sorted(ranks)]
 
     def stop(self) -> None:
         import signal
