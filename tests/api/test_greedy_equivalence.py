@@ -42,23 +42,14 @@ def hf_reference(small_qwen3, prompts) -> list[tuple[list[int], list[float]]]:
 
 @pytest.fixture(scope="module")
 def offline(small_qwen3, prompts) -> list[list[int]]:
-    from shoal.runtime.config import EngineConfig
-    from shoal.runtime.engine.core import EngineCore
-    from shoal.runtime.engine.messages import EngineCoreRequest
+    """The offline API (``LLM``) on the same checkpoint, in this process."""
+    from shoal.runtime.llm import LLM
     from shoal.runtime.sampling_params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=str(small_qwen3), num_kv_blocks=512))
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for i, ids in enumerate(prompts):
-        core.add_request(EngineCoreRequest(
-            request_id=str(i), prompt_token_ids=ids,
-            sampling_params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                           ignore_eos=True)))
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    core.shutdown()
-    return [outputs[str(i)] for i in range(len(prompts))]
+    llm = LLM(small_qwen3, num_kv_blocks=512)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True))
+    return [out.outputs[0].token_ids for out in outputs]
 
 
 def agree(ours: list[int], reference: list[int], margins: list[float]) -> bool:
