@@ -204,6 +204,16 @@ class AsyncEngineClient:
 
     # -- background tasks -----------------------------------------------------------------
     async def _read_outputs(self) -> None:
+        """A failure here has no per-request recovery: it fails every live request."""
+        try:
+            await self._read_outputs_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("engine output handler failed")
+            self._mark_dead(f"the engine output handler failed: {exc!r}")
+
+    async def _read_outputs_forever(self) -> None:
         while True:
             kind, payload = await self._output.recv_multipart()
             message_type = CoreMessageType(kind)
