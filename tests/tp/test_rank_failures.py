@@ -51,7 +51,7 @@ def test_a_killed_rank_fails_the_next_step_at_once(tiny_qwen3, make_engine, gree
 
 def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make_engine,
                                                                  greedy, alive_after):
-    core = make_engine(tiny_qwen3, tp=2, rank_timeout=1.5)
+    core = make_engine(tiny_qwen3, tp=2, rank_timeout=2.0)
     pids = core.executor.pids
     start_decoding(core, greedy)
     os.kill(pids[1], signal.SIGSTOP)
@@ -64,13 +64,13 @@ def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make
             except ProcessLookupError:
                 pass
     assert failure.rank == 1, failure  # the stopped rank, not rank 0 waiting on it
-    assert "no progress for 1.5 s" in str(failure)
-    assert 1.5 <= elapsed < 5
+    assert "no progress for 2 s" in str(failure)
+    assert 2.0 <= elapsed < 6
     assert alive_after(pids, 5) == []
 
 
 def test_an_idle_stopped_rank_fails_the_health_check(tiny_llama, make_engine, alive_after):
-    core = make_engine(tiny_llama, tp=2, rank_timeout=1.0)
+    core = make_engine(tiny_llama, tp=2, rank_timeout=3.0)
     core.executor.check_health()  # healthy ranks answer
     pids = core.executor.pids
     os.kill(pids[0], signal.SIGSTOP)
