@@ -39,7 +39,7 @@ def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, m
 
 def _time_batch(worker, batch_size: int, context_len: int, steps: int, warmup: int,
                 block_size: int, token_budget: int, vocab: int, tag: str,
-                finished: list[str]) -> tuple[float, float | None, list[str]]:
+                finished: list[str]) -> tuple[float, float | None, list[str], list[list[int]]]:
     from plans import DirectBatch
 
     gen = torch.Generator().manual_seed(batch_size)
@@ -49,15 +49,18 @@ def _time_batch(worker, batch_size: int, context_len: int, steps: int, warmup: i
     for plan in batch.prefill_plans(token_budget, finished):  # also drops the last batch
         worker.execute(plan)
     samples = []
+    tokens: list[list[int]] = [[] for _ in range(batch_size)]
     for i in range(warmup + steps):
         plan = batch.decode_plan()
         start = time.perf_counter()
         result = worker.execute(plan)
         elapsed = time.perf_counter() - start
         batch.record(result.sampled_token_ids)
+        for row, token in enumerate(result.sampled_token_ids.tolist()):
+            tokens[row].append(int(token))
         if i >= warmup:
             samples.append(elapsed)
-    return statistics.median(samples) * 1e3, _replay_ms(worker, batch_size), req_ids
+    return statistics.median(samples) * 1e3, _replay_ms(worker, batch_size), req_ids, tokens
 
 
 def _replay_ms(worker, batch_size: int) -> float | None:
@@ -93,6 +96,7 @@ def run(smoke: bool) -> dict:
 
     times: dict[str, dict[int, float]] = {}
     replays: dict[int, float] = {}
+    tokens: dict[str, dict[int, list[list[int]]]] = {"eager": {}, "graphs": {}}
     capture: dict[str, float | None] = {}
     backends: dict[str, str] = {}
     # graphs need triton; SHOAL_BENCH_ATTENTION overrides (e.g. to compare backends)
@@ -110,7 +114,7 @@ def run(smoke: bool) -> dict:
                 f"(graph capture {capture[mode]})")
             finished: list[str] = []
             for b in batches:
-                ms, replay, finished = _time_batch(worker, b, context_len, steps, warmup, block_size,
+                ms, replay, finished, tokens[mode][b] = _time_batch(worker, b, context_len, steps, warmup, block_size,
                                            token_budget, cfg.vocab_size, mode, finished)
                 times[mode][b] = ms
                 if replay is not None:
@@ -134,6 +138,9 @@ def run(smoke: bool) -> dict:
             "eager_ms": times["eager"].get(b),
             "graphs_ms": times["graphs"].get(b),
             "replay_ms": replays.get(b),
+            # greedy decodes of the same prompts: requests whose tokens are identical in both
+            # modes (random weights have near-tied logits, so a rare flip is not a bug)
+            "same_tokens": _agreement(tokens["eager"].get(b), tokens["graphs"].get(b)),
             "floor_ms": floor_bytes / (bandwidth * 1e9) * 1e3,
             "bytes_read": floor_bytes,
         })
@@ -141,3 +148,9 @@ def run(smoke: bool) -> dict:
             "context_len": context_len, "bandwidth_gbps": bandwidth, "weight_bytes": weight_bytes,
             "capture": capture, "backends": backends, "rows": rows}
 
+
+def _agreement(eager: list[list[int]] | None, graphs: list[list[int]] | None) -> str | None:
+    if not eager or not graphs:
+        return None
+    same = sum(a == b for a, b in zip(eager, graphs, strict=True))
+    return f"{same}/{len(eager)}"

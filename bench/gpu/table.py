@@ -50,7 +50,7 @@ def render_decode(dec: dict) -> list[str]:
     lines = [f"== decode step ({dec.get('model')}, context {dec.get('context_len')} tokens/request, "
              f"attention {dec.get('backends')})",
              f"{'batch':>6}{'eager ms':>11}{'graphs ms':>11}{'replay ms':>11}{'floor ms':>10}"
-             f"{'graphs/floor':>14}{'eager/graphs':>14}"]
+             f"{'graphs/floor':>14}{'eager/graphs':>14}{'same tokens':>13}"]
     for row in dec.get("rows", []):
         eager, graphs, floor = row.get("eager_ms"), row.get("graphs_ms"), row.get("floor_ms")
         lines.append(
@@ -58,6 +58,7 @@ def render_decode(dec: dict) -> list[str]:
             f"{_fmt(row.get('replay_ms'), '.2f'):>11}{_fmt(floor, '.2f'):>10}"
             f"{_fmt(graphs / floor if graphs and floor else None, '.2f'):>14}"
             f"{_fmt(eager / graphs if eager and graphs else None, '.2f'):>14}"
+            f"{_fmt(row.get('same_tokens')):>13}"
         )
     for key, value in (dec.get("capture") or {}).items():
         if key.endswith("_error"):
