@@ -93,7 +93,10 @@ def test_sigstop_of_a_rank_brings_the_server_down_after_the_rank_timeout(tp_serv
     server = tp_server("--rank-timeout", "2")
     streams, pids, hurt_at = hurt_a_rank_mid_generation(server, signal.SIGSTOP)
     assert_engine_went_down(server, streams, pids, hurt_at, alive_after, health_within_s=5)
-    assert "rank 1: made no progress for 2 s" in server.log()  # the executor saw it
+    # the executor names the stopped rank; the API's heartbeat watchdog (step running past
+    # the same rank_timeout) is the backstop that may fire first on a loaded machine
+    log = server.log()
+    assert "rank 1: made no progress for 2 s" in log or "stuck in one step" in log, log
 
 
 def test_a_rank_that_cannot_load_its_shard_fails_the_server_startup(tp_server):
