@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from shoal.runtime.router.engine_metrics import EngineMetrics, parse_engine_metrics
 from shoal.runtime.router.policy import ReplicaSnapshot
 
@@ -46,11 +46,11 @@ def normalize_url(url: str) -> str:
 
 
 class ReplicaPool:
-    def __init__(self, client: httpx.AsyncClient, health_interval: float = 1.0,
-                 scrape_interval: float = 1.0, probe_timeout: float = 2.0) -> None:
+    def __init__(self, health_interval: float = 1.0, scrape_interval: float = 1.0,
+                 probe_timeout: float = 2.0) -> None:
         if health_interval <= 0 or scrape_interval <= 0:
             raise ValueError("health and scrape intervals must be > 0")
-        self.client = client
+        self._session: aiohttp.ClientSession | None = None  # made in start(), in the loop
         self.health_interval = health_interval
         self.scrape_interval = scrape_interval
         self.probe_timeout = probe_timeout
@@ -84,13 +84,19 @@ class ReplicaPool:
             log.warning("ejected %s: %s", url, reason)
 
     async def check_all(self, scrape: bool) -> None:
-        await asyncio.gather(*(self._check(r, scrape) for r in list(self.replicas.values())))
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.probe_timeout))
+        await asyncio.gather(*(self._check(self._session, r, scrape)
+                               for r in list(self.replicas.values())))
 
-    async def _check(self, replica: Replica, scrape: bool) -> None:
+    async def _check(self, session: aiohttp.ClientSession, replica: Replica,
+                     scrape: bool) -> None:
         try:
-            response = await self.client.get(f"{replica.url}/ready", timeout=self.probe_timeout)
-            ready = response.status_code == 200
-        except httpx.HTTPError:
+            async with session.get(f"{replica.url}/ready") as response:
+                await response.read()
+                ready = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             ready = False
         if ready and not replica.ready:
             log.info("replica %s is ready", replica.url)
@@ -100,12 +106,12 @@ class ReplicaPool:
         replica.ready = ready
         if ready and scrape:
             try:
-                response = await self.client.get(f"{replica.url}/metrics",
-                                                 timeout=self.probe_timeout)
-                if response.status_code == 200:
-                    replica.metrics = parse_engine_metrics(response.text)
-                    replica.metrics_time = time.monotonic()
-            except httpx.HTTPError:
+                async with session.get(f"{replica.url}/metrics") as response:
+                    text = await response.text()
+                    if response.status == 200:
+                        replica.metrics = parse_engine_metrics(text)
+                        replica.metrics_time = time.monotonic()
+            except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
                 pass  # keep the last numbers; health is decided by /ready
 
     async def run(self) -> None:
@@ -138,3 +144,6 @@ class ReplicaPool:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

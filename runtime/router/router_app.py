@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import httpx
 from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
 from shoal.runtime.router.policy import make_policy
 from shoal.runtime.router.proxy import ProxySettings, RouterApp
@@ -62,8 +60,7 @@ def build_router(config: RouterConfig) -> RouterApp:
     policy = make_policy(config.policy, precise=config.kv_events,
                          load_factor=config.load_factor,
                          approx_capacity=config.approx_capacity)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))  # health polls and scrapes
-    pool = ReplicaPool(client, config.health_interval, config.scrape_interval)
+    pool = ReplicaPool(config.health_interval, config.scrape_interval)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
         discovery = StaticDiscovery(config.backends)
@@ -94,8 +91,6 @@ def build_router(config: RouterConfig) -> RouterApp:
         await pool.stop()
         if subscriber is not None:
             await subscriber.close()
-        with contextlib.suppress(Exception):
-            await client.aclose()
 
     settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
         config.block_size, config.chars_per_block, config.model_revision))
