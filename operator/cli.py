@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds to wait for an engine's /ready or /metrics (default 2)")
     parser.add_argument("--liveness", metavar="URL",
                         help="serve the operator's own health check, e.g. http://0.0.0.0:8081/healthz")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the operator's own Prometheus metrics on this port")
     parser.add_argument("--peering", metavar="NAME",
                         help="kopf peering object for high availability (default: standalone)")
     parser.add_argument("--log-level", default="INFO",
@@ -44,13 +46,16 @@ def run_operator(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.interval <= 0 or args.probe_timeout <= 0:
         raise SystemExit("shoal operator: --interval and --probe-timeout must be > 0")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise SystemExit("shoal operator: --metrics-port must be a TCP port (1-65535)")
     try:
         access = load_access(server=args.server, kubeconfig=args.kubeconfig,
                              context=args.context)
     except KubeConfigError as exc:
         raise SystemExit(f"shoal operator: {exc}") from exc
     options = OperatorOptions(access=access, interval=args.interval,
-                              engine_port=args.engine_port, probe_timeout=args.probe_timeout)
+                              engine_port=args.engine_port, probe_timeout=args.probe_timeout,
+                              metrics_port=args.metrics_port)
     kopf.run(
         registry=build_registry(options),
         clusterwide=not args.namespace,

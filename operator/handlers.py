@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import kopf
+from shoal.operator import metrics as operator_metrics
 from shoal.operator.constants import GROUP, PLURAL, VERSION
 from shoal.operator.kube import ApiError, KubeClient
 from shoal.operator.kubeconfig import ClusterAccess
@@ -27,6 +28,7 @@ class OperatorOptions:
     interval: float = 5.0  # seconds between rounds per object
     engine_port: int = 8000
     probe_timeout: float = 2.0
+    metrics_port: int | None = None  # the operator's own /metrics; None: not served
 
 
 def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
@@ -37,6 +39,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.posting.level = logging.WARNING  # our own Events say what happened
         settings.watching.server_timeout = 300
+        if options.metrics_port:
+            operator_metrics.serve(options.metrics_port)
         state["ctx"] = ReconcileContext(
             kube=KubeClient(options.access),
             http=httpx.AsyncClient(timeout=options.probe_timeout),
@@ -68,12 +72,16 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             async with locks.setdefault(uid, asyncio.Lock()):
                 # Read the object afresh: kopf's copy may predate the previous round's status.
                 meta = body.get("metadata") or {}
-                fresh = await ctx.kube.get(ISVC, meta.get("namespace") or "default",
-                                           meta["name"])
+                namespace = meta.get("namespace") or "default"
+                fresh = await ctx.kube.get(ISVC, namespace, meta["name"])
                 if fresh is not None and not (fresh.get("metadata") or {}).get(
                         "deletionTimestamp"):
-                    await reconcile(ctx, fresh)
+                    with operator_metrics.ROUND_SECONDS.time():
+                        status = await reconcile(ctx, fresh)
+                    operator_metrics.ROUNDS.labels("ok").inc()
+                    operator_metrics.record_status(namespace, meta["name"], status)
         except (ApiError, httpx.HTTPError) as exc:
+            operator_metrics.ROUNDS.labels("error").inc()
             # Transient API trouble: the next round retries from scratch (level-based).
             raise kopf.TemporaryError(f"{why}: {exc}", delay=options.interval) from exc
 
@@ -89,6 +97,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         if type == "DELETED" or meta.get("deletionTimestamp"):
             locks.pop(str(meta.get("uid")), None)
+            operator_metrics.forget(meta.get("namespace") or "default", meta.get("name", ""))
             return  # children go with their owner (garbage collection); nothing to converge
         if meta.get("generation") != status.get("observedGeneration") or not status:
             await run_round(body, "spec change")

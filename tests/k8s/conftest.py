@@ -284,12 +284,13 @@ class OperatorProcess:
     """`shoal operator` (the console script) against the emulator."""
 
     def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path,
-                 liveness_port: int) -> None:
+                 liveness_port: int, metrics_port: int) -> None:
         self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.args = [str(Path(sys.executable).with_name("shoal")), "operator", "--server", server,
                      "--namespace", namespace, "--interval", "1", "--probe-timeout", "1",
                      "--engine-port", str(engine_port), "--log-level", "INFO",
-                     "--liveness", self.liveness_url]
+                     "--liveness", self.liveness_url, "--metrics-port", str(metrics_port)]
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -321,11 +322,13 @@ class OperatorProcess:
 @pytest.fixture
 def operator_process(apiserver: SimpleNamespace, engine_port: int,
                      tmp_path: Path) -> Iterator[OperatorProcess]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        liveness_port = int(sock.getsockname()[1])
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
     process = OperatorProcess(apiserver.url, "serving", engine_port, tmp_path / "operator.log",
-                              liveness_port)
+                              *ports)
     try:
         yield process
     finally:

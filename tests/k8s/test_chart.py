@@ -89,3 +89,16 @@ def test_operator_pod_is_hardened(k8s_tools: SimpleNamespace) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert any(a.startswith("--liveness=http://0.0.0.0:") for a in container["args"])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_operator_metrics_toggle(k8s_tools: SimpleNamespace, enabled: bool) -> None:
+    docs = render(k8s_tools, f"metrics.enabled={str(enabled).lower()}", "metrics.port=9100")
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    template = operator["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert ("--metrics-port=9100" in container["args"]) is enabled
+    assert ({"name": "metrics", "containerPort": 9100, "protocol": "TCP"}
+            in container["ports"]) is enabled
+    annotations = template["metadata"].get("annotations") or {}
+    assert (annotations.get("prometheus.io/port") == "9100") is enabled

@@ -379,6 +379,19 @@ async def test_builtin_autoscaler_scales_up_on_kv_usage(
                   if e["reason"] == "Scaled"]
         assert scaled[0].startswith("replicas 1 -> 2: KV cache 90%")
         assert scaled[-1].startswith("replicas 2 -> 3")
+
+        # The operator's own metrics say the same.
+        async with httpx.AsyncClient(timeout=2) as http:
+            text = (await http.get(operator_process.metrics_url)).text
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        service = (("name", "auto"), ("namespace", NS))
+        assert samples[("shoal_operator_ready_replicas", service)] == 3
+        assert samples[("shoal_operator_desired_replicas", service)] == 3
+        assert samples[("shoal_operator_kv_cache_usage", service)] == 0.9
+        assert samples[("shoal_operator_reconcile_rounds_total", (("result", "ok"),))] > 0
     finally:
         kubelet_task.cancel()
         kubelet.stop_all()
