@@ -99,10 +99,6 @@ class Generation:
     def choices(self) -> list[Choice]:
         return [r.choice for r in self.requests]
 
-    @property
-    def num_waiting_for_first_token(self) -> int:
-        return sum(1 for r in self.requests if r.first_token_at is None and not r.done)
-
     def start(self) -> None:
         for req in self.requests:
             req.stream = self.client.add_request(EngineCoreRequest(
