@@ -187,6 +187,7 @@ class MultiprocExecutor(Executor):
         """Wait for one message from every rank (``expected``: its kind, one for all or one
         per rank); payloads by rank. Any other outcome is a RankFailure."""
         kinds = expected if isinstance(expected, list) else [expected] * len(self._ranks)
+        waited_s = deadline - time.monotonic()
         pending = {id(r.conn): r for r in self._ranks}
         replies: dict[int, bytes] = {}
         while pending:
@@ -198,7 +199,7 @@ class MultiprocExecutor(Executor):
                 culprit = _likely_culprit([self._ranks[i] for i in stalled])
                 others = f"; ranks {stalled} all stalled" if len(stalled) > 1 else ""
                 raise self._fail(culprit, timeout_message or
-                                 f"made no progress for {self.rank_timeout:g} s "
+                                 f"made no progress for {waited_s:.3g} s "
                                  f"(while waiting for it to {doing}{others})")
             for conn in ready:
                 r = pending.pop(id(conn))
