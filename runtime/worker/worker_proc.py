@@ -80,7 +80,9 @@ def _start(setup: RankSetup):  # -> Worker
     config = setup.config.replace(device=_rank_device(setup.config, setup.rank))
     device = torch.device(config.device)
     if device.type == "cpu":  # ranks share the cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // setup.world_size))
     parallel = init_tensor_parallel(setup.rank, setup.world_size, setup.rendezvous_file,
                                     device, setup.collective_timeout_s)
     fault = injected_fault(setup.rank, "load")
