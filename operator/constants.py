@@ -28,6 +28,7 @@ ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 ENGINE_CONTAINER = "engine"
+FETCH_CONTAINER = "fetch-weights"  # init container that downloads hf:// weights
 FIELD_MANAGER = MANAGER
 
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/shoal-dev/shoal-runtime:0.1.0"

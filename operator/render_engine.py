@@ -12,6 +12,7 @@ from shoal.operator.constants import (
     ENGINE_CONTAINER,
     ENGINE_PORT,
     ENGINE_READY_CONDITION,
+    FETCH_CONTAINER,
 )
 from shoal.operator.meta import (
     Owner,
@@ -179,7 +180,7 @@ def _fetch_init_container(spec: ServiceSpec, mounts: list[dict[str, Any]]) -> di
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": spec.model.hf_token_secret, "key": "token"}}})
     return {
-        "name": "fetch-weights",
+        "name": FETCH_CONTAINER,
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["python", "-c", _FETCH_SCRIPT],

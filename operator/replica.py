@@ -10,6 +10,7 @@ from shoal.operator.constants import (
     ANNOTATION_TEMPLATE_HASH,
     ENGINE_CONTAINER,
     ENGINE_READY_CONDITION,
+    FETCH_CONTAINER,
 )
 from shoal.operator.prom import EngineMetrics
 
@@ -120,7 +121,7 @@ def observe_replica(pod: dict[str, Any], probe: ProbeResult | None, now: datetim
     if meta.get("deletionTimestamp"):
         phase, ready = "terminating", False
     elif probe is None:
-        phase = "pending"
+        phase = "downloading" if _fetching_weights(pod) else "pending"
     elif probe.ready_status is None:
         phase = "unreachable"
     else:
@@ -137,6 +138,14 @@ def observe_replica(pod: dict[str, Any], probe: ProbeResult | None, now: datetim
         template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
         started_at=parse_time(status.get("startTime")),
     )
+
+
+def _fetching_weights(pod: dict[str, Any]) -> bool:
+    """The fetch-weights init container is running: the replica is downloading its model."""
+    for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if status.get("name") == FETCH_CONTAINER and "running" in (status.get("state") or {}):
+            return True
+    return False
 
 
 def probe_target(pod: dict[str, Any]) -> str | None:

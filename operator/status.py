@@ -12,7 +12,7 @@ from typing import Any
 
 from shoal.operator.replica import ReplicaState
 
-STARTING_PHASES = ("loading", "profiling", "capturing", "starting")
+STARTING_PHASES = ("downloading", "loading", "profiling", "capturing", "starting")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,16 @@ def test_replica_classification(p: dict[str, Any], probe: ProbeResult | None, re
     assert (replica.failure.reason if replica.failure else None) == reason
 
 
+def test_a_replica_fetching_weights_is_downloading_and_the_service_loading() -> None:
+    fetching = pod()
+    fetching["status"]["phase"] = "Pending"
+    fetching["status"]["initContainerStatuses"] = [
+        {"name": "fetch-weights", "state": {"running": {"startedAt": NOW.isoformat()}}}]
+    replica = observe(fetching, None)
+    assert (replica.ready, replica.phase, replica.failure) == (False, "downloading", None)
+    assert decide_phase([replica], 1) == ("Loading", "EnginesLoading")
+
+
 def test_only_running_pods_with_an_ip_are_probed() -> None:
     assert probe_target(pod()) == "10.0.0.1"
     assert probe_target(pod(unschedulable=True)) is None
