@@ -171,7 +171,7 @@ def _exported_metric_types() -> dict[str, str]:
     from shoal.runtime.router.router_metrics import RouterMetrics
 
     text = ServerMetrics("m").render().decode() + \
-        RouterMetrics(ReplicaPool(None)).render().decode()  # type: ignore[arg-type]
+        RouterMetrics(ReplicaPool()).render().decode()
     return dict(re.findall(r"^# TYPE (\S+) (\w+)$", text, re.M))
 
 
