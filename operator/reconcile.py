@@ -31,7 +31,13 @@ from shoal.operator.meta import (
 from shoal.operator.render import render_children
 from shoal.operator.render_engine import template_hash
 from shoal.operator.render_router import service_url
-from shoal.operator.replica import ProbeResult, ReplicaState, observe_replica, probe_target
+from shoal.operator.replica import (
+    Failure,
+    ProbeResult,
+    ReplicaState,
+    observe_replica,
+    probe_target,
+)
 from shoal.operator.spec import ServiceSpec, SpecError, parse_spec
 from shoal.operator.status import build_status
 
@@ -57,10 +63,10 @@ def _now() -> datetime:
 
 
 def new_failures(previous: list[dict[str, Any]], replicas: list[ReplicaState]
-                 ) -> list[ReplicaState]:
-    """Replicas whose failure reason is new since the last status (one Event per incident)."""
+                 ) -> list[tuple[str, Failure]]:
+    """(pod, failure) whose reason is new since the last status (one Event per incident)."""
     before = {e.get("name"): (e.get("lastFailure") or {}).get("reason") for e in previous}
-    return [r for r in replicas
+    return [(r.name, r.failure) for r in replicas
             if r.failure is not None and before.get(r.name) != r.failure.reason]
 
 
@@ -170,9 +176,8 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
     for pod_name, patch in gate_patches(pods, replicas, now):
         await ctx.kube.strategic_patch(POD, owner.namespace, pod_name, patch,
                                        subresource="status")
-    for r in new_failures(previous.get("replicaStatus") or [], replicas):
-        assert r.failure is not None
-        await _event(ctx, owner, "Warning", r.failure.reason, f"{r.name}: {r.failure.message}")
+    for pod_name, failure in new_failures(previous.get("replicaStatus") or [], replicas):
+        await _event(ctx, owner, "Warning", failure.reason, f"{pod_name}: {failure.message}")
 
     saved = previous.get("recycle") or {}
     recycle = RecycleState(count=int(saved.get("count") or 0), last_at=saved.get("lastAt"))

@@ -203,7 +203,7 @@ def test_events_are_valid_core_v1_events() -> None:
 
 def test_a_failure_is_announced_once_per_incident() -> None:
     replicas = [observe(pod("a", restarts=1, last_exit={"exitCode": 1}), DOWN)]
-    assert [r.name for r in new_failures([], replicas)] == ["a"]
+    assert [(name, f.reason) for name, f in new_failures([], replicas)] == [("a", "RankFailure")]
     previous = [{"name": "a", "lastFailure": {"reason": "RankFailure"}}]
     assert new_failures(previous, replicas) == []
 
