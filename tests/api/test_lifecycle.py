@@ -50,13 +50,13 @@ def test_ready_is_503_with_the_phase_until_warmup_ends(start_server):
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_zero(start_server):
-    server = start_server("--shutdown-timeout", "4")
+    server = start_server("--shutdown-timeout", "6")
     client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
     results: dict[str, object] = {}
     streaming = threading.Event()
 
     def short() -> None:
-        stream = client.completions.create(model=server.model, prompt="short", max_tokens=40,
+        stream = client.completions.create(model=server.model, prompt="short", max_tokens=10,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         text, finish = "", None
