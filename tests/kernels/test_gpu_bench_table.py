@@ -17,7 +17,7 @@ def _table_module():
 
 def _results(b64_graphs=2.0, b1_eager=3.0, b1_graphs=1.0, triton_us=140.0, flashinfer_us=100.0):
     return {
-        "decode": {"rows": [
+        "decode": {"device": "cuda", "rows": [
             {"batch": 1, "eager_ms": b1_eager, "graphs_ms": b1_graphs, "floor_ms": 0.3},
             {"batch": 64, "eager_ms": 4.0, "graphs_ms": b64_graphs, "floor_ms": 1.15},
         ]},
@@ -57,3 +57,10 @@ def test_attention_disagreeing_with_the_reference_fails_the_correctness_line():
     line = _table_module().targets(results)[-1]
     assert line.startswith("attention matches the reference") and "FAIL" in line
     assert "qwen3-decode/triton" in line
+
+
+def test_cpu_decode_numbers_never_count_as_graph_results():
+    results = _results()
+    results["decode"]["device"] = "cpu"
+    lines = _table_module().targets(results)
+    assert "not measured" in lines[1] and "not measured" in lines[2]
