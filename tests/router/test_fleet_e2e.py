@@ -66,6 +66,31 @@ def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
              what="blocks freed after the disconnect")
 
 
+def generated_tokens(engines: list[str]) -> float:
+    from shoal.runtime.router.engine_metrics import parse_samples
+
+    return sum(parse_samples(httpx.get(f"{e}/metrics", timeout=5).text)
+               .get("shoal:generation_tokens_total", 0.0) for e in engines)
+
+
+def test_disconnect_before_the_first_byte_aborts_in_the_engine(fleet, wait_for):
+    """Non-streaming: nothing reaches the client until the engine is done, so only the
+    router's disconnect watcher can cancel it; the engine stops generating and frees."""
+    router, engines = fleet.config.router_url, fleet.config.engine_urls()
+    before = generated_tokens(engines)
+    body = {"prompt": "A non-streaming voyage", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        r = httpx.post(f"{router}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+        raise AssertionError(f"answered before the timeout: {r.status_code} {r.text[:300]}")
+    except httpx.ReadTimeout:
+        pass
+    wait_for(lambda: all(engine_metrics(e).num_running == 0 and engine_metrics(e).kv_usage == 0
+                         for e in engines), timeout=15, what="blocks freed after the disconnect")
+    assert generated_tokens(engines) - before < 470  # aborted, not run to max_tokens
+    assert "shoal:router_client_disconnects_total 1.0" in httpx.get(f"{router}/metrics").text
+
+
 def router_view(router: str) -> dict[str, set[int]]:
     view = httpx.get(f"{router}/debug/blocks", timeout=5).json()
     assert view["precise"]
