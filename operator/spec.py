@@ -11,18 +11,11 @@ from typing import Any
 
 from shoal.operator.constants import DEFAULT_RUNTIME_IMAGE
 from shoal.operator.model_uri import ModelSource, ModelUriError, parse_model_uri
+from shoal.operator.spec_reader import SpecError, SpecReader
 
 ROUTING_POLICIES = ("cache-affinity", "least-load", "round-robin")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
-
-
-class SpecError(ValueError):
-    """A spec value the operator cannot act on; ``field`` is its path, e.g. spec.replicas."""
-
-    def __init__(self, field_path: str, message: str) -> None:
-        super().__init__(f"{field_path}: {message}")
-        self.field = field_path
 
 
 @dataclass(frozen=True)
@@ -107,75 +100,8 @@ class ServiceSpec:
     service_monitor: bool
 
 
-class _Reader:
-    """Typed getters over one mapping that name the field on error."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise SpecError(path, "must be an object")
-        self.data, self.path = data, path
-
-    def _at(self, key: str) -> str:
-        return f"{self.path}.{key}"
-
-    def sub(self, key: str) -> _Reader:
-        return _Reader(self.data.get(key), self._at(key))
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def integer(self, key: str, default: int | None, minimum: int | None = None,
-                maximum: int | None = None) -> int | None:
-        value = self.data.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(self._at(key), f"must be an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise SpecError(self._at(key), f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise SpecError(self._at(key), f"must be <= {maximum}, got {value}")
-        return value
-
-    def number(self, key: str, default: float | None, low: float, high: float,
-               low_open: bool = False) -> float | None:
-        value = self.data.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SpecError(self._at(key), f"must be a number, got {value!r}")
-        if value > high or value < low or (low_open and value == low):
-            side = "(" if low_open else "["
-            raise SpecError(self._at(key), f"must be in {side}{low}, {high}], got {value}")
-        return float(value)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if not isinstance(value, bool):
-            raise SpecError(self._at(key), f"must be true or false, got {value!r}")
-        return value
-
-    def string(self, key: str, default: str | None, choices: tuple[str, ...] = ()) -> str | None:
-        value = self.data.get(key, default)
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise SpecError(self._at(key), f"must be a string, got {value!r}")
-        if choices and value not in choices:
-            raise SpecError(self._at(key), f"must be one of {', '.join(choices)}; got {value!r}")
-        return value
-
-    def strings(self, key: str) -> tuple[str, ...]:
-        value = self.data.get(key) or []
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise SpecError(self._at(key), "must be a list of strings")
-        return tuple(value)
-
-
 def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
-    root = _Reader(spec, "spec")
+    root = SpecReader(spec, "spec")
     model = _parse_model(root.sub("model"))
     runtime = _parse_runtime(root.sub("runtime"))
     res = root.sub("resources")
@@ -230,7 +156,7 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     )
 
 
-def _parse_model(m: _Reader) -> ModelSpec:
+def _parse_model(m: SpecReader) -> ModelSpec:
     uri = m.string("uri", None)
     if not uri:
         raise SpecError("spec.model.uri", "is required")
@@ -244,7 +170,7 @@ def _parse_model(m: _Reader) -> ModelSpec:
                      hf_token_secret=token)
 
 
-def _parse_runtime(r: _Reader) -> RuntimeSpec:
+def _parse_runtime(r: SpecReader) -> RuntimeSpec:
     env = r.data.get("env") or []
     if not isinstance(env, list) or not all(
         isinstance(e, dict) and isinstance(e.get("name"), str) for e in env
@@ -271,7 +197,7 @@ def _parse_runtime(r: _Reader) -> RuntimeSpec:
     )
 
 
-def _parse_autoscaling(a: _Reader) -> AutoscalingSpec:
+def _parse_autoscaling(a: SpecReader) -> AutoscalingSpec:
     low = a.integer("minReplicas", 1, minimum=0) or 0
     high = a.integer("maxReplicas", None, minimum=1)
     if high is None:
@@ -288,7 +214,7 @@ def _parse_autoscaling(a: _Reader) -> AutoscalingSpec:
     )
 
 
-def _parse_storage(s: _Reader) -> StorageSpec:
+def _parse_storage(s: SpecReader) -> StorageSpec:
     claim, size = s.string("claimName", None), _quantity(s, "size")
     if bool(claim) == bool(size):
         raise SpecError("spec.storage", "set exactly one of claimName and size")
@@ -299,7 +225,7 @@ def _parse_storage(s: _Reader) -> StorageSpec:
     )
 
 
-def _quantity(r: _Reader, key: str) -> str | None:
+def _quantity(r: SpecReader, key: str) -> str | None:
     value = r.data.get(key)
     if value is None:
         return None
