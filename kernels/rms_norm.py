@@ -33,21 +33,27 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x`` (any leading shape)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (any leading shape); ``out``: same shape,
+    contiguous, written in place."""
     size = x.shape[-1]
     if weight.shape != (size,):
         raise ValueError(f"weight must be [{size}], got {tuple(weight.shape)}")
     rows = x.reshape(-1, size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(x.shape)} tensor")
+    out_rows = out.view(-1, size)
     if rows.shape[0] == 0:
-        return out.view(x.shape)
-    check_launchable(rows, weight, out)
+        return out
+    check_launchable(rows, weight, out_rows)
     block = triton.next_power_of_2(size)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, out, weight.contiguous(), rows.stride(0), out.stride(0), eps,
+        rows, out_rows, weight.contiguous(), rows.stride(0), out_rows.stride(0), eps,
         N=size, BLOCK_N=block, num_warps=min(max(block // 256, 1), 8),
     )
-    return out.view(x.shape)
+    return out

@@ -28,18 +28,23 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK_N: tl.co
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[..., 2 * I]`` (gate half, then up half) -> ``[..., I]``."""
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[..., 2 * I]`` (gate half, then up half) -> ``[..., I]`` (``out``: contiguous)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"the last dimension must hold gate and up halves, got {gate_up.shape[-1]}")
     size = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], size), dtype=gate_up.dtype, device=gate_up.device)
+    shape = (*gate_up.shape[:-1], size)
+    if out is None:
+        out = torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} tensor")
+    out_rows = out.view(-1, size)
     if rows.shape[0] and size:
-        check_launchable(rows, out)
+        check_launchable(rows, out_rows)
         block = min(BLOCK, triton.next_power_of_2(size))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
-            rows, out, rows.stride(0), out.stride(0), size, BLOCK_N=block)
-    return out.view(*gate_up.shape[:-1], size)
+            rows, out_rows, rows.stride(0), out_rows.stride(0), size, BLOCK_N=block)
+    return out

@@ -13,7 +13,9 @@ def test_matches_reference_for_any_leading_shape(rng, shape):
     x = torch.randn(shape, generator=rng) * 4
     weight = 1 + 0.1 * torch.randn(shape[-1], generator=rng)
 
-    out = rms_norm(x, weight, 1e-6)
+    out = torch.full_like(x, float("nan"))
+
+    rms_norm(x, weight, 1e-6, out=out)
 
     torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
 
