@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.distributed.plan_wire import PlanEncoder, decode_result
+from shoal.runtime.distributed.plan_wire import PlanEncoder
+from shoal.runtime.distributed.result_wire import decode_result
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.plan import StepPlan, StepResult

@@ -94,7 +94,8 @@ def _start(setup: RankSetup):  # -> Worker
 
 
 def serve(conn: Connection, setup: RankSetup) -> None:
-    from shoal.runtime.distributed.plan_wire import PlanDecoder, encode_result
+    from shoal.runtime.distributed.plan_wire import PlanDecoder
+    from shoal.runtime.distributed.result_wire import encode_result
 
     worker = _start(setup)
     _send(conn, READY, pickle.dumps(worker.kv_bytes_per_block()))

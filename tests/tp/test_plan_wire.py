@@ -5,12 +5,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shoal.runtime.distributed.plan_wire import (
-    PlanDecoder,
-    PlanEncoder,
-    decode_result,
-    encode_result,
-)
+from shoal.runtime.distributed.plan_wire import PlanDecoder, PlanEncoder
+from shoal.runtime.distributed.result_wire import decode_result, encode_result
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
 
