@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
-from shoal.runtime.router.engine_metrics import parse_engine_metrics
+from shoal.runtime.router.engine_metrics import parse_engine_metrics, parse_samples
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -67,10 +67,11 @@ def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
 
 
 def generated_tokens(engines: list[str]) -> float:
-    from shoal.runtime.router.engine_metrics import parse_samples
+    return sum(metric_value(e, "shoal:generation_tokens_total") for e in engines)
 
-    return sum(parse_samples(httpx.get(f"{e}/metrics", timeout=5).text)
-               .get("shoal:generation_tokens_total", 0.0) for e in engines)
+
+def metric_value(url: str, name: str) -> float:
+    return parse_samples(httpx.get(f"{url}/metrics", timeout=5).text).get(name, 0.0)
 
 
 def test_disconnect_before_the_first_byte_aborts_in_the_engine(fleet, wait_for):
@@ -78,6 +79,7 @@ def test_disconnect_before_the_first_byte_aborts_in_the_engine(fleet, wait_for):
     router's disconnect watcher can cancel it; the engine stops generating and frees."""
     router, engines = fleet.config.router_url, fleet.config.engine_urls()
     before = generated_tokens(engines)
+    disconnects = metric_value(router, "shoal:router_client_disconnects_total")
     body = {"prompt": "A non-streaming voyage", "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
     try:
@@ -88,7 +90,7 @@ def test_disconnect_before_the_first_byte_aborts_in_the_engine(fleet, wait_for):
     wait_for(lambda: all(engine_metrics(e).num_running == 0 and engine_metrics(e).kv_usage == 0
                          for e in engines), timeout=15, what="blocks freed after the disconnect")
     assert generated_tokens(engines) - before < 470  # aborted, not run to max_tokens
-    assert "shoal:router_client_disconnects_total 1.0" in httpx.get(f"{router}/metrics").text
+    assert metric_value(router, "shoal:router_client_disconnects_total") == disconnects + 1
 
 
 def router_view(router: str) -> dict[str, set[int]]:
