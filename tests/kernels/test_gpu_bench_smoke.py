@@ -42,7 +42,11 @@ def test_direct_checkpoint_writer_matches_hf_qwen3_names_and_loads(tmp_path, mon
     from transformers import AutoModelForCausalLM
 
     monkeypatch.syspath_prepend(str(REPO / "bench" / "gpu"))
+    for name in ("checkpoint", "common"):  # bench modules: keep them out of later imports
+        monkeypatch.delitem(sys.modules, name, raising=False)
     checkpoint = pytest.importorskip("checkpoint")
+    monkeypatch.setitem(sys.modules, "checkpoint", checkpoint)  # removed again at teardown
+    monkeypatch.setitem(sys.modules, "common", sys.modules["common"])
     monkeypatch.setenv("SHOAL_BENCH_CHECKPOINT", "direct")
     monkeypatch.setenv("SHOAL_BENCH_MODEL_DIR", str(tmp_path / "direct"))
     model_dir = checkpoint.ensure_checkpoint(smoke=True)
