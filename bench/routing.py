@@ -192,6 +192,8 @@ def main() -> int:
                         help="seconds between users' first requests")
     parser.add_argument("--num-kv-blocks", type=int, default=96,
                         help="per engine: room for a share of the system prompts, not all")
+    parser.add_argument("--approx-capacity", type=int, default=0,
+                        help="the approximate router's --approx-capacity (0: its default)")
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-args", default="")
@@ -214,10 +216,12 @@ def main() -> int:
     print(f"starting {args.replicas} engines ({engines[0]} ...), logs in {logs}", flush=True)
     with LocalFleet(config) as fleet:
         routers = {"cache-affinity precise": config.router_url}
+        approx_flags = (["--approx-capacity", str(args.approx_capacity)]
+                        if args.approx_capacity else [])
         for offset, (name, flags) in enumerate([
                 ("round-robin", ["--policy", "round-robin"]),
                 ("least-load", ["--policy", "least-load"]),
-                ("cache-affinity approx", ["--policy", "cache-affinity"])]):
+                ("cache-affinity approx", ["--policy", "cache-affinity", *approx_flags])]):
             routers[name] = fleet.add_router(args.base_port + 10 + offset,
                                              [*flags, "--scrape-interval", "0.5"])
         order = [n for n in ("round-robin", "least-load", "cache-affinity approx",
