@@ -116,12 +116,12 @@ def plan_sizes(num_reqs: int = 256, decode_steps: int = 64) -> None:
           f"{statistics.median(c[3] for c in codec):.0f} us")
 
 
-def step_times(tp: int, batch: int, decode_steps: int, in_process: bool
+def step_times(tp: int, batch: int, decode_steps: int, in_process: bool, size: str
                ) -> tuple[float, float, float]:
     from shoal.runtime.executor.multiproc import MultiprocExecutor
     from shoal.runtime.model.make_model import cached_model
 
-    model = cached_model("qwen3", "bench")
+    model = cached_model("qwen3", size)
     config = EngineConfig(model=str(model), tensor_parallel_size=tp, max_num_seqs=batch,
                           num_kv_blocks=batch * 16, max_num_batched_tokens=512)
     start = time.perf_counter()
@@ -142,7 +142,8 @@ def step_times(tp: int, batch: int, decode_steps: int, in_process: bool
     core.executor.execute = timed  # type: ignore[method-assign]
     rng = random.Random(1)
     for i in range(batch):
-        prompt = [rng.randrange(3, 8000) for _ in range(128)]
+        vocab = core.model_config.vocab_size
+        prompt = [rng.randrange(3, vocab) for _ in range(128)]
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
         core.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt,
                                            sampling_params=params))
@@ -159,6 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-batch", type=int, default=16)
     parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--size", default="bench", choices=["tiny", "small", "bench"],
+                        help="qwen3 checkpoint size (tiny: the process-boundary cost shows)")
     parser.add_argument("--skip-model", action="store_true", help="plan sizes only")
     args = parser.parse_args()
     plan_sizes()
@@ -166,9 +169,9 @@ def main() -> None:
         return
     setups = {"TP=1 in process": (1, True), "TP=1, 1 rank process": (1, False),
               "TP=2, 2 rank processes": (2, False)}
-    results = {name: step_times(tp, args.decode_batch, args.decode_steps, in_process)
+    results = {name: step_times(tp, args.decode_batch, args.decode_steps, in_process, args.size)
                for name, (tp, in_process) in setups.items()}
-    print(f"\nStep time, qwen3 bench model on CPU, {args.decode_batch} requests x 128-token "
+    print(f"\nStep time, qwen3 {args.size} model on CPU, {args.decode_batch} requests x 128-token "
           f"prompts (median ms; prefill steps of <= 512 tokens)")
     print(f"{'executor':<24}{'prefill ms/step':>17}{'decode ms/step':>16}{'startup s':>11}")
     for name, (prefill, decode, startup) in results.items():

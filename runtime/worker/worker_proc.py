@@ -79,7 +79,8 @@ def _start(setup: RankSetup):  # -> Worker
 
     config = setup.config.replace(device=_rank_device(setup.config, setup.rank))
     device = torch.device(config.device)
-    if device.type == "cpu":  # ranks share the cores instead of each taking all of them
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # ranks share the cores instead of each taking all of them (unless told otherwise)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // setup.world_size))
