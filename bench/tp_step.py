@@ -150,6 +150,15 @@ def step_times(tp: int, batch: int, decode_steps: int, in_process: bool, size: s
     try:
         while core.has_unfinished_requests():
             core.step()
+        if not in_process:  # the bare round trip to every rank and back (PING/PONG)
+            pings = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                core.executor.check_health()
+                pings.append((time.perf_counter() - t0) * 1e6)
+            print(f"TP={tp} rank processes: health-check round trip median "
+                  f"{statistics.median(pings):.0f} us, p90 "
+                  f"{statistics.quantiles(pings, n=10)[-1]:.0f} us")
     finally:
         core.shutdown()
     steady = decode_ms[2:]  # the first decode steps still warm caches
