@@ -7,6 +7,9 @@ and returns the outputs of that step. Tokenizing, detokenizing and I/O live else
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from shoal.runtime.executor.base import Executor
@@ -39,6 +42,20 @@ def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int) -> int:
     return blocks
 
 
+def _freeze_long_lived_objects() -> None:
+    """The block pool and the model are long-lived objects (one per KV block); left in the
+    collected generations, every full cyclic-GC pass walks all of them and stalls a step for
+    ~100 ms. Unfrozen at exit so extension modules see their objects released."""
+    global _UNFREEZE_AT_EXIT
+    gc.freeze()
+    if not _UNFREEZE_AT_EXIT:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_AT_EXIT = True
+
+
+_UNFREEZE_AT_EXIT = False
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         if executor is None:  # in-process for one rank, a process per rank beyond
@@ -68,6 +85,7 @@ class EngineCore:
             ),
             default_eos=self.model_config.eos_token_ids,
         )
+        _freeze_long_lived_objects()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a

@@ -148,7 +148,10 @@ class KVCacheManager:
         table.extend(hits)
         table.extend(new_blocks)
         row = self.block_table_array[self.rows[req_id]]
-        row[start:len(table)] = [b.block_id for b in table[start:]]
+        if len(table) == start + 1:  # the common case: one new block (a scalar store)
+            row[start] = table[start].block_id
+        else:
+            row[start:len(table)] = [b.block_id for b in table[start:]]
         return True
 
     def free(self, req_id: str) -> None:
