@@ -2,15 +2,18 @@
 
 New K/V are written through ``slot_mapping`` with one ``index_copy_`` into the flattened
 cache. Decode rows (one query token each) are attended together: sorted by context length
-and cut into chunks, each chunk's blocks are gathered whole (one ``index_select`` per K and
-V into a reused workspace, so no page faults from fresh large buffers) and attended with
-batched matmuls per KV head on strided views (GQA without repeating K/V, no layout copy).
+and cut into a few chunks; a chunk's context is gathered with one ``index_select`` per K and
+V, straight into a ``[rows, kv_heads, positions, head_dim]`` layout in a reused workspace
+(no page faults from fresh large buffers, no layout copy), then attended with one batched
+matmul per side for all heads (GQA without repeating K/V). Few, large ops: on a shared
+2-core machine every op pays a scheduling cost, so the op count per layer stays constant.
 Prefill chunks go through ``scaled_dot_product_attention`` one request at a time: causal on
 the fresh K/V when nothing is cached before them, otherwise over the context read through
 the block table with a causal mask shifted by the cached prefix.
 
 Positions at or past ``seq_len`` never influence a result: their scores are masked and
-their gathered values zeroed, so whatever sits in unused cache memory (even NaN) stays out.
+the gather reads the row's first slot in their place, so whatever sits in unused cache
+memory (even NaN) is never read.
 """
 
 from __future__ import annotations
@@ -22,27 +25,31 @@ import torch.nn.functional as F
 from shoal.runtime.attention.backend import AttentionMetadata
 
 # a decode chunk gathers at most this many context tokens (rows x padded length)
-_DECODE_CHUNK_TOKENS = 1 << 15
+_DECODE_CHUNK_TOKENS = 1 << 16
 
 
 @dataclass
 class _DecodeChunk:
     token_idx: torch.Tensor  # long [Bc]: rows of q/out
-    block_ids: torch.Tensor  # long [Bc * nb]: the rows' block tables, flattened
+    slots: torch.Tensor  # long [Bc, S]: cache slot per context position; past a row's end,
+    #                      the row's first slot (always written), so nothing unused is read
     seq_lens: torch.Tensor  # long [Bc]
-    num_blocks: int  # nb: blocks per row after padding to the longest row
-    pad_index: torch.Tensor | None  # long: flat [Bc * S] positions past a row's end
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [Bc,1,S]
+    prepared: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
 
-    def mask(self, span: int, window: int | None) -> torch.Tensor:
-        """True where a score must be dropped; built by the first layer, reused by the rest."""
-        if window not in self.masks:
-            positions = torch.arange(span, device=self.seq_lens.device)
+    def prepare(self, num_kv_heads: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather index into the cache viewed as [slots * kv_heads, head_dim], ordered
+        [Bc, kv_heads, S], and the score mask [Bc, 1, 1, S]; built by the first layer."""
+        key = (num_kv_heads, window)
+        if key not in self.prepared:
+            heads = torch.arange(num_kv_heads, device=self.slots.device)
+            index = (self.slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+            positions = torch.arange(self.slots.shape[1], device=self.slots.device)
             invalid = positions[None, :] >= self.seq_lens[:, None]
             if window is not None:
                 invalid |= positions[None, :] <= self.seq_lens[:, None] - 1 - window
-            self.masks[window] = invalid[:, None, :]
-        return self.masks[window]
+            self.prepared[key] = (index, invalid[:, None, None, :])
+        return self.prepared[key]
 
 
 @dataclass
@@ -111,29 +118,19 @@ class TorchAttentionBackend:
                 chunk: _DecodeChunk, scale: float, sliding_window: int | None) -> torch.Tensor:
         """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
         batch, num_heads, head_dim = q.shape
-        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        span = chunk.num_blocks * block_size
-        block_numel = block_size * num_kv_heads * head_dim
-        k_buf, v_buf = self._buffers(batch * chunk.num_blocks * block_numel, q)
-        k_rows = k_buf.view(-1, block_numel)
-        v_rows = v_buf.view(-1, block_numel)
-        torch.index_select(k_cache.view(num_blocks, block_numel), 0, chunk.block_ids, out=k_rows)
-        torch.index_select(v_cache.view(num_blocks, block_numel), 0, chunk.block_ids, out=v_rows)
-        if chunk.pad_index is not None:  # unused memory must not reach probs @ V as NaN * 0
-            v_buf.view(batch * span, -1).index_fill_(0, chunk.pad_index, 0.0)
-        keys = k_buf.view(batch, span, num_kv_heads, head_dim)
-        values = v_buf.view(batch, span, num_kv_heads, head_dim)
-        invalid = chunk.mask(span, sliding_window)
-        group = num_heads // num_kv_heads
-        qg = q.view(batch, num_kv_heads, group, head_dim)
-        out = torch.empty_like(qg)
-        for h in range(num_kv_heads):
-            # strided per-head views: batched GEMMs read them in place, no layout copy
-            scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)).mul_(scale)
-            scores.masked_fill_(invalid, float("-inf"))  # [B, G, S]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[:, h] = torch.bmm(probs, values[:, :, h])
-        return out.view(batch, num_heads, head_dim)
+        num_kv_heads = k_cache.shape[2]
+        index, invalid = chunk.prepare(num_kv_heads, sliding_window)
+        span = chunk.slots.shape[1]
+        k_buf, v_buf = self._buffers(index.numel() * head_dim, q)
+        torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k_buf.view(-1, head_dim))
+        torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v_buf.view(-1, head_dim))
+        keys = k_buf.view(batch, num_kv_heads, span, head_dim)
+        values = v_buf.view(batch, num_kv_heads, span, head_dim)
+        qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, G, S]
+        scores.masked_fill_(invalid, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
 def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChunk]:
@@ -144,27 +141,26 @@ def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChun
     bs = meta.block_size
     seq_lens = meta.seq_lens_cpu
     chunks: list[_DecodeChunk] = []
+    offsets = torch.arange(bs, device=device)
     lo = 0
     while lo < len(rows):
         nb = -(-seq_lens[rows[lo]] // bs)  # the longest row of the chunk comes first
         span = nb * bs
         hi = lo + 1
-        # bounded size, and rows at least 3/4 as long as the first so padding stays small
+        # bounded size, and rows at least half as long as the first: padding stays below 2x
         while (hi < len(rows) and (hi - lo + 1) * span <= _DECODE_CHUNK_TOKENS
-               and 4 * seq_lens[rows[hi]] >= 3 * seq_lens[rows[lo]]):
+               and 2 * seq_lens[rows[hi]] >= seq_lens[rows[lo]]):
             hi += 1
         chunk_rows = rows[lo:hi]
-        lens = torch.tensor([seq_lens[i] for i in chunk_rows], dtype=torch.long)
-        pads = (torch.arange(span)[None, :] >= lens[:, None]).view(-1).nonzero().view(-1)
+        lens = torch.tensor([seq_lens[i] for i in chunk_rows], dtype=torch.long).to(device)
         row_index = torch.tensor(chunk_rows, dtype=torch.long).to(device)
-        tables = meta.block_tables.index_select(0, row_index)[:, :nb]
+        tables = meta.block_tables.index_select(0, row_index)[:, :nb].long()
+        slots = (tables[:, :, None] * bs + offsets).reshape(len(chunk_rows), span)
+        in_context = torch.arange(span, device=device)[None, :] < lens[:, None]
         chunks.append(_DecodeChunk(
             token_idx=torch.tensor([meta.query_start_loc_cpu[i] for i in chunk_rows],
                                    dtype=torch.long).to(device),
-            block_ids=tables.reshape(-1).long(),
-            seq_lens=lens.to(device),
-            num_blocks=nb,
-            pad_index=pads.to(device) if pads.numel() else None))
+            slots=torch.where(in_context, slots, slots[:, :1]), seq_lens=lens))
         lo = hi
     return chunks
 
