@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=0)
     parser.add_argument("--prefix-queries", type=int, default=0)
     parser.add_argument("--prefix-hits", type=int, default=0)
+    parser.add_argument("--metrics-file",
+                        help="JSON object read on every scrape, overriding kv/running/waiting")
     args = parser.parse_args()
     started = time.monotonic()
     draining = threading.Event()
@@ -45,21 +47,34 @@ def main() -> None:
                                 "capturing": 0.0}, "model": args.model}
 
     label = f'model_name="{args.model}"'
-    metrics = "\n".join([
-        "# TYPE shoal:num_requests_running gauge",
-        f"shoal:num_requests_running{{{label}}} {args.running}",
-        "# TYPE shoal:num_requests_waiting gauge",
-        f"shoal:num_requests_waiting{{{label}}} {args.waiting}",
-        "# TYPE shoal:kv_cache_usage_perc gauge",
-        f"shoal:kv_cache_usage_perc{{{label}}} {args.kv}",
-        "# TYPE shoal:prefix_cache_queries_total counter",
-        f"shoal:prefix_cache_queries_total{{{label}}} {args.prefix_queries}",
-        "# TYPE shoal:prefix_cache_hits_total counter",
-        f"shoal:prefix_cache_hits_total{{{label}}} {args.prefix_hits}",
-        "# TYPE shoal:num_preemptions_total counter",
-        f"shoal:num_preemptions_total{{{label}}} 0",
-        "",
-    ]).encode()
+
+    def current(name: str) -> float:
+        if args.metrics_file:
+            try:
+                with open(args.metrics_file) as handle:
+                    overrides = json.load(handle)
+                if name in overrides:
+                    return float(overrides[name])
+            except (OSError, ValueError):
+                pass
+        return float(getattr(args, name))
+
+    def metrics() -> bytes:
+        return "\n".join([
+            "# TYPE shoal:num_requests_running gauge",
+            f"shoal:num_requests_running{{{label}}} {current('running')}",
+            "# TYPE shoal:num_requests_waiting gauge",
+            f"shoal:num_requests_waiting{{{label}}} {current('waiting')}",
+            "# TYPE shoal:kv_cache_usage_perc gauge",
+            f"shoal:kv_cache_usage_perc{{{label}}} {current('kv')}",
+            "# TYPE shoal:prefix_cache_queries_total counter",
+            f"shoal:prefix_cache_queries_total{{{label}}} {args.prefix_queries}",
+            "# TYPE shoal:prefix_cache_hits_total counter",
+            f"shoal:prefix_cache_hits_total{{{label}}} {args.prefix_hits}",
+            "# TYPE shoal:num_preemptions_total counter",
+            f"shoal:num_preemptions_total{{{label}}} 0",
+            "",
+        ]).encode()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_: object) -> None:
@@ -79,7 +94,7 @@ def main() -> None:
                 code, body = ready_body()
                 self._send(code, json.dumps(body).encode(), "application/json")
             elif self.path == "/metrics":
-                self._send(200, metrics, "text/plain; version=0.0.4")
+                self._send(200, metrics(), "text/plain; version=0.0.4")
             else:
                 self._send(404, b"{}", "application/json")
 

@@ -341,15 +341,17 @@ async def test_operator_restart_mid_rollout_converges_without_duplicates(
         assert found == wanted, path
 
 
-async def test_builtin_autoscaler_scales_up_on_kv_usage(
+async def test_builtin_autoscaler_scales_up_at_once_and_down_after_the_window(
         apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
-        fake_kubelet_cls: type) -> None:
+        fake_kubelet_cls: type, tmp_path: Any) -> None:
     api = apiserver.api
-    standin_engines.settings["*"] = ["--kv", "0.9"]  # every replica 90% full vs a 50% target
+    load = tmp_path / "load.json"
+    load.write_text('{"kv": 0.9}')  # every replica 90% full vs a 50% target
+    standin_engines.settings["*"] = ["--metrics-file", str(load)]
     body = service_body("auto")
     del body["spec"]["replicas"]
     body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3,
-                                   "targetKVCacheUsage": 0.5, "scaleDownDelaySeconds": 300}
+                                   "targetKVCacheUsage": 0.5, "scaleDownDelaySeconds": 8}
     (await api.post(ISVC_PATH, json=body)).raise_for_status()
     operator_process.start()
     kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="auto-engine",
@@ -392,6 +394,21 @@ async def test_builtin_autoscaler_scales_up_on_kv_usage(
         assert samples[("shoal_operator_desired_replicas", service)] == 3
         assert samples[("shoal_operator_kv_cache_usage", service)] == 0.9
         assert samples[("shoal_operator_reconcile_rounds_total", (("result", "ok"),))] > 0
+
+        # Load drops: the recommendation falls at once, replicas only after the 8 s window
+        # (counted from the last high recommendation, at most a round or two before the drop).
+        load.write_text('{"kv": 0.05}')
+        dropped_at = time.monotonic()
+
+        async def scaled_down() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/auto")
+            return obj if obj and obj["spec"].get("replicas") == 1 else None
+        await wait_for(scaled_down, "scale-down to minReplicas", timeout=40,
+                       operator=operator_process)
+        assert time.monotonic() - dropped_at >= 4
+        events = await items(api, f"/api/v1/namespaces/{NS}/events")
+        assert any(e["reason"] == "Scaled" and e["message"].startswith("replicas 3 -> 1")
+                   for e in events)
     finally:
         kubelet_task.cancel()
         kubelet.stop_all()
