@@ -155,3 +155,29 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
         kv.free(req_id)
     kv.check_invariants()
     assert kv.num_free_blocks == num_blocks
+
+
+def test_cache_hits_sitting_in_the_free_list_are_not_counted_twice(make_seq):
+    kv = manager(num_blocks=4)
+    first = make_seq("a", list(range(12)))
+    assert kv.allocate_slots(first, 0, 12)
+    kv.cache_full_blocks(first, 12)
+    kv.free("a")  # 3 cached blocks, all free
+    longer = make_seq("b", list(range(12)) + [50] * 8)  # hits 3 blocks, needs 2 more
+    hits = kv.find_cached_prefix(longer)
+    assert len(hits) == 3
+    assert not kv.allocate_slots(longer, 12, 8, cached_blocks=hits)  # 4 free - 3 hits < 2
+    assert all(b.ref_cnt == 0 for b in hits) and kv.num_free_blocks == 4
+    assert kv.allocate_slots(longer, 12, 4, cached_blocks=hits)  # 1 more block fits
+    assert kv.block_ids("b")[:3] == [b.block_id for b in hits]
+    kv.check_invariants()
+
+
+def test_usage_counts_referenced_blocks_only(make_seq):
+    kv = manager(num_blocks=10)
+    seq = make_seq("a", list(range(8)))
+    assert kv.allocate_slots(seq, 0, 8)
+    kv.cache_full_blocks(seq, 8)
+    assert kv.usage() == pytest.approx(0.2)
+    kv.free("a")
+    assert kv.usage() == 0.0 and len(kv.pool.cached) == 2
