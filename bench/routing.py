@@ -230,10 +230,11 @@ def main() -> int:
         for i, name in enumerate(order):
             print(f"running {name} ...", flush=True)
             results.append(asyncio.run(run_workload(name, routers[name], engines, args, i)))
-        overhead_router = fleet.extra_routers[0]  # round-robin: no prefix work, pure proxying
+        # a router in front of engine 0 alone: direct and routed hit the same engine
+        single = fleet.add_router(args.base_port + 20, ["--policy", "cache-affinity"],
+                                  backends=engines[:1])
         direct_p50, routed_p50, router_cpu = asyncio.run(
-            overhead(routers["round-robin"], engines[0], args.overhead_requests,
-                     overhead_router.pid))
+            overhead(single, engines[0], args.overhead_requests, fleet.extra_routers[-1].pid))
 
     base = results[0]
     n_req = args.users * args.turns
@@ -253,7 +254,8 @@ def main() -> int:
               f"{p50 * 1000:>8.0f}ms{p50 / percentile(base.ttft, 0.5):>6.2f}"
               f"{percentile(r.ttft, 0.99) * 1000:>8.0f}ms{len(r.e2e) / r.wall:>8.2f}"
               f"{r.balance:>10.2f}{r.affinity_hits:>9.0f}{r.errors:>7}")
-    print(f"\nrouter overhead (tiny completion, sequential, {args.overhead_requests} each): "
+    print(f"\nrouter overhead (cache-affinity router over engine 0 vs engine 0 direct, tiny "
+          f"completion, sequential, alternating, {args.overhead_requests} each): "
           f"direct p50 {direct_p50 * 1000:.2f} ms, via router p50 {routed_p50 * 1000:.2f} ms, "
           f"overhead {(routed_p50 - direct_p50) * 1000:.2f} ms; router CPU "
           f"{router_cpu * 1000:.2f} ms per request (its idle polling subtracted)")

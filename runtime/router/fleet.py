@@ -70,10 +70,10 @@ def engine_argv(config: FleetConfig, index: int) -> list[str]:
     return argv + list(config.engine_args)
 
 
-def router_argv(config: FleetConfig) -> list[str]:
+def router_argv(config: FleetConfig, backends: list[str] | None = None) -> list[str]:
     argv = [sys.executable, "-m", "shoal.runtime.router.cli", "--host", config.host,
             "--port", str(config.port)]
-    for url in config.engine_urls():
+    for url in backends if backends is not None else config.engine_urls():
         argv += ["--backend", url]
     if config.kv_events:
         argv += ["--kv-events", "--kv-events-port", str(config.kv_events_port)]
@@ -115,10 +115,12 @@ class LocalFleet:
             self.stop()
             raise
 
-    def add_router(self, port: int, router_args: list[str], kv_events: bool = False) -> str:
-        """Another router over the same engines (benchmarks compare policies side by side)."""
+    def add_router(self, port: int, router_args: list[str], kv_events: bool = False,
+                   backends: list[str] | None = None) -> str:
+        """Another router over the same engines (or ``backends`` of them): benchmarks
+        compare policies side by side."""
         config = replace(self.config, port=port, router_args=router_args, kv_events=kv_events)
-        proc = self._spawn(router_argv(config), f"router-{port}")
+        proc = self._spawn(router_argv(config, backends), f"router-{port}")
         self.extra_routers.append(proc)
         self._wait_ready([config.router_url], [proc])
         return config.router_url
