@@ -4,7 +4,9 @@ One run drives both servers, one after the other (never at once: the machine has
 with the same requests: the bench-size model (``shoal make-model --size bench``), text
 prompts of 32..256 tokens, max_tokens 32..128 (fixed seed), streaming completions. Each rate
 is a Poisson arrival process (requests/s); ``inf`` sends everything at once (saturation).
-Both servers are warmed up first (transformers' first request is slow).
+Both servers are warmed up first (transformers' first request is slow) and run with the same
+torch thread count (``--threads``, default 1: on a shared 2-core machine, two OpenMP threads
+per process oversubscribe the cores and run ~10x slower than one).
 
 Per server and rate: output tokens/s (from the usage each stream reports), TTFT and
 inter-token latency p50/p99 (client side: the gap between content chunks), and the ratio of
@@ -123,18 +125,23 @@ class ServerProcess:
         self.log.close()
 
 
-def start_shoal(model_dir: Path, port: int) -> ServerProcess:
+def thread_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def start_shoal(model_dir: Path, port: int, threads: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model_dir), "--host",
            "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-           "--log-level", "warning", "--shutdown-timeout", "1"]
-    return ServerProcess("shoal", cmd, port, dict(os.environ), "/ready")
+           "--log-level", "warning", "--shutdown-timeout", "1",
+           "--kv-cache-memory", str(1 << 30)]  # 1 GiB: room for the whole workload
+    return ServerProcess("shoal", cmd, port, thread_env(threads), "/ready")
 
 
-def start_transformers(model_dir: Path, port: int) -> ServerProcess:
+def start_transformers(model_dir: Path, port: int, threads: int) -> ServerProcess:
     exe = Path(sys.executable).with_name("transformers")
     cmd = [str(exe), "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**thread_env(threads), "HF_HUB_OFFLINE": "1"}
     return ServerProcess("transformers", cmd, port, env, "/health")
 
 
@@ -233,6 +240,7 @@ def main() -> int:
     parser.add_argument("--rates", default="2,inf", help="comma-separated requests/s; inf = burst")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--servers", default="shoal,transformers")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.model is None:
@@ -249,9 +257,10 @@ def main() -> int:
     results: list[RateResult] = []
     for name in args.servers.split(","):
         if name == "shoal":
-            server, model = start_shoal(model_dir, free_port()), "bench"
+            server, model = start_shoal(model_dir, free_port(), args.threads), "bench"
         elif name == "transformers":
-            server, model = start_transformers(model_dir, free_port()), str(model_dir)
+            server, model = start_transformers(model_dir, free_port(), args.threads), \
+                str(model_dir)
         else:
             parser.error(f"unknown server {name!r}")
         print(f"{name}: starting ({server.log.name})", flush=True)
