@@ -44,10 +44,11 @@ def new_request_state(params: SamplingParams, prompt_token_ids: Sequence[int],
     state = RequestSamplingState(params, list(output_token_ids))
     if params.seed is not None and not params.greedy:
         state.generator = torch.Generator(device=device).manual_seed(params.seed)
-        # resume the stream where it was before a preemption: each sample drew V numbers
-        if generator_offset:
-            torch.empty((generator_offset, vocab_size), device=device).exponential_(
-                generator=state.generator)
+        # resume the stream where it was before a preemption: replay each earlier draw of
+        # V numbers as its own call, as the sampler made it (generators may round per call)
+        scratch = torch.empty(vocab_size, device=device) if generator_offset else None
+        for _ in range(generator_offset):
+            scratch.exponential_(generator=state.generator)  # type: ignore[union-attr]
     if state.has_penalties:
         mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         mask[_valid_ids(prompt_token_ids, vocab_size, device)] = True
