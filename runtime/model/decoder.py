@@ -25,6 +25,7 @@ from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [T, 1, head_dim/2]
 
 
 class Attention(nn.Module):
@@ -55,7 +56,7 @@ class Attention(nn.Module):
             self.fused_qk_norm_rotary = qk_norm_rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeTables | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+            q, k = RotaryEmbedding.apply(rope or self.rotary.cos_sin(positions), q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
@@ -105,8 +106,9 @@ class DecoderLayer(nn.Module):
                                                 device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+                meta: AttentionMetadata, rope: RopeTables | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta,
+                                         rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -119,6 +121,7 @@ class DecoderModel(nn.Module):
         # one table shared by all layers; computed in float32, stored in the model dtype
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, dtype, device)
+        self.rotary = rotary
         self.layers = nn.ModuleList(
             DecoderLayer(config, parallel, rotary, backend, dtype, device)
             for _ in range(config.num_layers))
@@ -127,8 +130,9 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)  # looked up once per step, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(positions, hidden, kv_cache, meta, rope)
         return self.norm(hidden)
 
 
