@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.core import EngineCore
+from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
 from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.model.config import ModelConfig
@@ -69,6 +69,7 @@ def measure(block_size: int, num_reqs: int, steps: int) -> dict:
                           num_kv_blocks=num_reqs * 4096 // block_size,
                           enable_prefix_caching=True)
     core = EngineCore(config, executor=NullExecutor())
+    freeze_gc_after_startup()
     system = [rng.randrange(3, VOCAB) for _ in range(128)]
     for i in range(num_reqs):
         body = [rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 512))]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.core import EngineCore
+from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
 from shoal.runtime.sampling_params import SamplingParams
@@ -46,6 +46,7 @@ class LLM:
         self.engine = EngineCore(EngineConfig.from_kwargs(str(model_dir), **engine_args))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self._ids = itertools.count()
+        freeze_gc_after_startup()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

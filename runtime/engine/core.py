@@ -42,11 +42,15 @@ def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int) -> int:
     return blocks
 
 
-def _freeze_long_lived_objects() -> None:
-    """The block pool and the model are long-lived objects (one per KV block); left in the
-    collected generations, every full cyclic-GC pass walks all of them and stalls a step for
-    ~100 ms. Unfrozen at exit so extension modules see their objects released."""
+def freeze_gc_after_startup() -> None:
+    """Call once an engine is built, in a process that owns it for its lifetime (offline
+    LLM, the engine-core process, benchmarks). The block pool and the model are long-lived
+    objects (one per KV block); left in the collected generations, every full cyclic-GC
+    pass walks all of them and stalls a step for ~100 ms at 64k blocks. Garbage is collected
+    first so only live objects are frozen; everything is unfrozen at exit so extension
+    modules see their objects released."""
     global _UNFREEZE_AT_EXIT
+    gc.collect()
     gc.freeze()
     if not _UNFREEZE_AT_EXIT:
         atexit.register(gc.unfreeze)
@@ -85,7 +89,6 @@ class EngineCore:
             ),
             default_eos=self.model_config.eos_token_ids,
         )
-        _freeze_long_lived_objects()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
