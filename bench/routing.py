@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 from shoal.runtime.router.engine_metrics import parse_engine_metrics, parse_samples
-from shoal.runtime.router.fleet import FleetConfig, LocalFleet, engine_host
+from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet, engine_host
 
 WORDS = ("ship harbor cargo tide anchor route crane berth manifest pilot ledger customs "
          "freight vessel dock weather schedule container invoice captain").split()

@@ -17,12 +17,21 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+from shoal.runtime.router.asgi import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    error_response,
+    read_body,
+    respond,
+    wait_disconnect,
+)
 from shoal.runtime.router.policy import RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
@@ -36,28 +45,18 @@ from shoal.runtime.router.router_metrics import RouterMetrics
 
 log = logging.getLogger("shoal.router.proxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = frozenset({429, 502, 503})
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-authenticate", "proxy-authorization"})
 # the client library sets these for the upstream request itself
 REQUEST_HEADERS_DROPPED = HOP_BY_HOP | {"host", "content-length"}
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ProxySettings:
     max_attempts: int = 3  # replicas tried per request before the first byte
     key_config: KeyConfig = KeyConfig()
-
-
-class ClientGone(Exception):
-    """The client disconnected while the request was being forwarded."""
 
 
 def make_upstream_session() -> aiohttp.ClientSession:
@@ -96,13 +95,13 @@ class RouterApp:
             return
         path, method = scope["path"], scope["method"]
         if path == "/health" and method == "GET":
-            await _respond(send, 200, b'{"status":"ok"}')
+            await respond(send, 200, b'{"status":"ok"}')
         elif path == "/ready" and method == "GET":
             ready = bool(self.pool.available())
-            await _respond(send, 200 if ready else 503,
+            await respond(send, 200 if ready else 503,
                            b'{"status":"ready"}' if ready else b'{"status":"no ready replica"}')
         elif path == "/metrics" and method == "GET":
-            await _respond(send, 200, self.metrics.render(),
+            await respond(send, 200, self.metrics.render(),
                            content_type=b"text/plain; version=0.0.4; charset=utf-8")
         elif path in ROUTED_PATHS and method == "POST":
             await self._proxy(scope, receive, send)
@@ -111,7 +110,7 @@ class RouterApp:
         elif path == "/debug/blocks" and method == "GET":
             await self._blocks(send)
         else:
-            await _error(send, 404, f"no route for {method} {path}")
+            await error_response(send, 404, f"no route for {method} {path}")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -133,24 +132,24 @@ class RouterApp:
         """The router's view: block keys it believes each replica holds (affinity only)."""
         indexes = getattr(self.policy, "indexes", None)
         if indexes is None:
-            await _error(send, 404, f"policy {self.policy.name} keeps no block view")
+            await error_response(send, 404, f"policy {self.policy.name} keeps no block view")
             return
         view = {"policy": self.policy.name, "precise": bool(getattr(self.policy, "precise", 0)),
                 "replicas": {url: sorted(index.blocks()) for url, index in indexes.items()}}
-        await _respond(send, 200, json.dumps(view).encode())
+        await respond(send, 200, json.dumps(view).encode())
 
     # -- proxying -------------------------------------------------------------------------
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = time.perf_counter()
         try:
-            body = await _read_body(receive)
+            body = await read_body(receive)
         except ClientGone:
             return
         except ValueError as exc:
-            await _error(send, 413, str(exc))
+            await error_response(send, 413, str(exc))
             return
         relay = asyncio.create_task(self._forward(scope, body, send, received_at))
-        watcher = asyncio.create_task(_wait_disconnect(receive))
+        watcher = asyncio.create_task(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -233,7 +232,7 @@ class RouterApp:
             finally:
                 replica.in_flight -= 1
         self.metrics.no_replica.inc()
-        await _error(send, 503, f"no replica could take the request ({last_error})")
+        await error_response(send, 503, f"no replica could take the request ({last_error})")
 
     async def _relay(self, upstream: aiohttp.ClientResponse, send: Send) -> None:
         headers = [(k, v) for k, v in upstream.raw_headers
@@ -248,40 +247,3 @@ class RouterApp:
         except (aiohttp.ClientError, TimeoutError) as exc:  # replica died mid-stream
             log.warning("upstream broke mid-response: %r", exc)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ValueError(f"request body over {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _respond(send: Send, status: int, body: bytes,
-                   content_type: bytes = b"application/json") -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _error(send: Send, status: int, message: str) -> None:
-    payload = {"error": {"message": message, "type": "router_error", "code": status}}
-    await _respond(send, status, json.dumps(payload).encode())
-

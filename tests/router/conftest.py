@@ -121,7 +121,7 @@ def wait_for():
 def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
     """engine_fleet_factory(replicas, engine_args, kv_events) -> a started LocalFleet of real
     `shoal serve` engines (tiny qwen3) and a router; all stopped when the module ends."""
-    from shoal.runtime.router.fleet import FleetConfig, LocalFleet
+    from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet
 
     fleets: list[LocalFleet] = []
 

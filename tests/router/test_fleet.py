@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from shoal.runtime.router.fleet import FleetConfig, LocalFleet, engine_argv, router_argv
+from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet, engine_argv, router_argv
 
 FAKE_ENGINE = [sys.executable, str(Path(__file__).parent / "fake_engine.py")]
 
