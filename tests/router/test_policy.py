@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shoal.runtime.router.bounded_load import within_bound
 from shoal.runtime.router.cache_affinity import CacheAffinityPolicy, pick_by_affinity
 from shoal.runtime.router.hash_ring import HashRing, hash_key
@@ -185,3 +187,30 @@ def test_make_policy_rejects_unknown_names():
         make_policy("random")
     with pytest.raises(ValueError, match="no replica"):
         make_policy("round-robin").choose(None, [], 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 8), victim=st.integers(0, 7), seed=st.integers(0, 10_000))
+def test_ring_churn_properties_hold_for_any_fleet(n, victim, seed):
+    urls = [f"http://10.0.{seed % 250}.{i}:8000" for i in range(n)]
+    ring = HashRing(urls)
+    keys = [hash_key(f"{seed}-{i}") for i in range(400)]
+    before = {k: ring.owner(k) for k in keys}
+    gone = urls[victim % n]
+    ring.remove(gone)
+    assert all(ring.owner(k) == before[k] for k in keys if before[k] != gone)
+    ring.add(gone)
+    assert {k: ring.owner(k) for k in keys} == before  # back exactly where they were
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(st.integers(0, 50), min_size=1, max_size=12),
+       matched=st.lists(st.integers(0, 20), min_size=12, max_size=12))
+def test_affinity_never_picks_a_replica_over_the_bound(loads, matched):
+    urls = [f"r{i}" for i in range(len(loads))]
+    allowed = within_bound(dict(zip(urls, loads, strict=True)))
+    chosen = pick_by_affinity(urls, allowed, dict(zip(urls, matched, strict=False)), {})
+    mean = sum(loads) / len(loads)
+    assert loads[urls.index(chosen)] <= 1.25 * mean
+    best = max(matched[urls.index(u)] for u in allowed)
+    assert matched[urls.index(chosen)] == best
