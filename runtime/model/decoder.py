@@ -70,7 +70,7 @@ class Attention(nn.Module):
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = RotaryEmbedding.apply(rope or self.rotary.cos_sin(positions), q, k)
+            q, k = RotaryEmbedding.rotate(rope or self.rotary.cos_sin(positions), q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))

@@ -71,6 +71,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
         self.max_positions = max_positions
@@ -80,7 +82,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+    def rotate(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
         cos, sin = cos_sin
@@ -88,7 +90,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(self.cos_sin(positions), q, k)
+        return self.rotate(self.cos_sin(positions), q, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

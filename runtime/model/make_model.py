@@ -20,6 +20,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small", "bench")
@@ -95,7 +96,7 @@ def hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     s = size_spec(arch, size)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
         intermediate_size=s.intermediate_size, max_position_embeddings=s.max_position_embeddings,
