@@ -32,6 +32,7 @@ from typing import cast
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.distributed.plan_wire import PlanEncoder
 from shoal.runtime.distributed.result_wire import decode_result
+from shoal.runtime.distributed.shardability import check_shardable
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.plan import StepPlan, StepResult
@@ -113,6 +114,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size
         self.rank_timeout = float(config.rank_timeout)
         self._model_config = load_model_config(config.model)
+        check_shardable(self._model_config, self.world_size)  # before any process starts
         self._encoder = PlanEncoder(config.block_size)
         self._failure: RankFailure | None = None
         self._closed = False
