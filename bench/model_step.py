@@ -1,0 +1,135 @@
+"""One model step on CPU, decode and prefill, as a share of the matmul rate measured here.
+
+Isolates the model side (Worker: model, torch attention, sampler) from the scheduler: the
+KV cache is filled with random values and plans are written directly, so a decode step over
+long contexts costs no prefill first. Prints, per step kind, milliseconds per step, the
+model FLOP rate (2 x linear parameters per token, the LM head per sampled row, attention
+over each token's context) and its ratio to torch's matmul rate at the same row count,
+measured in the same run (the CPU roofline). The machine is shared: figures are noisy.
+
+    .venv/bin/python bench/model_step.py [--arch llama] [--size bench] [--batch 128]
+        [--context 400] [--prefill 4x512] [--threads 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.model.config import ModelConfig
+from shoal.runtime.plan import NewRequestData, StepPlan
+from shoal.runtime.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+def linear_params(mc: ModelConfig) -> int:
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size \
+        + 3 * mc.hidden_size * mc.intermediate_size
+    return mc.num_layers * per_layer
+
+
+def step_flops(mc: ModelConfig, tokens: int, sampled: int, context_pairs: int) -> float:
+    """context_pairs: sum over tokens of the context each attends to."""
+    attention = 4 * context_pairs * mc.num_heads * mc.head_dim * mc.num_layers
+    return 2 * linear_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * sampled \
+        + attention
+
+
+def matmul_rate(mc: ModelConfig, rows: int, repeats: int = 10) -> float:
+    a = torch.randn(rows, mc.hidden_size)
+    b = torch.randn(mc.intermediate_size, mc.hidden_size)
+    for _ in range(3):
+        a @ b.T
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b.T
+    return 2 * rows * mc.hidden_size * mc.intermediate_size * repeats / (
+        time.perf_counter() - start)
+
+
+def plan(step: int, lengths: list[int], query_lens: list[int], vocab: int,
+         announce: bool) -> StepPlan:
+    """Request i owns consecutive-by-row blocks; its query is its last query_lens[i] tokens."""
+    rng = np.random.default_rng(step)
+    nb = -(-max(lengths) // BLOCK)
+    tables = np.arange(len(lengths) * nb, dtype=np.int32).reshape(len(lengths), nb)
+    positions = np.concatenate([np.arange(n - q, n) for n, q in zip(lengths, query_lens,
+                                                                      strict=True)])
+    rows = np.repeat(np.arange(len(lengths)), query_lens)
+    slots = tables[rows, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
+    ids = [f"r{i}" for i in range(len(lengths))]
+    new = [NewRequestData(r, [1], [], SamplingParams(temperature=0.0)) for r in ids] \
+        if announce else []
+    return StepPlan(step, ids, rng.integers(3, vocab, len(positions)).astype(np.int64),
+                    positions.astype(np.int64),
+                    np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
+                    np.array(lengths, np.int32), tables, slots,
+                    np.ones(len(lengths), bool), new_requests=new,
+                    finished_req_ids=ids if announce else [])
+
+
+def timed(worker, plans: list[StepPlan]) -> float:
+    worker.execute(plans[0])
+    start = time.perf_counter()
+    for p in plans[1:]:
+        worker.execute(p)
+    return (time.perf_counter() - start) / (len(plans) - 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    parser.add_argument("--size", default="bench")
+    parser.add_argument("--batch", type=int, default=128, help="decoding requests")
+    parser.add_argument("--context", type=int, default=400, help="their context length")
+    parser.add_argument("--prefill", default="4x512", help="REQUESTSxTOKENS in one step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from shoal.runtime.model.make_model import cached_model
+    from shoal.runtime.worker.worker import Worker
+
+    n_prefill, prefill_len = (int(x) for x in args.prefill.split("x"))
+    model_dir = cached_model(args.arch, args.size)
+    needed = max(args.batch * -(-args.context // BLOCK), n_prefill * -(-prefill_len // BLOCK))
+    worker = Worker(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                 block_size=BLOCK))
+    worker.load_model()
+    worker.init_kv_cache(needed)
+    for k_cache, v_cache in worker.runner.kv_caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    mc = worker.model_config()
+    print(f"model {model_dir.name}, torch threads {torch.get_num_threads()}")
+
+    decode_lens = [args.context] * args.batch
+    decode_plans = [plan(s, decode_lens, [1] * args.batch, mc.vocab_size, s == 0)
+                    for s in range(6)]
+    prefill_plans = [plan(100 + s, [prefill_len] * n_prefill, [prefill_len] * n_prefill,
+                          mc.vocab_size, True) for s in range(4)]
+    cases = [
+        (f"decode {args.batch} x ctx {args.context}", decode_plans, args.batch, args.batch,
+         args.batch * args.context),
+        (f"prefill {n_prefill} x {prefill_len}", prefill_plans, n_prefill * prefill_len,
+         n_prefill, n_prefill * prefill_len * (prefill_len + 1) // 2),
+    ]
+    print(f"{'step':<24} {'ms/step':>9} {'model GFLOP/s':>14} {'matmul GFLOP/s':>15} "
+          f"{'share':>7}")
+    for name, plans, tokens, sampled, pairs in cases:
+        seconds = timed(worker, plans)
+        roof = matmul_rate(mc, tokens)
+        rate = step_flops(mc, tokens, sampled, pairs) / seconds
+        print(f"{name:<24} {seconds * 1e3:>9.1f} {rate / 1e9:>14.1f} {roof / 1e9:>15.1f} "
+              f"{100 * rate / roof:>6.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
