@@ -73,3 +73,12 @@ def test_a_startup_failure_exits_non_zero_with_the_engines_error(start_server, s
     assert server.proc.wait(60) != 0
     log = server.log()
     assert "engine" in log and "safetensors" in log.lower(), log[-2000:]
+
+
+@pytest.mark.slow
+def test_the_engine_process_does_not_outlive_a_killed_api_process(start_server):
+    server = start_server()
+    engine = server.engine_process()
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(10)
+    engine.wait(10)  # psutil: raises TimeoutExpired if the orphan keeps running
