@@ -88,7 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def ready() -> JSONResponse:
         """Readiness: 200 only once warmup is done and while not draining."""
         phase = state.phase
-        body = {"status": "ready" if phase == "ready" else "not ready", "phase": phase,
+        body = {"status": readiness_status(phase), "phase": phase,
                 "phase_durations": state.client.phase_durations}
         return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 
@@ -99,3 +99,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     return app
 
+
+def readiness_status(phase: str) -> str:
+    """The coarse state a probe reader wants: ready, starting, draining or failed."""
+    if phase in ("ready", "draining"):
+        return phase
+    if phase in ("dead", "failed"):
+        return "failed"
+    return "starting"

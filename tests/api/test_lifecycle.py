@@ -35,6 +35,7 @@ def test_ready_is_503_with_the_phase_until_warmup_ends(start_server):
                 time.sleep(0.05)
         assert response.status_code == 503
         assert response.json()["phase"] in {"starting", "loading", "profiling", "capturing"}
+        assert response.json()["status"] == "starting"
         assert server.get("/health").status_code == 200  # alive, just not ready
         with httpx.Client() as http:
             early = http.post(server.v1 + "/completions", json={"prompt": "x"})
@@ -43,7 +44,7 @@ def test_ready_is_503_with_the_phase_until_warmup_ends(start_server):
         engine.resume()
     server.wait_ready()
     body = server.get("/ready").json()
-    assert body["phase"] == "ready"
+    assert body["phase"] == body["status"] == "ready"
     assert set(body["phase_durations"]) == {"loading", "profiling", "capturing"}
     assert server.metric('shoal:startup_phase_duration_seconds') >= 0.0
 
@@ -78,7 +79,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(start_server):
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     ready = server.get("/ready")
-    assert (ready.status_code, ready.json()["phase"]) == (503, "draining")
+    assert (ready.status_code, ready.json()["phase"], ready.json()["status"]) == (503, "draining", "draining")
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=server.model, prompt="late", max_tokens=2)
     assert err.value.status_code == 503
