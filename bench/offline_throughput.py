@@ -221,16 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     trials = {}
     for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
         trials[bs] = calib.output_tokens / run_hf_static(model, calib, bs)
-        print(f"  HF static batch {bs}: {trials[bs]:.1f} tok/s on {len(calib.prompts)} requests")
+        print(f"  HF static batch {bs}: {trials[bs]:.1f} tok/s on {len(calib.prompts)} requests",
+              flush=True)
     best_bs = max(trials, key=trials.get)
-    seconds = run_hf_static(model, work, best_bs)
-    rows.append({"system": f"HF generate (static, batch {best_bs})", "seconds": seconds})
+    def done(system: str, seconds: float) -> None:
+        rows.append({"system": system, "seconds": seconds})
+        print(f"  {system}: {seconds:.1f} s, {work.output_tokens / seconds:.1f} tok/s",
+              flush=True)
+
+    done(f"HF generate (static, batch {best_bs})", run_hf_static(model, work, best_bs))
     if not args.skip_hf_continuous:
-        seconds = run_hf_continuous(load_hf(model_dir), work)
-        rows.append({"system": "HF continuous batching", "seconds": seconds})
+        done("HF continuous batching", run_hf_continuous(load_hf(model_dir), work))
     del model
-    seconds = run_ours(model_dir, work, args.max_num_batched_tokens)
-    rows.append({"system": "shoal LLM.generate", "seconds": seconds})
+    done("shoal LLM.generate", run_ours(model_dir, work, args.max_num_batched_tokens))
 
     best_hf = max(work.output_tokens / r["seconds"] for r in rows if r["system"].startswith("HF"))
     print(f"\n{'system':<32} {'seconds':>8} {'out tok/s':>10} {'x best HF':>10} "
