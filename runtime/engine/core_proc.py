@@ -23,6 +23,7 @@ import traceback
 import msgspec
 import zmq
 from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.core import freeze_gc_after_startup
 from shoal.runtime.engine.core_wire import (
     CoreMessageType,
     FatalError,
@@ -158,6 +159,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         startup = _Startup(send)
         core = build_engine_core(config, startup)
+        freeze_gc_after_startup()  # no full-GC pass over every KV block during serving
         startup.begin("ready", max_model_len=core.max_model_len,
                       num_kv_blocks=core.stats().num_kv_blocks,
                       eos_token_ids=list(core.model_config.eos_token_ids),
