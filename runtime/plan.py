@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from shoal.runtime.sampling_params import SamplingParams
 
 

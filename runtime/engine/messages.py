@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 
 import msgspec
-
 from shoal.runtime.sampling_params import SamplingParams
 
 
@@ -32,7 +31,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     adapter_id: str | None = None  # part of cache identity (LoRA adapter), reserved
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 (msgspec-encoded by value)
     STOP = "stop"  # EOS, stop token id, or (set by the front end) stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
