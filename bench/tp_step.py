@@ -21,42 +21,28 @@ import random
 import statistics
 import time
 
-import numpy as np
+from engine_overhead import (
+    VOCAB,
+    NullExecutor,  # bench/ is on sys.path when run as a script
+)
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.distributed.plan_wire import PlanDecoder, PlanEncoder
 from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreRequest
-from shoal.runtime.executor.base import Executor
-from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
 
-VOCAB = 32000
 
-
-class MeasuringExecutor(Executor):
+class MeasuringExecutor(NullExecutor):
     """No model: encodes every plan like the TP executor does and records the sizes."""
 
     def __init__(self, block_size: int) -> None:
-        self._config = ModelConfig(architecture="Null", vocab_size=VOCAB, hidden_size=8,
-                                   num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
-                                   intermediate_size=8, max_position_embeddings=1 << 16,
-                                   eos_token_ids=[0])
+        super().__init__()
         self.encoder = PlanEncoder(block_size)
         self.decoder = PlanDecoder(block_size)  # what every rank runs
         # (reqs, tokens, wire, wire from a fresh codec = no deltas, no interned ids, pickle)
         self.sizes: list[tuple[int, int, int, int, int]] = []
         self.codec_us: list[tuple[int, int, float, float]] = []  # (reqs, tokens, enc, dec)
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self._config
-
-    def kv_bytes_per_block(self) -> int:
-        return 1
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -69,14 +55,7 @@ class MeasuringExecutor(Executor):
         fresh = len(PlanEncoder(self.encoder.block_size).encode(plan))
         self.sizes.append((plan.num_reqs, plan.num_tokens, wire, fresh,
                            len(pickle.dumps(plan))))
-        rows = [r for r, s in zip(plan.req_ids, plan.sample_rows.tolist(), strict=True) if s]
-        return StepResult(plan.step_id, rows, np.full(len(rows), 7, dtype=np.int64))
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
+        return super().execute(plan)
 
 
 def plan_sizes(num_reqs: int = 256, decode_steps: int = 64) -> None:
