@@ -53,6 +53,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # engine-side time.monotonic() stamps, set on a request's first output only (0 elsewhere):
+    # when the engine core received it and when it was first scheduled (queue/prefill metrics)
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
