@@ -14,6 +14,7 @@ aborted while the step was in flight).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from shoal.runtime.engine.messages import (
@@ -180,6 +181,7 @@ class Scheduler:
             self.prefix_cache_hits += computed
             if not req.ever_admitted:
                 req.ever_admitted = True
+                req.scheduled_time = time.monotonic()  # request_queue_time_seconds ends here
                 req.num_cached_tokens = computed
                 self.prompt_tokens += req.num_prompt_tokens
             req.num_computed_tokens = computed
@@ -265,6 +267,9 @@ class Scheduler:
                                       num_cached_tokens=req.num_cached_tokens)
             if req.logprobs_k is not None:
                 output.new_logprobs = _logprobs(result, index, req.logprobs_k)
+            if len(req.output_token_ids) == 1:  # its first output carries the phase stamps
+                output.queued_time = req.queued_time
+                output.scheduled_time = req.scheduled_time
             outputs.append(output)
             if finish is not None:
                 output.finish_reason = finish
