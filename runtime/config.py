@@ -24,7 +24,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    attention_backend: str = "auto"  # auto | torch | cpu | triton | flashinfer
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_logprobs: int = 20
     rank_timeout: float = 30.0  # seconds a rank may make no progress before the engine is fatal

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "engine is declared dead")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "triton", "flashinfer"])
+                   choices=["auto", "torch", "cpu", "triton", "flashinfer"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20)

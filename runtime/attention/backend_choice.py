@@ -1,6 +1,7 @@
 """Which attention backend runs: a pure rule, so it is tested without a GPU.
 
-``auto``: flashinfer when it imports on a CUDA device, else triton on CUDA, else torch.
+``auto``: flashinfer when it imports on a CUDA device, else triton on CUDA; on CPU the native
+decode kernel (``cpu``) when it builds here and the model is float32, else torch.
 An explicit choice is honoured where it can run at all, and refused with a reason where it
 cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
 CUDA or the interpreter (``TRITON_INTERPRET=1``, tests).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 
 
 def choose_attention_backend(
@@ -20,8 +21,12 @@ def choose_attention_backend(
     flashinfer_available: bool,
     triton_available: bool,
     triton_interpreted: bool = False,
+    cpu_kernel: str | None = "not checked",
+    dtype_is_float32: bool = True,
 ) -> str:
-    """Resolve ``--attention-backend`` to a concrete backend name, or raise ValueError."""
+    """Resolve ``--attention-backend`` to a concrete backend name, or raise ValueError.
+
+    ``cpu_kernel``: None when the native CPU decode kernel loads here, else why it does not."""
     if requested not in BACKEND_NAMES:
         raise ValueError(
             f"unknown attention backend {requested!r}; choose one of {', '.join(BACKEND_NAMES)}"
@@ -32,7 +37,17 @@ def choose_attention_backend(
             return "flashinfer"
         if on_cuda and triton_available:
             return "triton"
+        if device_type == "cpu" and cpu_kernel is None and dtype_is_float32:
+            return "cpu"
         return "torch"
+    if requested == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU, not {device_type}")
+        if cpu_kernel is not None:
+            raise ValueError(f"the cpu attention backend is unavailable: {cpu_kernel}")
+        if not dtype_is_float32:
+            raise ValueError("the cpu attention backend runs float32 models only; "
+                             "use --attention-backend torch")
     if requested == "flashinfer":
         if not on_cuda:
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {device_type}")
@@ -58,12 +73,22 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def choose_for_device(requested: str, device_type: str) -> str:
-    """The rule applied to this machine."""
+def cpu_kernel_status() -> str | None:
+    """None when the native CPU decode kernel builds and loads here, else why not."""
+    from shoal.kernels.paged_decode_cpu import unavailable_reason
+
+    return unavailable_reason()
+
+
+def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool = True) -> str:
+    """The rule applied to this machine (the CPU kernel is built only when it could run)."""
+    wants_cpu_kernel = device_type == "cpu" and requested in ("auto", "cpu")
     return choose_attention_backend(
         requested,
         device_type,
         flashinfer_available=device_type == "cuda" and module_available("flashinfer"),
         triton_available=module_available("triton"),
         triton_interpreted=triton_interpreted(),
+        cpu_kernel=cpu_kernel_status() if wants_cpu_kernel else "not on CPU",
+        dtype_is_float32=dtype_is_float32,
     )

@@ -1,7 +1,8 @@
 """Pick the attention backend by name (``--attention-backend``).
 
 What ``auto`` means and which explicit choices can run where is the pure rule in
-``backend_choice.py`` (flashinfer if it imports on CUDA, else triton on CUDA, else torch).
+``backend_choice.py`` (flashinfer if it imports on CUDA, else triton on CUDA; on CPU the
+native decode kernel for float32 models when it builds, else torch).
 Backends are imported only once chosen: flashinfer only on CUDA, triton only when asked for.
 """
 
@@ -14,31 +15,41 @@ from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.attention.backend_choice import choose_for_device
 
 
-def _torch_backend() -> AttentionBackend:
+def _torch_backend(dtype: torch.dtype) -> AttentionBackend:
     from shoal.runtime.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def _triton_backend() -> AttentionBackend:
+def _cpu_backend(dtype: torch.dtype) -> AttentionBackend:
+    from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend(dtype)
+
+
+def _triton_backend(dtype: torch.dtype) -> AttentionBackend:
     from shoal.runtime.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
 
-def _flashinfer_backend() -> AttentionBackend:
+def _flashinfer_backend(dtype: torch.dtype) -> AttentionBackend:
     from shoal.runtime.attention.flashinfer_backend import FlashInferBackend
 
     return FlashInferBackend()
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+_BACKENDS: dict[str, Callable[[torch.dtype], AttentionBackend]] = {
     "torch": _torch_backend,
+    "cpu": _cpu_backend,
     "triton": _triton_backend,
     "flashinfer": _flashinfer_backend,
 }
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend for ``name`` on ``device``; ValueError says why a choice cannot run."""
-    return _BACKENDS[choose_for_device(name, device.type)]()
+def get_attention_backend(name: str, device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """The backend for ``name`` on ``device`` for a ``dtype`` model; ValueError says why a
+    choice cannot run."""
+    chosen = choose_for_device(name, device.type, dtype_is_float32=dtype == torch.float32)
+    return _BACKENDS[chosen](dtype)

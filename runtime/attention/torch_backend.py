@@ -53,7 +53,7 @@ class _DecodeChunk:
 
 
 @dataclass
-class _Prefill:
+class PrefillSpan:
     row: int
     start: int  # token range of the chunk in the flat batch
     end: int
@@ -63,7 +63,7 @@ class _Prefill:
 @dataclass
 class TorchAttentionPlan:
     decode_chunks: list[_DecodeChunk]
-    prefills: list[_Prefill]
+    prefills: list[PrefillSpan]
     all_decode: bool  # every row is a single decode token
 
 
@@ -77,8 +77,7 @@ class TorchAttentionBackend:
         starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         num_reqs = len(seq_lens)
         decode_rows = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
-        prefills = [_Prefill(i, starts[i], starts[i + 1], seq_lens[i])
-                    for i in range(num_reqs) if starts[i + 1] - starts[i] > 1]
+        prefills = prefill_spans(meta)
         chunks = _decode_chunks(meta, sorted(decode_rows, key=lambda i: -seq_lens[i]))
         meta.extra = TorchAttentionPlan(chunks, prefills, len(decode_rows) == num_reqs)
         return meta
@@ -90,19 +89,15 @@ class TorchAttentionBackend:
         if not isinstance(plan, TorchAttentionPlan):
             plan = self.build_metadata(meta).extra
             assert isinstance(plan, TorchAttentionPlan)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
             result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
                                   scale, sliding_window)
             out.index_copy_(0, chunk.token_idx, result)
         for p in plan.prefills:
-            out[p.start:p.end] = _prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
-                                          k_cache, v_cache, meta.block_tables, meta.block_size,
-                                          p, scale, sliding_window)
+            out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
+                                                   sliding_window)
         return out
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +126,21 @@ class TorchAttentionBackend:
         scores.masked_fill_(invalid, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
+    """The requests with more than one query token this step."""
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    return [PrefillSpan(i, starts[i], starts[i + 1], seq_lens[i])
+            for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """This step's new K/V into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
 
 def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChunk]:
@@ -165,9 +175,13 @@ def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChun
     return chunks
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, p: _Prefill,
-             scale: float, sliding_window: int | None) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSpan,
+                      scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One request's chunk of queries (rows ``p.start:p.end`` of the flat q/k/v) attending
+    causally over its cached prefix and itself."""
+    q, k, v = q[p.start:p.end], k[p.start:p.end], v[p.start:p.end]
+    block_tables, block_size = meta.block_tables, meta.block_size
     query_len = p.end - p.start
     prefix = p.seq_len - query_len
     if prefix == 0:

@@ -1,0 +1,74 @@
+"""CPU attention: decode rows through the native kernel, prefill chunks through torch SDPA.
+
+On a CPU, decode attention is bound by memory traffic over the KV cache. The torch reference
+backend gathers each request's pages into a dense buffer and reads it again; the native
+kernel (``shoal.kernels.paged_decode_cpu``) reads every K/V row once, in place. Prefill
+chunks are compute-bound and already run as matmuls in SDPA, so they share the torch
+backend's code. float32 only (the kernel's type); ``auto`` picks this backend on CPU when the
+kernel builds here and the model runs in float32, else the torch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from shoal.kernels import paged_decode_cpu
+from shoal.runtime.attention.backend import AttentionMetadata
+from shoal.runtime.attention.torch_backend import (
+    PrefillSpan,
+    prefill_attention,
+    prefill_spans,
+    write_kv,
+)
+
+
+@dataclass
+class CpuAttentionPlan:
+    q_rows: torch.Tensor  # int64 [Bd]: the decode rows of the flat batch
+    table_rows: torch.Tensor  # int64 [Bd]: their requests' rows of the block table
+    seq_lens: torch.Tensor  # int32 [Bd]
+    prefills: list[PrefillSpan]
+
+
+class CpuAttentionBackend:
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype != torch.float32:
+            raise ValueError(f"the cpu attention backend runs float32 models, not {dtype}; "
+                             "use --attention-backend torch")
+        paged_decode_cpu.load()  # builds the kernel once per machine; KernelUnavailable if not
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        starts = meta.query_start_loc_cpu
+        num_reqs = meta.num_reqs
+        if meta.is_pure_decode:
+            rows = torch.arange(num_reqs, dtype=torch.long)
+            meta.extra = CpuAttentionPlan(rows, rows, meta.seq_lens.to(torch.int32), [])
+            return meta
+        decode = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
+        meta.extra = CpuAttentionPlan(
+            q_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long),
+            table_rows=torch.tensor(decode, dtype=torch.long),
+            seq_lens=torch.tensor([meta.seq_lens_cpu[i] for i in decode], dtype=torch.int32),
+            prefills=prefill_spans(meta))
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        plan = meta.extra
+        if not isinstance(plan, CpuAttentionPlan):
+            plan = self.build_metadata(meta).extra
+            assert isinstance(plan, CpuAttentionPlan)
+        write_kv(k, v, k_cache, v_cache, meta)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        paged_decode_cpu.paged_decode_attention(
+            q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
+            plan.seq_lens, scale, sliding_window)
+        for p in plan.prefills:
+            out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
+                                                   sliding_window)
+        return out
