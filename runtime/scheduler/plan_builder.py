@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from shoal.runtime.plan import NewRequestData, StepPlan
+from shoal.runtime.scheduler.decode_batch import DecodeBatch
 from shoal.runtime.scheduler.request import Request
 
 
@@ -42,6 +43,22 @@ class StepRows:
         self.versions.append(req.version)
         req.num_computed_tokens = start + count
 
+    @classmethod
+    def of_decode_batch(cls, batch: DecodeBatch, plan: StepPlan) -> StepRows:
+        """The rows of a steady decode step, for the general update path (taken when the
+        batch was discarded while the step was in flight)."""
+        rows = cls()
+        num_reqs = len(batch.reqs)
+        rows.reqs = batch.reqs
+        rows.req_ids = batch.req_ids
+        rows.counts = [1] * num_reqs
+        rows.starts = plan.positions.tolist()
+        rows.table_rows = batch.table_rows.tolist()
+        rows.sample = [True] * num_reqs
+        rows.versions = batch.versions
+        rows.input_ids = plan.input_ids.tolist()
+        return rows
+
 
 def build_plan(step_id: int, rows: StepRows, block_table_array: np.ndarray, block_size: int,
                new_requests: list[NewRequestData], finished_req_ids: list[str]) -> StepPlan:
@@ -78,5 +95,31 @@ def build_plan(step_id: int, rows: StepRows, block_table_array: np.ndarray, bloc
         slot_mapping=slot_mapping,
         sample_rows=sample_rows,
         new_requests=new_requests,
+        finished_req_ids=finished_req_ids,
+    )
+
+
+def build_decode_plan(step_id: int, batch: DecodeBatch, block_table_array: np.ndarray,
+                      block_size: int, finished_req_ids: list[str]) -> StepPlan:
+    """The plan of a steady decode step: one token per row, every row samples. Built from
+    the batch's arrays before it advances; every array is a fresh copy the plan owns."""
+    num_reqs = len(batch)
+    positions = batch.positions.copy()
+    seq_lens = (positions + 1).astype(np.int32)
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    block_tables = block_table_array[batch.table_rows, :max_blocks]
+    slot_mapping = (block_table_array[batch.table_rows, positions // block_size].astype(np.int64)
+                    * block_size + positions % block_size)
+    return StepPlan(
+        step_id=step_id,
+        req_ids=batch.req_ids,
+        input_ids=batch.next_tokens.copy(),
+        positions=positions,
+        query_start_loc=np.arange(num_reqs + 1, dtype=np.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        sample_rows=np.ones(num_reqs, dtype=bool),
+        new_requests=[],
         finished_req_ids=finished_req_ids,
     )

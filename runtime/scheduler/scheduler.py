@@ -10,6 +10,9 @@ skipping their prefill. Chunked prefill is always on and mixes with decodes in o
 ``schedule()`` returns a ``ScheduledStep`` (the plan plus the version of every row);
 ``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
 aborted while the step was in flight).
+
+When every running request decodes and nothing joins, steps go through the steady decode
+batch (``decode_batch.py``): array operations instead of a Python pass per row.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from shoal.runtime.engine.messages import (
 )
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
-from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
+from shoal.runtime.scheduler.decode_batch import DecodeBatch
+from shoal.runtime.scheduler.plan_builder import StepRows, build_decode_plan, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
 from shoal.runtime.scheduler.stops import check_stop
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
@@ -46,7 +50,8 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     plan: StepPlan
-    rows: StepRows
+    rows: StepRows | None  # None for a steady decode step: its rows are the batch's
+    batch: DecodeBatch | None = None
 
 
 class Scheduler:
@@ -61,6 +66,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
+        self._batch: DecodeBatch | None = None  # set while the steady decode path applies
+        self._batch_in_flight = False
         self._step_id = 0
         self._arrivals = 0
         self.num_preemptions = 0
@@ -90,6 +97,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 aborted = True
+                self._batch = None
             else:
                 self.waiting.remove(req)
             self._retire(req)
@@ -101,6 +109,12 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
+        if self._batch is not None and self._steady_decode_applies(self._batch):
+            step = self._schedule_decode_batch(self._batch)
+            if step is not None:
+                return step
+        self._batch = None  # the general path changes requests behind the batch's back
+        self._batch_in_flight = False
         budget = self.config.max_num_batched_tokens
         block_size = self.config.block_size
         rows = StepRows()
@@ -156,6 +170,32 @@ class Scheduler:
         self._finished_for_worker = []
         return ScheduledStep(plan, rows)
 
+    def _steady_decode_applies(self, batch: DecodeBatch) -> bool:
+        """The batch is the whole step: its rows fit the budget and nobody can join."""
+        num_running = len(self.running)
+        return (not self._batch_in_flight and num_running <= self.config.max_num_batched_tokens
+                and (not self.waiting or num_running >= self.config.max_num_seqs
+                     or num_running == self.config.max_num_batched_tokens))
+
+    def _schedule_decode_batch(self, batch: DecodeBatch) -> ScheduledStep | None:
+        """One token for every row; None when a row cannot get its next block (the general
+        path then preempts; blocks already given to other rows stay theirs, unused yet)."""
+        kv, block_size = self.kv, self.config.block_size
+        tables = kv.tables
+        for i in batch.rows_needing_a_block(block_size):
+            req = batch.reqs[i]
+            computed = req.num_computed_tokens
+            if computed + 1 > len(tables[req.req_id]) * block_size \
+                    and not kv.allocate_slots(req, computed, 1):
+                return None
+        self._step_id += 1
+        plan = build_decode_plan(self._step_id, batch, kv.block_table_array, block_size,
+                                 self._finished_for_worker)
+        self._finished_for_worker = []
+        batch.advance()
+        self._batch_in_flight = True
+        return ScheduledStep(plan, None, batch)
+
     def _preempt_until_allocated(self, req: Request, first_unscheduled: int,
                                  count: int) -> bool:
         """Preempt victims until ``req`` gets its slots (True) or is itself the victim."""
@@ -206,6 +246,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
+        self._batch = None
         self.running.remove(req)
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
@@ -227,7 +268,66 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
-        plan, rows = step.plan, step.rows
+        if step.batch is not None and step.batch is self._batch:
+            outputs = self._update_decode_batch(step.batch, result)
+        else:
+            outputs = self._update_rows(step, result)
+        if self._batch is None and (not self.waiting
+                                    or len(self.running) >= self.config.max_num_seqs):
+            self._batch = DecodeBatch.of_running(self.running, self.kv.rows,
+                                                 self.config.max_model_len)
+            self._batch_in_flight = False
+        return outputs
+
+    def _update_decode_batch(self, batch: DecodeBatch, result: StepResult
+                             ) -> list[EngineCoreOutput]:
+        """Output processing of a steady decode step: one sampled token per row."""
+        self._batch_in_flight = False
+        if result.req_ids != batch.req_ids:
+            raise ValueError(f"step {result.step_id}: result rows {result.req_ids} do not "
+                             f"match the plan's sampled rows {batch.req_ids}")
+        reqs = batch.reqs
+        kv = self.kv
+        if kv.enable_prefix_caching:  # rows whose last block just became full
+            for i in batch.rows_needing_a_block(self.config.block_size):
+                kv.cache_full_blocks(reqs[i], reqs[i].num_computed_tokens)
+        sampled = result.sampled_token_ids
+        outputs: list[EngineCoreOutput] = []
+        add_output = outputs.append
+        for req, version, token in zip(reqs, batch.versions, sampled.tolist(), strict=True):
+            req.all_token_ids.append(token)
+            req.output_token_ids.append(token)
+            add_output(EngineCoreOutput(request_id=req.req_id, version=version,
+                                        new_token_ids=[token],
+                                        num_cached_tokens=req.num_cached_tokens))
+        self.generation_tokens += len(reqs)
+        for i in batch.logprob_rows:
+            outputs[i].new_logprobs = _logprobs(result, i, reqs[i].logprobs_k)
+        maybe_done = batch.absorb(sampled)
+        finished = []
+        for i in maybe_done:
+            req = reqs[i]
+            output = outputs[i]
+            output.finish_reason, output.stop_reason = check_stop(
+                req, output.new_token_ids[0], self.config.max_model_len)
+            if output.finish_reason is not None:
+                finished.append(i)
+                del self.requests[req.req_id]
+                self._retire(req)
+        if finished:
+            batch.drop(finished)
+            self.running = list(batch.reqs)
+            if not batch.reqs:
+                self._batch = None
+        return outputs
+
+    def _update_rows(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
+        """Output processing row by row: any step, stale rows skipped."""
+        plan = step.plan
+        rows = step.rows
+        if rows is None:
+            assert step.batch is not None
+            rows = StepRows.of_decode_batch(step.batch, plan)
         sample_flags = rows.sample
         expected = rows.req_ids if all(sample_flags) else [
             rid for rid, s in zip(rows.req_ids, sample_flags, strict=True) if s]
@@ -298,6 +398,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        if self._batch is not None:
+            self._batch.check(self.running, self.kv.rows, self.config.max_model_len)
         holders = set(self.kv.tables)
         running = {r.req_id for r in self.running}
         if not holders <= running:
