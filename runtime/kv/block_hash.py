@@ -8,6 +8,7 @@ token-level affinity), so it depends on nothing else in the runtime.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,12 +29,12 @@ class ExtraKeys(NamedTuple):
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra: bytes) -> int:
-    """Hash one full block. ``extra`` is ``ExtraKeys.digest()``, computed once per request."""
-    h = xxhash.xxh64()
-    h.update(parent_hash.to_bytes(8, "little"))
-    h.update(extra)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+    """Hash one full block. ``extra`` is ``ExtraKeys.digest()``, computed once per request.
+    One-shot over the same bytes as ``hash_prefix_blocks`` (int64 token ids in native byte
+    order, as numpy writes them), so both give the same hash; it runs every time a block
+    fills, so it avoids building a numpy array for 16 ids."""
+    return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + extra
+                                  + array("q", token_ids).tobytes())
 
 
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes,

@@ -154,6 +154,27 @@ class KVCacheManager:
             row[start:len(table)] = [b.block_id for b in table[start:]]
         return True
 
+    def allocate_decode_slots(self, req_ids: list[str], positions: list[int]) -> bool:
+        """A slot at ``positions[i]`` for each decoding request, whose table covers every
+        position before it: a new block where the position starts one. All or nothing;
+        the steady decode path's one call per step instead of ``allocate_slots`` per row."""
+        size = self.block_size
+        tables = self.tables
+        growing = [(req_id, tables[req_id]) for req_id, position in zip(req_ids, positions,
+                                                                         strict=True)
+                   if position >= len(tables[req_id]) * size]
+        if len(growing) > self.pool.free_list.num_free:
+            return False
+        for req_id, table in growing:
+            if len(table) >= self.max_blocks_per_seq:
+                raise ValueError(f"{req_id!r}: a block beyond max_model_len")
+        array, rows = self.block_table_array, self.rows
+        for (req_id, table), block in zip(growing, self.pool.allocate(len(growing)),
+                                          strict=True):
+            array[rows[req_id], len(table)] = block.block_id
+            table.append(block)
+        return True
+
     def free(self, req_id: str) -> None:
         """Release a request's blocks, tail first (its tail is the least shareable)."""
         table = self.tables.pop(req_id, None)

@@ -181,13 +181,11 @@ class Scheduler:
         """One token for every row; None when a row cannot get its next block (the general
         path then preempts; blocks already given to other rows stay theirs, unused yet)."""
         kv, block_size = self.kv, self.config.block_size
-        tables = kv.tables
-        for i in batch.rows_needing_a_block(block_size):
-            req = batch.reqs[i]
-            computed = req.num_computed_tokens
-            if computed + 1 > len(tables[req.req_id]) * block_size \
-                    and not kv.allocate_slots(req, computed, 1):
-                return None
+        growing = batch.rows_needing_a_block(block_size)
+        if growing and not kv.allocate_decode_slots(
+                [batch.req_ids[i] for i in growing],
+                [batch.reqs[i].num_computed_tokens for i in growing]):
+            return None
         self._step_id += 1
         plan = build_decode_plan(self._step_id, batch, kv.block_table_array, block_size,
                                  self._finished_for_worker)

@@ -113,6 +113,7 @@ op = st.one_of(
     st.tuples(st.just("admit"), st.integers(0, 3), st.integers(1, 30)),  # prefix family, length
     st.tuples(st.just("append"), st.integers(0, 7), st.integers(1, 6)),
     st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
+    st.tuples(st.just("decode"), st.just(0), st.just(0)),  # one token for every live request
 )
 
 
@@ -146,6 +147,17 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
                 live[req_id] = (seq, computed + b)
             else:
                 del seq.all_token_ids[-b:]
+        elif kind == "decode" and live:
+            rows = [(req_id, seq, computed) for req_id, (seq, computed) in sorted(live.items())
+                    if computed < 64]
+            before = (kv.num_free_blocks, {r: kv.block_ids(r) for r in live})
+            if kv.allocate_decode_slots([r for r, _, _ in rows], [c for _, _, c in rows]):
+                for req_id, seq, computed in rows:
+                    seq.all_token_ids.append(9000 + computed)
+                    kv.cache_full_blocks(seq, computed + 1)
+                    live[req_id] = (seq, computed + 1)
+            else:
+                assert (kv.num_free_blocks, {r: kv.block_ids(r) for r in live}) == before
         elif kind == "free" and live:
             req_id = sorted(live)[a % len(live)]
             kv.free(req_id)
@@ -155,6 +167,18 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
         kv.free(req_id)
     kv.check_invariants()
     assert kv.num_free_blocks == num_blocks
+
+
+def test_decode_slots_take_a_block_only_where_a_row_starts_one_all_or_nothing(make_seq):
+    kv = manager(num_blocks=5)
+    a, b = make_seq("a", list(range(8))), make_seq("b", list(range(100, 106)))
+    assert kv.allocate_slots(a, 0, 8) and kv.allocate_slots(b, 0, 6)  # 2 + 2 blocks, 1 free
+    assert kv.allocate_decode_slots(["a", "b"], [8, 6])  # a starts block 3, b is inside one
+    assert kv.num_blocks_of("a") == 3 and kv.num_blocks_of("b") == 2
+    kv.check_invariants()  # the persistent block-table rows follow
+    assert not kv.allocate_decode_slots(["a", "b"], [12, 8])  # two new blocks, none free
+    assert kv.num_blocks_of("a") == 3 and kv.num_blocks_of("b") == 2
+    kv.check_invariants()
 
 
 def test_cache_hits_sitting_in_the_free_list_are_not_counted_twice(make_seq):
