@@ -26,7 +26,7 @@ from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.sampling_params import SamplingParams
 
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, request_phases
 
 _ABORTED = object()  # queued by abort(): deltas() ends
 
@@ -69,6 +69,8 @@ class _EngineRequest:
     stream: RequestStream | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
+    queued_at: float = 0.0  # engine-side stamps from the first output (0: none yet)
+    scheduled_at: float = 0.0
     done: bool = False
 
 
@@ -76,7 +78,7 @@ class Generation:
     def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, metrics: ServerMetrics,
                  request_id: str, prompts: list[PromptInput], params: SamplingParams,
                  eos_token_ids: list[int], priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, kv_blocks: int = 0) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -85,6 +87,7 @@ class Generation:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.cache_salt = cache_salt
+        self.kv_blocks = kv_blocks  # worst-case KV footprint of all its engine requests
         self.arrival = time.monotonic()
         self.requests: list[_EngineRequest] = []
         for p, prompt in enumerate(prompts):
@@ -165,6 +168,8 @@ class Generation:
             while True:
                 output = await req.stream.get()
                 self._observe_timing(req, len(output.new_token_ids))
+                if output.scheduled_time:
+                    req.queued_at, req.scheduled_at = output.queued_time, output.scheduled_time
                 choice.token_ids.extend(output.new_token_ids)
                 if output.new_logprobs:
                     choice.logprobs.extend(output.new_logprobs)
@@ -184,6 +189,7 @@ class Generation:
                     req.done = True
                     choice.finish_reason, choice.stop_reason = finish, stop_reason
                     self.metrics.observe_finished(finish, time.monotonic() - self.arrival)
+                    self._observe_phases(req)
                 choice.text += text
                 carry_ids.extend(output.new_token_ids)
                 if output.new_logprobs:
@@ -213,6 +219,14 @@ class Generation:
         else:
             self.metrics.observe_inter_token((now - req.last_token_at) / num_tokens, num_tokens)
         req.last_token_at = now
+
+    def _observe_phases(self, req: _EngineRequest) -> None:
+        """Only requests that produced a token have an engine timeline to split."""
+        if req.first_token_at is None or not req.scheduled_at:
+            return
+        self.metrics.observe_phases(request_phases(
+            req.queued_at, req.scheduled_at, req.first_token_at, req.last_token_at,
+            len(req.choice.token_ids)))
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -3,12 +3,16 @@
 Engine-side numbers come from the ``SchedulerStats`` the core attaches to its outputs: the
 gauges are current values, the counters are cumulative in the core, so they are exported by a
 collector that reads the latest stats (no double counting, no drift). Request latencies are
-measured here, in the API process, where the request starts and ends.
+measured here, in the API process, where the request starts and ends; the phase histograms
+(queue, prefill, decode, inference) split a finished request's time at the engine's own
+stamps (arrival in the core, first scheduling) carried by its first output. Both processes
+read ``time.monotonic()``, which on Linux is one system-wide clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,6 +25,31 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """One finished engine request's timeline, split as vLLM splits it (seconds)."""
+
+    queue: float  # arrival in the engine core -> first scheduled
+    prefill: float  # first scheduled -> first token (preemptions included)
+    decode: float  # first token -> last token
+    inference: float  # first scheduled -> last token
+    per_output_token: float  # decode / (tokens - 1); 0 for a single token, as vLLM does
+
+
+def request_phases(queued: float, scheduled: float, first_token: float, last_token: float,
+                   num_tokens: int) -> RequestPhases:
+    """Pure: the phases from the four stamps (clamped at 0 against clock granularity)."""
+    decode = max(0.0, last_token - first_token)
+    return RequestPhases(
+        queue=max(0.0, scheduled - queued),
+        prefill=max(0.0, first_token - scheduled),
+        decode=decode,
+        inference=max(0.0, last_token - scheduled),
+        per_output_token=decode / (num_tokens - 1) if num_tokens > 1 else 0.0)
 
 
 class EngineStatsCollector(Collector):
@@ -77,13 +106,30 @@ class ServerMetrics:
                                      "Time between output tokens", ITL_BUCKETS)
         self._e2e = self._histograms("e2e_request_latency_seconds",
                                      "Request latency, arrival to last token", E2E_BUCKETS)
+        self._queue = self._histograms("request_queue_time_seconds",
+                                       "Time in the WAITING phase: engine arrival to first "
+                                       "scheduled", E2E_BUCKETS)
+        self._prefill = self._histograms("request_prefill_time_seconds",
+                                         "Time in the PREFILL phase: first scheduled to first "
+                                         "token", E2E_BUCKETS)
+        self._decode = self._histograms("request_decode_time_seconds",
+                                        "Time in the DECODE phase: first to last token",
+                                        E2E_BUCKETS)
+        self._inference = self._histograms("request_inference_time_seconds",
+                                           "Time in the RUNNING phase: first scheduled to last "
+                                           "token", E2E_BUCKETS)
+        self._tpot = self._histograms("request_time_per_output_token_seconds",
+                                      "Mean time per output token of each request",
+                                      ITL_BUCKETS)
         self._rejected = [Counter(f"{p}:request_rejected", "Requests rejected before the engine",
                                   ["model_name", "status"], registry=self.registry)
                           for p in self.prefixes]
 
     def _histograms(self, name: str, doc: str, buckets: tuple[float, ...]) -> list[Histogram]:
+        """One per prefix, its model_name child made now so it exports zeros from the start."""
         return [Histogram(f"{p}:{name}", doc, ["model_name"], buckets=buckets,
-                          registry=self.registry) for p in self.prefixes]
+                          registry=self.registry).labels(self.model_name)
+                for p in self.prefixes]
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self.engine.stats = stats
@@ -93,18 +139,26 @@ class ServerMetrics:
 
     def observe_first_token(self, seconds: float) -> None:
         for h in self._ttft:
-            h.labels(self.model_name).observe(seconds)
+            h.observe(seconds)
 
     def observe_inter_token(self, seconds: float, count: int = 1) -> None:
         for h in self._itl:
             for _ in range(count):
-                h.labels(self.model_name).observe(seconds)
+                h.observe(seconds)
 
     def observe_finished(self, finished_reason: str, e2e_seconds: float) -> None:
         for c in self._success:
             c.labels(self.model_name, finished_reason).inc()
         for h in self._e2e:
-            h.labels(self.model_name).observe(e2e_seconds)
+            h.observe(e2e_seconds)
+
+    def observe_phases(self, phases: RequestPhases) -> None:
+        for histograms, value in ((self._queue, phases.queue), (self._prefill, phases.prefill),
+                                  (self._decode, phases.decode),
+                                  (self._inference, phases.inference),
+                                  (self._tpot, phases.per_output_token)):
+            for h in histograms:
+                h.observe(value)
 
     def observe_rejected(self, status: int) -> None:
         for c in self._rejected:
