@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from shoal.runtime.engine.client import EngineDeadError, EngineRequestError
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 
+from .admission import kv_blocks_estimate
 from .errors import APIError, bad_request, engine_unavailable
 from .generation import ChoiceDelta, Generation, PromptInput
 from .protocol import SamplingFields
@@ -107,10 +108,13 @@ def check_lengths(state: ServerState, prompts: list[PromptInput], params: Sampli
 
 def start_generation(state: ServerState, prefix: str, prompts: list[PromptInput],
                      params: SamplingParams, body: SamplingFields) -> Generation:
-    state.admit(len(prompts) * params.n)
+    kv_blocks = params.n * sum(
+        kv_blocks_estimate(len(p.token_ids), params.max_tokens, state.max_model_len,
+                           state.block_size) for p in prompts)
+    state.admit(len(prompts) * params.n, kv_blocks)
     generation = Generation(state.client, state.tokenizer, state.metrics,
                             f"{prefix}-{uuid.uuid4().hex}", prompts, params,
-                            state.eos_token_ids, body.priority, body.cache_salt)
+                            state.eos_token_ids, body.priority, body.cache_salt, kv_blocks)
     try:
         generation.start()
     except EngineDeadError as exc:
@@ -145,7 +149,7 @@ async def run_to_completion(request: Request, state: ServerState, generation: Ge
     finally:
         watch.cancel()
         generation.abort_unfinished()
-        state.live.discard(generation)
+        state.release(generation)
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collect
         await generation.close()
@@ -173,7 +177,7 @@ def stream_response(state: ServerState, generation: Generation,
             # synchronous first: when the ASGI server cancels us on disconnect, awaits here
             # are cancelled too, but the abort has already been sent
             generation.abort_unfinished()
-            state.live.discard(generation)
+            state.release(generation)
             await generation.close()
 
     return GenerationStream(events(), state, generation)
@@ -195,7 +199,7 @@ class GenerationStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._generation.abort_unfinished()
-            self._state.live.discard(self._generation)
+            self._state.release(self._generation)
 
 
 def _sse(payload: dict) -> bytes:

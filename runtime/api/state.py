@@ -6,17 +6,17 @@ The readiness phase is the engine's startup phase ("starting", "loading", "profi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.chat_template import ChatTemplate
 from shoal.runtime.frontend.tokenizer import Tokenizer
 
+from .admission import CompletionRate, decide
 from .errors import APIError, engine_unavailable
 from .generation import Generation
 from .metrics import ServerMetrics
-
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -45,6 +45,7 @@ class ServerState:
     draining: bool = False
     exit_code: int = 0
     live: set[Generation] = field(default_factory=set)
+    completions: CompletionRate = field(default_factory=CompletionRate)
 
     @property
     def phase(self) -> str:
@@ -58,6 +59,15 @@ class ServerState:
     def max_model_len(self) -> int:
         info = self.client.ready_info
         return info.max_model_len if info is not None else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.client.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        info = self.client.ready_info
+        return info.num_kv_blocks if info is not None else 0
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -78,11 +88,26 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist.", "model",
                            "model_not_found")
 
-    def admit(self, num_engine_requests: int) -> None:
-        """Bounded queue: engine requests beyond what one batch holds count as queued."""
-        in_flight = sum(len(g.requests) for g in self.live)
-        queued_after = in_flight + num_engine_requests - self.settings.max_num_seqs
-        if queued_after > self.settings.max_queued_requests:
-            raise APIError(429, f"too many queued requests (limit "
-                           f"{self.settings.max_queued_requests}); retry later", None,
-                           "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    def admit(self, num_engine_requests: int, kv_blocks: int) -> None:
+        """Bounded queue: engine requests beyond what one batch holds (by max_num_seqs and
+        by the KV cache, see admission.py) count as queued; past the limit, 429."""
+        now = time.monotonic()
+        decision = decide(
+            in_flight=sum(len(g.requests) for g in self.live),
+            in_flight_blocks=sum(g.kv_blocks for g in self.live),
+            new=num_engine_requests, new_blocks=kv_blocks,
+            max_num_seqs=self.settings.max_num_seqs, num_kv_blocks=self.num_kv_blocks,
+            max_queued=self.settings.max_queued_requests,
+            completions_per_s=self.completions.per_second(now))
+        if not decision.admit:
+            limit = self.settings.max_queued_requests
+            raise APIError(429, f"too many queued requests: {decision.queued_after} would "
+                           f"wait beyond the batch of {decision.batch} that max_num_seqs and "
+                           f"the KV cache allow (limit {limit}); retry later", None,
+                           "queue_full", headers={"Retry-After": str(decision.retry_after_s)})
+
+    def release(self, generation: Generation) -> None:
+        """A generation leaves (finished, failed or aborted): its slots are free again."""
+        if generation in self.live:
+            self.live.discard(generation)
+            self.completions.record(len(generation.requests), time.monotonic())

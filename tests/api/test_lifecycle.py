@@ -101,7 +101,7 @@ async def test_a_burst_beyond_the_queue_gets_429s_never_5xx_and_stays_ready(star
                                             max_tokens=30, extra_body={"ignore_eos": True})
             return "ok"
         except openai.RateLimitError as exc:
-            assert exc.response.headers["retry-after"] == "1"
+            assert 1 <= int(exc.response.headers["retry-after"]) <= 60  # see admission.py
             return "429"
 
     outcomes = await asyncio.gather(*(one(i) for i in range(24)))
