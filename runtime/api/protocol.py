@@ -49,7 +49,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt text prepended to each choice's text
 
 
 class ChatContentPart(BaseModel):

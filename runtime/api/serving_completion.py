@@ -1,4 +1,9 @@
-"""POST /v1/completions: prompts as text or token ids, n choices each, streamed or not."""
+"""POST /v1/completions: prompts as text or token ids, n choices each, streamed or not.
+
+``echo`` prepends each choice's prompt (its text, or the decoded token ids) to the choice's
+text: in the first chunk of that choice when streaming. Echo with logprobs would need the
+prompt tokens' logprobs, which the engine does not compute, so that combination is a 400.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]
 async def create_completion(request: Request, state: ServerState) -> Response:
     body, size = await parse_body(request, state, CompletionRequest)
     params = sampling_params(body, state, body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
+                          "server does not compute; use echo without logprobs", "echo")
     check_size(state, size)
     prompts = prompts_of(body, state)
     check_lengths(state, prompts, params)
@@ -45,8 +53,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     created, model = now_s(), state.settings.model_name
     top_k = body.logprobs or 0
 
+    def echoed(prompt: PromptInput) -> str:
+        return prompt.text if prompt.text is not None else state.tokenizer.decode(
+            prompt.token_ids)
+
     def choice_json(choice: Choice) -> dict:
-        out = {"index": choice.index, "text": choice.text,
+        text = echoed(choice.prompt) + choice.text if body.echo else choice.text
+        out = {"index": choice.index, "text": text,
                "logprobs": completion_logprobs(state.tokenizer, choice.token_ids,
                                                choice.logprobs, top_k)
                if body.logprobs is not None else None,
@@ -65,11 +78,16 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         return await run_to_completion(request, state, generation, respond)
 
     offsets: dict[int, int] = {}
+    pending_echo = set(range(len(generation.choices))) if body.echo else set()
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
         if not delta.text and delta.finish_reason is None:
             return []  # held back (partial character or possible stop string)
-        choice: dict = {"index": delta.index, "text": delta.text, "logprobs": None,
+        text = delta.text
+        if delta.index in pending_echo:
+            pending_echo.discard(delta.index)
+            text = echoed(generation.choices[delta.index].prompt) + text
+        choice: dict = {"index": delta.index, "text": text, "logprobs": None,
                         "finish_reason": delta.finish_reason,
                         "stop_reason": delta.stop_reason}
         if body.logprobs is not None and delta.logprobs:

@@ -120,6 +120,36 @@ def test_prompt_as_token_ids_and_as_a_batch(client, server, tokenizer):
     assert batch.usage.prompt_tokens == len(ids) + 3
 
 
+def test_echo_prepends_the_prompt_streaming_and_not(client, server):
+    prompt = "class Stack:\n    "
+    kwargs = dict(model=server.model, prompt=prompt, max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(**kwargs, echo=True)
+    assert echoed.choices[0].text == prompt + plain
+    assert echoed.usage.completion_tokens == 6  # the echoed prompt is not completion
+    chunks = list(client.completions.create(**kwargs, echo=True, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith(prompt)  # the first chunk carries the prompt
+    assert "".join(texts) == prompt + plain
+
+
+def test_echo_of_token_id_prompts_decodes_them_for_every_choice(client, server, tokenizer):
+    ids = [tokenizer.encode("def f(x):"), tokenizer.encode("while True:")]
+    kwargs = dict(model=server.model, prompt=ids, max_tokens=3, temperature=0, n=2)
+    plain = client.completions.create(**kwargs)
+    out = client.completions.create(**kwargs, echo=True)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice, without in zip(out.choices, plain.choices, strict=True):
+        assert choice.text == tokenizer.decode(ids[choice.index // 2]) + without.text
+
+
+def test_echo_with_logprobs_is_a_bad_request_naming_echo(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, prompt="x", echo=True, logprobs=2)
+    assert err.value.body["param"] == "echo"
+    assert "logprobs" in err.value.body["message"]
+
+
 def test_vllm_extensions_ignore_eos_and_min_tokens(client, server):
     out = client.completions.create(
         model=server.model, prompt="a", max_tokens=6, temperature=0,
