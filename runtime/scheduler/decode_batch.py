@@ -1,66 +1,88 @@
-"""The steady decode batch: per-row arrays kept across steps while every running request
-decodes one token per step and the running set only shrinks.
+"""The steady decode batch: per-row arrays kept across steps for the leading running
+requests that decode one token per step.
 
-In that state a step is predictable: each row feeds the token it sampled last at the next
-position, so the scheduler plans it with a few numpy operations on these arrays instead of
-a Python pass over the rows; only rows that cross a block boundary touch the KV manager,
-and stop conditions are checked on arrays, looking closer only at rows that may be done.
-Rows that finish are dropped by compaction. Anything else that changes the running set
-(an admission, a preemption, an abort, a prefill chunk) discards the batch; the scheduler's
-general path runs until every running request decodes again and a new batch is built.
+A decoding request's step is predictable: it feeds the token it sampled last at the next
+position. So the scheduler plans those rows with a few numpy operations on these arrays
+instead of a Python pass over them; only rows that cross a block boundary touch the KV
+manager, and stop conditions are checked on arrays, looking closer only at rows that may be
+done. The batch is always a prefix of the scheduler's running list: requests join at its end
+once they decode (a prefill that completes, in running order), finished rows are compacted
+away, and whatever else revokes a row's state (preemption, abort, a step without room for
+every row) makes the scheduler start a new, empty batch. Lists are replaced, never mutated,
+so a step in flight keeps the rows it was planned with.
+
+A row has always produced its first output before it joins (the step that completed its
+prompt sampled it), so first-output bookkeeping stays on the general path.
 
 The arrays mirror the requests: ``positions[i] == reqs[i].num_computed_tokens`` and, between
-steps, ``next_tokens[i] == reqs[i].all_token_ids[-1]``. ``check`` verifies it.
+steps, ``next_tokens[i] == reqs[i].all_token_ids[-1]``; ``check`` verifies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
+from shoal.runtime.engine.messages import EngineCoreOutput
+from shoal.runtime.kv.kv_manager import KVCacheManager
+from shoal.runtime.plan import StepResult
 from shoal.runtime.scheduler.request import Request
+from shoal.runtime.scheduler.row_logprobs import row_logprobs
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class DecodeBatch:
-    __slots__ = ("reqs", "req_ids", "versions", "table_rows", "positions", "next_tokens",
-                 "steps_left", "stop_ids", "logprob_rows")
+    __slots__ = ("max_model_len", "reqs", "req_ids", "versions", "table_rows", "positions",
+                 "next_tokens", "steps_left", "stop_ids", "logprob_rows")
 
-    def __init__(self, reqs: list[Request], table_rows: Sequence[int],
-                 max_model_len: int) -> None:
-        self.reqs = reqs
-        self.req_ids = [r.req_id for r in reqs]
-        self.versions = [r.version for r in reqs]
-        self.table_rows = np.asarray(table_rows, dtype=np.int64)
-        self.positions = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
-        self.next_tokens = np.asarray([r.all_token_ids[-1] for r in reqs], dtype=np.int64)
-        # steps until max_tokens or max_model_len: a row reaching 0 may be done
-        self.steps_left = np.asarray(
-            [min(r.max_tokens - len(r.output_token_ids), max_model_len - len(r.all_token_ids))
-             for r in reqs], dtype=np.int64)
-        # any token that may stop some row; check_stop decides for the row that sampled it
-        self.stop_ids = np.asarray(sorted(set().union(*(r.maybe_stop_ids for r in reqs))),
-                                   dtype=np.int64)
-        self.logprob_rows = [i for i, r in enumerate(reqs) if r.logprobs_k is not None]
-
-    @classmethod
-    def of_running(cls, running: list[Request], table_rows: dict[str, int],
-                   max_model_len: int) -> DecodeBatch | None:
-        """The batch of ``running`` if every request is decoding (every token but the
-        last computed), else None."""
-        if not running:
-            return None
-        for req in running:
-            if req.num_computed_tokens != len(req.all_token_ids) - 1:
-                return None
-        return cls(list(running), [table_rows[r.req_id] for r in running], max_model_len)
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.reqs: list[Request] = []
+        self.req_ids: list[str] = []
+        self.versions: list[int] = []
+        self.table_rows = _EMPTY  # the KV manager's block-table row of each request
+        self.positions = _EMPTY
+        self.next_tokens = _EMPTY
+        self.steps_left = _EMPTY  # steps until max_tokens or max_model_len: at 0 it may be done
+        self.stop_ids = _EMPTY  # tokens that may stop some row; check_stop decides per row
+        self.logprob_rows: list[int] = []
 
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def rows_needing_a_block(self, block_size: int) -> list[int]:
-        """Rows whose next token starts a new block (the others write into the block their
-        previous token is in)."""
+    @staticmethod
+    def is_decoding(req: Request) -> bool:
+        return req.num_computed_tokens == len(req.all_token_ids) - 1
+
+    def extend(self, reqs: list[Request], table_rows: list[int]) -> None:
+        """Append decoding requests as rows."""
+        start = len(self.reqs)
+        self.reqs = self.reqs + reqs
+        self.req_ids = self.req_ids + [r.req_id for r in reqs]
+        self.versions = self.versions + [r.version for r in reqs]
+        self.logprob_rows = self.logprob_rows + [
+            start + i for i, r in enumerate(reqs) if r.logprobs_k is not None]
+        max_len = self.max_model_len
+        self.table_rows = _append(self.table_rows, table_rows)
+        self.positions = _append(self.positions, [r.num_computed_tokens for r in reqs])
+        self.next_tokens = _append(self.next_tokens, [r.all_token_ids[-1] for r in reqs])
+        self.steps_left = _append(self.steps_left, [
+            min(r.max_tokens - len(r.output_token_ids), max_len - len(r.all_token_ids))
+            for r in reqs])
+        stops = set().union(*(r.maybe_stop_ids for r in reqs))
+        if not stops <= set(self.stop_ids.tolist()):
+            self.stop_ids = np.asarray(sorted(stops.union(self.stop_ids.tolist())), np.int64)
+
+    # -- one step -----------------------------------------------------------------------
+    def rows_starting_a_block(self, block_size: int) -> list[int]:
+        """Rows whose next token starts a block (the others write into the block their
+        previous token is in); after ``advance``: rows whose last block just filled."""
         return np.flatnonzero(self.positions % block_size == 0).tolist()
+
+    def reserve_slots(self, kv: KVCacheManager, block_size: int) -> bool:
+        """A KV slot for every row's next token, or False with no row given one."""
+        rows = self.rows_starting_a_block(block_size)
+        return not rows or kv.allocate_decode_slots(
+            [self.req_ids[i] for i in rows], [self.reqs[i].num_computed_tokens for i in rows])
 
     def advance(self) -> None:
         """Every row was scheduled one token: its requests and positions move on."""
@@ -68,19 +90,37 @@ class DecodeBatch:
             req.num_computed_tokens += 1
         self.positions += 1
 
-    def absorb(self, sampled: np.ndarray) -> list[int]:
-        """Record one sampled token per row; the rows that may have finished (a stop id,
+    def absorb(self, result: StepResult, kv: KVCacheManager, block_size: int
+               ) -> tuple[list[EngineCoreOutput], list[int]]:
+        """Take the step's sampled tokens (the result's first ``len(self)`` rows): offer
+        blocks that filled to the prefix cache, append each token to its request, and
+        return one output per row plus the rows that may have finished (a stop id,
         max_tokens or max_model_len), for ``check_stop`` to decide."""
-        self.next_tokens = np.array(sampled, dtype=np.int64)
+        num_rows = len(self.reqs)
+        reqs = self.reqs
+        if kv.enable_prefix_caching:
+            for i in self.rows_starting_a_block(block_size):
+                kv.cache_full_blocks(reqs[i], reqs[i].num_computed_tokens)
+        sampled = result.sampled_token_ids[:num_rows]
+        outputs: list[EngineCoreOutput] = []
+        add_output = outputs.append
+        for req, version, token in zip(reqs, self.versions, sampled.tolist(), strict=True):
+            req.all_token_ids.append(token)
+            req.output_token_ids.append(token)
+            add_output(EngineCoreOutput(request_id=req.req_id, version=version,
+                                        new_token_ids=[token],
+                                        num_cached_tokens=req.num_cached_tokens))
+        for i in self.logprob_rows:
+            outputs[i].new_logprobs = row_logprobs(result, i, reqs[i].logprobs_k)
+        self.next_tokens = sampled.astype(np.int64)  # a copy: the result is not ours
         self.steps_left -= 1
         maybe_done = self.steps_left <= 0
         if self.stop_ids.size:
             maybe_done |= np.isin(self.next_tokens, self.stop_ids)
-        return np.flatnonzero(maybe_done).tolist()
+        return outputs, np.flatnonzero(maybe_done).tolist()
 
     def drop(self, rows: list[int]) -> None:
-        """Remove finished rows. Lists are replaced, not mutated: a step still referring to
-        the old ones keeps them intact."""
+        """Remove finished rows."""
         keep = np.ones(len(self.reqs), dtype=bool)
         keep[rows] = False
         gone = set(rows)
@@ -94,14 +134,18 @@ class DecodeBatch:
         new_index = np.cumsum(keep) - 1
         self.logprob_rows = [int(new_index[i]) for i in self.logprob_rows if i not in gone]
 
-    def check(self, running: list[Request], table_rows: dict[str, int],
-              max_model_len: int) -> None:
-        """Raise AssertionError unless the arrays mirror the running requests (between
-        steps; tests call it after every step through the scheduler's invariant check)."""
-        if len(self.reqs) != len(running) or any(
-                a is not b for a, b in zip(self.reqs, running, strict=True)):
-            raise AssertionError("decode batch rows are not the running requests")
-        fresh = DecodeBatch(running, [table_rows[r.req_id] for r in running], max_model_len)
+    # -- invariants ---------------------------------------------------------------------
+    def check(self, running: list[Request], table_rows: dict[str, int]) -> None:
+        """Raise AssertionError unless the rows are a prefix of ``running`` and the arrays
+        mirror them (between steps; tests call it after every step)."""
+        reqs = running[:len(self.reqs)]
+        if len(reqs) != len(self.reqs) or any(
+                a is not b for a, b in zip(self.reqs, reqs, strict=True)):
+            raise AssertionError("decode batch rows are not a prefix of the running requests")
+        if not all(self.is_decoding(r) for r in reqs):
+            raise AssertionError("decode batch holds a request that is not decoding")
+        fresh = DecodeBatch(self.max_model_len)
+        fresh.extend(reqs, [table_rows[r.req_id] for r in reqs])
         for name in ("req_ids", "versions", "logprob_rows"):
             if getattr(self, name) != getattr(fresh, name):
                 raise AssertionError(f"decode batch {name} is stale")
@@ -110,5 +154,7 @@ class DecodeBatch:
                 raise AssertionError(f"decode batch {name} is stale")
         if not set(fresh.stop_ids.tolist()) <= set(self.stop_ids.tolist()):
             raise AssertionError("decode batch misses a stop id")
-        if any(r.num_computed_tokens != len(r.all_token_ids) - 1 for r in running):
-            raise AssertionError("decode batch holds a request that is not decoding")
+
+
+def _append(array: np.ndarray, values: list[int]) -> np.ndarray:
+    return np.concatenate([array, np.asarray(values, dtype=np.int64)])

@@ -44,19 +44,20 @@ class StepRows:
         req.num_computed_tokens = start + count
 
     @classmethod
-    def of_decode_batch(cls, batch: DecodeBatch, plan: StepPlan) -> StepRows:
-        """The rows of a steady decode step, for the general update path (taken when the
-        batch was discarded while the step was in flight)."""
+    def of_step(cls, batch: DecodeBatch, plan: StepPlan, rest: StepRows) -> StepRows:
+        """Every row of a step whose leading rows came from the decode batch, for the
+        general update path (taken when the batch was discarded while the step was in
+        flight)."""
         rows = cls()
         num_reqs = len(batch.reqs)
-        rows.reqs = batch.reqs
-        rows.req_ids = batch.req_ids
-        rows.counts = [1] * num_reqs
-        rows.starts = plan.positions.tolist()
-        rows.table_rows = batch.table_rows.tolist()
-        rows.sample = [True] * num_reqs
-        rows.versions = batch.versions
-        rows.input_ids = plan.input_ids.tolist()
+        rows.reqs = batch.reqs + rest.reqs
+        rows.req_ids = batch.req_ids + rest.req_ids
+        rows.counts = [1] * num_reqs + rest.counts
+        rows.starts = plan.positions[:num_reqs].tolist() + rest.starts
+        rows.table_rows = batch.table_rows.tolist() + rest.table_rows
+        rows.sample = [True] * num_reqs + rest.sample
+        rows.versions = batch.versions + rest.versions
+        rows.input_ids = plan.input_ids[:num_reqs].tolist() + rest.input_ids
         return rows
 
 
@@ -101,8 +102,8 @@ def build_plan(step_id: int, rows: StepRows, block_table_array: np.ndarray, bloc
 
 def build_decode_plan(step_id: int, batch: DecodeBatch, block_table_array: np.ndarray,
                       block_size: int, finished_req_ids: list[str]) -> StepPlan:
-    """The plan of a steady decode step: one token per row, every row samples. Built from
-    the batch's arrays before it advances; every array is a fresh copy the plan owns."""
+    """The plan of the decode batch's rows: one token per row, every row samples. Built
+    from the batch's arrays before it advances; every array is a fresh copy the plan owns."""
     num_reqs = len(batch)
     positions = batch.positions.copy()
     seq_lens = (positions + 1).astype(np.int32)
@@ -122,4 +123,29 @@ def build_decode_plan(step_id: int, batch: DecodeBatch, block_table_array: np.nd
         sample_rows=np.ones(num_reqs, dtype=bool),
         new_requests=[],
         finished_req_ids=finished_req_ids,
+    )
+
+
+def concat_plans(first: StepPlan, second: StepPlan) -> StepPlan:
+    """One plan with ``first``'s rows then ``second``'s (the decode batch's rows, then the
+    rows the general path scheduled); block tables padded to the wider one."""
+    offset = first.num_tokens
+    head, tail = first.block_tables, second.block_tables
+    block_tables = np.zeros((head.shape[0] + tail.shape[0], max(head.shape[1], tail.shape[1])),
+                            dtype=head.dtype)
+    block_tables[:head.shape[0], :head.shape[1]] = head
+    block_tables[head.shape[0]:, :tail.shape[1]] = tail
+    return StepPlan(
+        step_id=second.step_id,
+        req_ids=first.req_ids + second.req_ids,
+        input_ids=np.concatenate([first.input_ids, second.input_ids]),
+        positions=np.concatenate([first.positions, second.positions]),
+        query_start_loc=np.concatenate([first.query_start_loc[:-1],
+                                        second.query_start_loc + offset]).astype(np.int32),
+        seq_lens=np.concatenate([first.seq_lens, second.seq_lens]),
+        block_tables=block_tables,
+        slot_mapping=np.concatenate([first.slot_mapping, second.slot_mapping]),
+        sample_rows=np.concatenate([first.sample_rows, second.sample_rows]),
+        new_requests=first.new_requests + second.new_requests,
+        finished_req_ids=first.finished_req_ids + second.finished_req_ids,
     )

@@ -11,8 +11,9 @@ skipping their prefill. Chunked prefill is always on and mixes with decodes in o
 ``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
 aborted while the step was in flight).
 
-When every running request decodes and nothing joins, steps go through the steady decode
-batch (``decode_batch.py``): array operations instead of a Python pass per row.
+The leading running requests that decode form the decode batch (``decode_batch.py``):
+their rows are planned and their outputs processed with array operations; the general
+per-row path handles only the rest (prefills, admissions) and any step that preempts.
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ from shoal.runtime.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     SchedulerStats,
-    TokenLogprobs,
 )
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.decode_batch import DecodeBatch
-from shoal.runtime.scheduler.plan_builder import StepRows, build_decode_plan, build_plan
+from shoal.runtime.scheduler.plan_builder import (
+    StepRows,
+    build_decode_plan,
+    build_plan,
+    concat_plans,
+)
 from shoal.runtime.scheduler.request import Request, RequestStatus
+from shoal.runtime.scheduler.row_logprobs import row_logprobs
 from shoal.runtime.scheduler.stops import check_stop
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
 
@@ -50,8 +56,8 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     plan: StepPlan
-    rows: StepRows | None  # None for a steady decode step: its rows are the batch's
-    batch: DecodeBatch | None = None
+    rows: StepRows  # the rows after the decode batch's (all rows when batch is None)
+    batch: DecodeBatch | None = None  # supplied the leading rows, one token each
 
 
 class Scheduler:
@@ -66,7 +72,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
-        self._batch: DecodeBatch | None = None  # set while the steady decode path applies
+        self._batch = DecodeBatch(config.max_model_len)  # always a prefix of running
         self._batch_in_flight = False
         self._step_id = 0
         self._arrivals = 0
@@ -97,7 +103,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 aborted = True
-                self._batch = None
+                self._leave_batch(req)
             else:
                 self.waiting.remove(req)
             self._retire(req)
@@ -109,13 +115,43 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
-        if self._batch is not None and self._steady_decode_applies(self._batch):
-            step = self._schedule_decode_batch(self._batch)
-            if step is not None:
-                return step
-        self._batch = None  # the general path changes requests behind the batch's back
-        self._batch_in_flight = False
         budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
+        batch = self._batch
+        if batch and (self._batch_in_flight or not batch.reserve_slots(self.kv, block_size)):
+            # a row needs a block the pool lacks: the general path decides who is preempted
+            batch = self._new_batch()
+        if batch:
+            batch_plan = build_decode_plan(self._step_id + 1, batch, self.kv.block_table_array,
+                                           block_size, self._finished_for_worker)
+            self._finished_for_worker = []
+            batch.advance()
+            self._batch_in_flight = True
+            budget -= len(batch)
+        step = self._schedule_rows(budget, len(batch))
+        if step is None and not batch:
+            return None
+        self._step_id += 1
+        if step is None:
+            return ScheduledStep(batch_plan, StepRows(), batch)
+        if not batch:
+            return step
+        return ScheduledStep(concat_plans(batch_plan, step.plan), step.rows, batch)
+
+    def _new_batch(self) -> DecodeBatch:
+        self._batch = DecodeBatch(self.config.max_model_len)
+        self._batch_in_flight = False
+        return self._batch
+
+    def _leave_batch(self, req: Request) -> None:
+        """``req`` stops running: if it is one of the batch's rows, start a new batch."""
+        num_rows = len(self._batch)
+        if num_rows and any(r is req for r in self.running[:num_rows]):
+            self._new_batch()
+
+    def _schedule_rows(self, budget: int, first: int) -> ScheduledStep | None:
+        """The general path: running requests from index ``first`` on, row by row, then
+        admissions; None if it schedules nothing."""
         block_size = self.config.block_size
         rows = StepRows()
         preempted = False
@@ -128,7 +164,7 @@ class Scheduler:
             rows.sample.append
         add_version, add_input, extend_input = rows.versions.append, rows.input_ids.append, \
             rows.input_ids.extend
-        i = 0
+        i = first
         while i < len(running) and budget > 0:
             req = running[i]
             req_id = req.req_id
@@ -164,35 +200,10 @@ class Scheduler:
             self._admit(budget, rows, new_requests)
         if not rows.reqs:
             return None
-        self._step_id += 1
-        plan = build_plan(self._step_id, rows, kv.block_table_array, block_size, new_requests,
-                          self._finished_for_worker)
+        plan = build_plan(self._step_id + 1, rows, kv.block_table_array, block_size,
+                          new_requests, self._finished_for_worker)
         self._finished_for_worker = []
         return ScheduledStep(plan, rows)
-
-    def _steady_decode_applies(self, batch: DecodeBatch) -> bool:
-        """The batch is the whole step: its rows fit the budget and nobody can join."""
-        num_running = len(self.running)
-        return (not self._batch_in_flight and num_running <= self.config.max_num_batched_tokens
-                and (not self.waiting or num_running >= self.config.max_num_seqs
-                     or num_running == self.config.max_num_batched_tokens))
-
-    def _schedule_decode_batch(self, batch: DecodeBatch) -> ScheduledStep | None:
-        """One token for every row; None when a row cannot get its next block (the general
-        path then preempts; blocks already given to other rows stay theirs, unused yet)."""
-        kv, block_size = self.kv, self.config.block_size
-        growing = batch.rows_needing_a_block(block_size)
-        if growing and not kv.allocate_decode_slots(
-                [batch.req_ids[i] for i in growing],
-                [batch.reqs[i].num_computed_tokens for i in growing]):
-            return None
-        self._step_id += 1
-        plan = build_decode_plan(self._step_id, batch, kv.block_table_array, block_size,
-                                 self._finished_for_worker)
-        self._finished_for_worker = []
-        batch.advance()
-        self._batch_in_flight = True
-        return ScheduledStep(plan, None, batch)
 
     def _preempt_until_allocated(self, req: Request, first_unscheduled: int,
                                  count: int) -> bool:
@@ -244,7 +255,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
-        self._batch = None
+        self._leave_batch(req)
         self.running.remove(req)
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
@@ -266,46 +277,33 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
-        if step.batch is not None and step.batch is self._batch:
-            outputs = self._update_decode_batch(step.batch, result)
+        batch = step.batch
+        if batch is None:
+            outputs = self._update_rows(step.plan, step.rows, result, 0)
+        elif batch is not self._batch:  # its rows were revoked while the step was in flight
+            rows = StepRows.of_step(batch, step.plan, step.rows)
+            outputs = self._update_rows(step.plan, rows, result, 0)
         else:
-            outputs = self._update_rows(step, result)
-        if self._batch is None and (not self.waiting
-                                    or len(self.running) >= self.config.max_num_seqs):
-            self._batch = DecodeBatch.of_running(self.running, self.kv.rows,
-                                                 self.config.max_model_len)
             self._batch_in_flight = False
+            num_rows = len(batch)  # before finished rows leave it
+            outputs = self._update_batch(batch, result)
+            if step.rows.reqs:
+                outputs += self._update_rows(step.plan, step.rows, result, num_rows)
+        if len(self.running) > len(self._batch):
+            self._join_batch()
         return outputs
 
-    def _update_decode_batch(self, batch: DecodeBatch, result: StepResult
-                             ) -> list[EngineCoreOutput]:
-        """Output processing of a steady decode step: one sampled token per row."""
-        self._batch_in_flight = False
-        if result.req_ids != batch.req_ids:
+    def _update_batch(self, batch: DecodeBatch, result: StepResult) -> list[EngineCoreOutput]:
+        """Output processing of the decode batch's rows (the result's leading rows)."""
+        num_rows = len(batch)
+        if result.req_ids[:num_rows] != batch.req_ids:
             raise ValueError(f"step {result.step_id}: result rows {result.req_ids} do not "
-                             f"match the plan's sampled rows {batch.req_ids}")
-        reqs = batch.reqs
-        kv = self.kv
-        if kv.enable_prefix_caching:  # rows whose last block just became full
-            for i in batch.rows_needing_a_block(self.config.block_size):
-                kv.cache_full_blocks(reqs[i], reqs[i].num_computed_tokens)
-        sampled = result.sampled_token_ids
-        outputs: list[EngineCoreOutput] = []
-        add_output = outputs.append
-        for req, version, token in zip(reqs, batch.versions, sampled.tolist(), strict=True):
-            req.all_token_ids.append(token)
-            req.output_token_ids.append(token)
-            add_output(EngineCoreOutput(request_id=req.req_id, version=version,
-                                        new_token_ids=[token],
-                                        num_cached_tokens=req.num_cached_tokens))
-        self.generation_tokens += len(reqs)
-        for i in batch.logprob_rows:
-            outputs[i].new_logprobs = _logprobs(result, i, reqs[i].logprobs_k)
-        maybe_done = batch.absorb(sampled)
+                             f"start with the decode batch's rows {batch.req_ids}")
+        outputs, maybe_done = batch.absorb(result, self.kv, self.config.block_size)
+        self.generation_tokens += num_rows
         finished = []
         for i in maybe_done:
-            req = reqs[i]
-            output = outputs[i]
+            req, output = batch.reqs[i], outputs[i]
             output.finish_reason, output.stop_reason = check_stop(
                 req, output.new_token_ids[0], self.config.max_model_len)
             if output.finish_reason is not None:
@@ -314,22 +312,30 @@ class Scheduler:
                 self._retire(req)
         if finished:
             batch.drop(finished)
-            self.running = list(batch.reqs)
-            if not batch.reqs:
-                self._batch = None
+            self.running = batch.reqs + self.running[num_rows:]
         return outputs
 
-    def _update_rows(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
-        """Output processing row by row: any step, stale rows skipped."""
-        plan = step.plan
-        rows = step.rows
-        if rows is None:
-            assert step.batch is not None
-            rows = StepRows.of_decode_batch(step.batch, plan)
+    def _join_batch(self) -> None:
+        """Running requests after the batch that decode now join it, in running order (so
+        the batch stays a prefix of running), as many as one step's token budget holds."""
+        batch, running = self._batch, self.running
+        start = end = len(batch)
+        limit = min(len(running), self.config.max_num_batched_tokens)
+        while end < limit and DecodeBatch.is_decoding(running[end]):
+            end += 1
+        if end > start:
+            joining = running[start:end]
+            batch.extend(joining, [self.kv.rows[r.req_id] for r in joining])
+
+    def _update_rows(self, plan: StepPlan, rows: StepRows, result: StepResult,
+                     first_result: int) -> list[EngineCoreOutput]:
+        """Output processing row by row, stale rows skipped; their sampled tokens are the
+        result's rows from ``first_result`` on."""
         sample_flags = rows.sample
         expected = rows.req_ids if all(sample_flags) else [
             rid for rid, s in zip(rows.req_ids, sample_flags, strict=True) if s]
-        if result.req_ids != expected:
+        got = result.req_ids[first_result:] if first_result else result.req_ids
+        if got != expected:
             raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
                              f"the plan's sampled rows {expected}")
         sampled = result.sampled_token_ids.tolist()
@@ -338,7 +344,7 @@ class Scheduler:
         block_size = self.config.block_size
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
-        sample_index = 0
+        sample_index = first_result
         num_generated = 0
         any_finished = False
         for req, version, sample, count in zip(rows.reqs, rows.versions, sample_flags,
@@ -364,7 +370,7 @@ class Scheduler:
                                       new_token_ids=[token],
                                       num_cached_tokens=req.num_cached_tokens)
             if req.logprobs_k is not None:
-                output.new_logprobs = _logprobs(result, index, req.logprobs_k)
+                output.new_logprobs = row_logprobs(result, index, req.logprobs_k)
             if len(req.output_token_ids) == 1:  # its first output carries the phase stamps
                 output.queued_time = req.queued_time
                 output.scheduled_time = req.scheduled_time
@@ -396,8 +402,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        if self._batch is not None:
-            self._batch.check(self.running, self.kv.rows, self.config.max_model_len)
+        self._batch.check(self.running, self.kv.rows)
         holders = set(self.kv.tables)
         running = {r.req_id for r in self.running}
         if not holders <= running:
@@ -406,15 +411,3 @@ class Scheduler:
             raise AssertionError("more running requests than max_num_seqs")
         if set(self.requests) != running | {r.req_id for r in self.waiting}:
             raise AssertionError("request registry disagrees with the running/waiting queues")
-
-
-def _logprobs(result: StepResult, index: int, top_k: int | None) -> list[TokenLogprobs] | None:
-    """The row's logprobs, its top-k trimmed to what it asked (the batch uses the max)."""
-    if top_k is None or result.logprobs is None:
-        return None
-    top_ids: list[int] = []
-    top_lps: list[float] = []
-    if top_k and result.top_token_ids is not None and result.top_logprobs is not None:
-        top_ids = result.top_token_ids[index, :top_k].tolist()
-        top_lps = result.top_logprobs[index, :top_k].tolist()
-    return [TokenLogprobs(float(result.logprobs[index]), top_ids, top_lps)]

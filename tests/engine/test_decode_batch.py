@@ -40,7 +40,7 @@ def test_decoding_requests_step_through_the_batch_and_finish_exactly(fake_engine
         core.add_request(request(req_id, prompt, lengths[req_id]))
     in_batch = []
     tokens, reasons = run_to_completion(
-        core, on_step=lambda _: in_batch.append(core.scheduler._batch is not None))
+        core, on_step=lambda _: in_batch.append(len(core.scheduler._batch) > 0))
     assert in_batch[0] and all(in_batch[:-1]) and not in_batch[-1]  # built after the prefill
     for req_id, prompt in prompts.items():
         assert tokens[req_id] == reference(executor, prompt, lengths[req_id]), req_id
@@ -55,33 +55,52 @@ def test_decoding_requests_step_through_the_batch_and_finish_exactly(fake_engine
         assert plan.query_start_loc.tolist() == list(range(plan.num_reqs + 1))
 
 
-def test_an_arrival_leaves_the_batch_and_the_next_full_decode_builds_a_new_one(
+def test_an_arrival_prefills_beside_the_batch_and_joins_it_once_it_decodes(
         fake_engine, run_to_completion):
     core, executor = fake_engine(block_size=4, max_num_batched_tokens=8)
-    core.add_request(request("a", prompt_of(5, 1), 12))
-    core.step()
-    core.step()
-    assert core.scheduler._batch is not None
-    core.add_request(request("b", prompt_of(11, 2), 4))  # chunked: two steps of prefill
-    core.step()
-    assert core.scheduler._batch is None
-    core.step()
-    assert core.scheduler._batch is not None
-    assert [p.req_ids for p in executor.plans[-2:]] == [["a", "b"]] * 2
+    prompts = {"a": prompt_of(5, 1), "b": prompt_of(11, 2)}
+    core.add_request(request("a", prompts["a"], 12))
+    first = [out.new_token_ids[0] for _ in range(2) for out in core.step()]
+    assert core.scheduler._batch.req_ids == ["a"]
+    core.add_request(request("b", prompts["b"], 4))  # chunked: 7 tokens, then 4
+    outputs = core.step()
+    core.check_invariants()
+    assert core.scheduler._batch.req_ids == ["a"]
+    assert executor.plans[-1].query_start_loc.tolist() == [0, 1, 8]
+    outputs += core.step()
+    core.check_invariants()
+    assert core.scheduler._batch.req_ids == ["a", "b"]
+    assert executor.plans[-1].sample_rows.tolist() == [True, True]
     tokens, _ = run_to_completion(core)
-    assert len(tokens["a"]) == 12 - 4 and len(tokens["b"]) == 3
+    for out in reversed(outputs):
+        tokens[out.request_id].insert(0, out.new_token_ids[0])
+    tokens["a"][:0] = first
+    for req_id, max_tokens in (("a", 12), ("b", 4)):
+        assert tokens[req_id] == reference(executor, prompts[req_id], max_tokens), req_id
 
 
-def test_a_waiting_request_keeps_the_general_path_while_it_could_join(fake_engine):
-    core, _ = fake_engine(block_size=4, num_kv_blocks=8, max_num_seqs=4)
-    core.add_request(request("a", prompt_of(10, 1), 30))
-    core.add_request(request("b", prompt_of(10, 2), 30))
-    core.step()
-    core.add_request(request("c", prompt_of(10, 3), 3))  # no blocks for it yet
-    for _ in range(3):
-        core.step()
+def test_a_waiting_request_does_not_stop_the_batch_and_is_admitted_when_blocks_free(
+        fake_engine):
+    core, executor = fake_engine(block_size=4, num_kv_blocks=8, max_num_seqs=4)
+    prompts = {"a": prompt_of(10, 1), "b": prompt_of(10, 2), "c": prompt_of(10, 3)}
+    lengths = {"a": 3, "b": 6, "c": 3}
+    tokens: dict[str, list[int]] = {}
+    core.add_request(request("a", prompts["a"], lengths["a"]))
+    core.add_request(request("b", prompts["b"], lengths["b"]))
+    sizes = []  # (batch rows, waiting) after each step
+    while core.has_unfinished_requests():
+        if len(executor.plans) == 1:
+            core.add_request(request("c", prompts["c"], lengths["c"]))  # 3 blocks, 2 free
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         core.check_invariants()
-        assert core.scheduler._batch is None and len(core.scheduler.waiting) == 1
+        sizes.append((len(core.scheduler._batch), len(core.scheduler.waiting)))
+    # c waits while a and b decode through the batch; a finishes, freeing blocks; c is
+    # admitted next step, its whole prompt in one chunk, and joins the batch behind b
+    assert sizes[:4] == [(2, 0), (2, 1), (1, 1), (2, 0)]
+    assert executor.plans[3].req_ids == ["b", "c"] and executor.plans[3].new_requests
+    for req_id, prompt in prompts.items():
+        assert tokens[req_id] == reference(executor, prompt, lengths[req_id]), req_id
 
 
 class LogprobExecutor:
@@ -103,7 +122,7 @@ class LogprobExecutor:
         return result
 
 
-def test_logprobs_stay_with_their_row_when_batch_mates_finish(fake_engine):
+def test_logprobs_stay_with_their_row_when_batch_mates_finish_or_join(fake_engine):
     core, executor = fake_engine(block_size=4)
     core.executor = LogprobExecutor(executor)
     core.add_request(request("short", prompt_of(4, 1), 2))
@@ -112,11 +131,15 @@ def test_logprobs_stay_with_their_row_when_batch_mates_finish(fake_engine):
     core.add_request(request("lp0", prompt_of(7, 4), 4, logprobs=0))
     seen = {}
     while core.has_unfinished_requests():
+        if len(executor.plans) == 2:  # sampled beside the batch's rows, then joins them
+            core.add_request(request("late", prompt_of(9, 5), 4, logprobs=1))
         for out in core.step():
             seen.setdefault(out.request_id, []).append(out)
         core.check_invariants()
+    assert executor.plans[2].req_ids == ["plain", "lp", "lp0", "late"]  # short is done
     assert all(o.new_logprobs is None for o in seen["plain"] + seen["short"])
-    for out in seen["lp"]:
+    assert len(seen["late"]) == 4
+    for out in seen["lp"] + seen["late"]:
         token = out.new_token_ids[0]
         (lp,) = out.new_logprobs
         assert lp.top_token_ids == [token] and abs(lp.logprob + token / 1000) < 1e-6
