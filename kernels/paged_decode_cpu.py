@@ -61,7 +61,7 @@ def build(compiler: str | None = None) -> Path:
     """Compile the kernel (or find it already compiled); returns the library path."""
     compiler = compiler or _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=False).stdout
+                             check=False, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()])
                          .encode()).hexdigest()[:20]
     target = _cache_dir() / f"paged_decode_cpu-{key}.so"
@@ -72,7 +72,7 @@ def build(compiler: str | None = None) -> Path:
     os.close(fd)
     try:
         result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, *LIBS],
-                                capture_output=True, text=True, check=False)
+                                capture_output=True, text=True, check=False, timeout=300)
         if result.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}:\n"
                                     f"{result.stderr.strip()}")
@@ -88,8 +88,8 @@ def load() -> ctypes.CDLL:
     """The loaded library (built on first call); KernelUnavailable if it cannot be."""
     try:
         library = ctypes.CDLL(str(build()))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load the CPU decode kernel: {exc}") from exc
+    except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, hung compiler...
+        raise KernelUnavailable(f"cannot build or load the CPU decode kernel: {exc}") from exc
     fn = library.shoal_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,

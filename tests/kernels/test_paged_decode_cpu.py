@@ -88,6 +88,18 @@ def test_a_missing_compiler_is_reported_not_crashed(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.so"))
 
 
+def test_an_unwritable_cache_is_reported_not_crashed(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(blocker))  # kernels/ cannot be made under a file
+    paged_decode_cpu.load.cache_clear()
+    try:
+        with pytest.raises(paged_decode_cpu.KernelUnavailable, match="cannot build or load"):
+            paged_decode_cpu.load()
+    finally:
+        paged_decode_cpu.load.cache_clear()
+
+
 def test_a_build_is_cached_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
     first = paged_decode_cpu.build()
