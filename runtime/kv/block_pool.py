@@ -139,6 +139,16 @@ class BlockPool:
         if stored and self.record_events:
             self.events.append(BlockStored(stored, parent_hash, len(stored) * block_size))
 
+    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None,
+                    block_size: int) -> None:
+        """``cache_blocks`` for one block (a decode step fills one block per row)."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if self.record_events:
+            self.events.append(BlockStored([block_hash], parent_hash, block_size))
+
     def _evict(self, block: KVBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None

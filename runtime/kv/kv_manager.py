@@ -114,6 +114,27 @@ class KVCacheManager:
                                self.block_size)
         self._num_hashed[seq.req_id] = full
 
+    def cache_filled_blocks(self, seqs: list[KVSequence], num_computed: list[int]) -> None:
+        """``cache_full_blocks`` for decode rows whose last step filled a block, once per
+        block size steps each: the one-new-block case hashes only that block."""
+        if not self.enable_prefix_caching:
+            return
+        size, num_hashed, tables, pool = self.block_size, self._num_hashed, self.tables, self.pool
+        for seq, computed in zip(seqs, num_computed, strict=True):
+            full = computed // size
+            done = num_hashed[seq.req_id]
+            hashes = seq.block_hashes
+            if full != done + 1 or len(hashes) != done:  # several blocks, or hashed already
+                self.cache_full_blocks(seq, computed)
+                continue
+            parent = hashes[-1] if done else NONE_HASH
+            block_hash = hash_block(parent, seq.all_token_ids[done * size:full * size],
+                                    seq.extra_digest)
+            hashes.append(block_hash)
+            pool.cache_block(tables[seq.req_id][done], block_hash, parent if done else None,
+                             size)
+            num_hashed[seq.req_id] = full
+
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, seq: KVSequence, num_computed_tokens: int, num_new_tokens: int,
                        cached_blocks: list[KVBlock] | None = None) -> bool:

@@ -99,8 +99,8 @@ class DecodeBatch:
         num_rows = len(self.reqs)
         reqs = self.reqs
         if kv.enable_prefix_caching:
-            for i in self.rows_starting_a_block(block_size):
-                kv.cache_full_blocks(reqs[i], reqs[i].num_computed_tokens)
+            filled = [reqs[i] for i in self.rows_starting_a_block(block_size)]
+            kv.cache_filled_blocks(filled, [r.num_computed_tokens for r in filled])
         sampled = result.sampled_token_ids[:num_rows]
         outputs: list[EngineCoreOutput] = []
         add_output = outputs.append

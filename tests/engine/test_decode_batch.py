@@ -146,3 +146,23 @@ def test_logprobs_stay_with_their_row_when_batch_mates_finish_or_join(fake_engin
     for out in seen["lp0"]:
         (lp,) = out.new_logprobs
         assert lp.top_token_ids == [] and abs(lp.logprob + out.new_token_ids[0] / 1000) < 1e-6
+
+
+def test_blocks_filled_while_decoding_are_cached_under_their_chained_hash(fake_engine):
+    from shoal.runtime.kv.block_hash import hash_prefix_blocks
+
+    core, _ = fake_engine(block_size=4)
+    for i in range(3):
+        core.add_request(request(f"r{i}", prompt_of(5 + 3 * i, i), 20))
+    kv = core.scheduler.kv
+    checked = 0
+    while core.has_unfinished_requests():
+        core.step()
+        for req in core.scheduler.running:
+            full = req.num_computed_tokens // 4
+            want = hash_prefix_blocks(req.all_token_ids, 4, req.extra_digest)[:full]
+            assert req.block_hashes[:full] == want, req.req_id
+            table = kv.tables[req.req_id]
+            assert all(kv.pool.cached[h] is table[i] for i, h in enumerate(want)), req.req_id
+            checked += full
+    assert checked > 50

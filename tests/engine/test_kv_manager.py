@@ -154,8 +154,8 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
             if kv.allocate_decode_slots([r for r, _, _ in rows], [c for _, _, c in rows]):
                 for req_id, seq, computed in rows:
                     seq.all_token_ids.append(9000 + computed)
-                    kv.cache_full_blocks(seq, computed + 1)
                     live[req_id] = (seq, computed + 1)
+                kv.cache_filled_blocks([seq for _, seq, _ in rows], [c + 1 for _, _, c in rows])
             else:
                 assert (kv.num_free_blocks, {r: kv.block_ids(r) for r in live}) == before
         elif kind == "free" and live:
