@@ -7,7 +7,11 @@ wall time per steady-state decode step, split into schedule (incl. plan arrays) 
 and the ratio to the 0.5 ms target. Times are CPU time of the engine thread (so other jobs
 on a shared machine inflate them less than wall time), still noisy.
 
-    .venv/bin/python bench/engine_overhead.py [--steps 400] [--json out.json]
+``--churn`` adds a second workload: output lengths 1..512, and every finished request is
+replaced by a new one before the next step, so most steps also admit and prefill (the
+prefill's token copying and block hashing count; ``add_request`` itself does not).
+
+    .venv/bin/python bench/engine_overhead.py [--steps 400] [--churn] [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class NullExecutor(Executor):
         pass
 
 
-def measure(block_size: int, num_reqs: int, steps: int) -> dict:
+def measure(block_size: int, num_reqs: int, steps: int, churn: bool = False) -> dict:
     rng = random.Random(0)
     config = EngineConfig(model="null", block_size=block_size, max_num_seqs=num_reqs,
                           max_num_batched_tokens=8192, max_model_len=4096,
@@ -71,35 +75,49 @@ def measure(block_size: int, num_reqs: int, steps: int) -> dict:
     core = EngineCore(config, executor=NullExecutor())
     freeze_gc_after_startup()
     system = [rng.randrange(3, VOCAB) for _ in range(128)]
-    for i in range(num_reqs):
-        body = [rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 512))]
-        core.add_request(EngineCoreRequest(
-            request_id=str(i), prompt_token_ids=(system if i % 2 else []) + body,
-            sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 1000,
-                                           ignore_eos=True)))
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in core.scheduler.requests.values()):
-        core.step()  # prefill everyone
+    arrivals = 0
+
+    def add_requests(count: int) -> None:
+        nonlocal arrivals
+        for _ in range(count):
+            body = [rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 512))]
+            max_tokens = rng.randint(1, 2 * num_reqs) if churn else steps + 1000
+            core.add_request(EngineCoreRequest(
+                request_id=str(arrivals), prompt_token_ids=(system if arrivals % 2 else []) + body,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True)))
+            arrivals += 1
+
     scheduler, executor = core.scheduler, core.executor
+    add_requests(num_reqs)
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.requests.values()):
+        core.step()  # prefill everyone
+    for _ in range(2 * num_reqs if churn else 0):  # until finishes and arrivals are mixed
+        core.step()
+        add_requests(num_reqs - len(scheduler.requests))
     total, schedule, update, wall = [], [], [], []
     clock = time.thread_time  # CPU time of this thread: what other jobs on the machine steal
     for _ in range(steps):
+        if churn:
+            add_requests(num_reqs - len(scheduler.requests))
         w0 = time.perf_counter()
         t0 = clock()
         step = scheduler.schedule()
         t1 = clock()
-        assert step is not None and step.plan.num_reqs == num_reqs
+        assert step is not None and (churn or step.plan.num_reqs == num_reqs)
         result = executor.execute(step.plan)
         t2 = clock()
         outputs = scheduler.update(step, result)
         t3 = clock()
         wall.append(time.perf_counter() - w0)
-        assert len(outputs) == num_reqs
+        assert churn or len(outputs) == num_reqs
         schedule.append(t1 - t0)
         update.append(t3 - t2)
         total.append((t1 - t0) + (t3 - t2))
     core.check_invariants()
     ms = 1e3
     return {
+        "workload": "churn" if churn else "steady",
         "block_size": block_size, "num_reqs": num_reqs, "steps": steps,
         "mean_ms": statistics.fmean(total) * ms,
         "median_ms": statistics.median(total) * ms,
@@ -115,16 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--num-reqs", type=int, default=256)
+    parser.add_argument("--churn", action="store_true",
+                        help="also measure with requests finishing and arriving every step")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    rows = [measure(bs, args.num_reqs, args.steps) for bs in (16, 256)]
+    rows = [measure(bs, args.num_reqs, args.steps, churn)
+            for churn in ((False, True) if args.churn else (False,)) for bs in (16, 256)]
     print(f"engine-core CPU per decode step, {args.num_reqs} running requests, null model "
           f"(target <= {TARGET_MS} ms at block 16; shared machine: noisy)")
     print("CPU ms of the engine-core thread per step (wall median includes the null executor)")
-    print(f"{'block':>6} {'mean':>7} {'median':>7} {'p90':>7} {'schedule':>9} {'update':>7} "
-          f"{'wall med':>9} {'mean/target':>12}")
+    print(f"{'workload':>8} {'block':>6} {'mean':>7} {'median':>7} {'p90':>7} {'schedule':>9} "
+          f"{'update':>7} {'wall med':>9} {'mean/target':>12}")
     for r in rows:
-        print(f"{r['block_size']:>6} {r['mean_ms']:>7.3f} {r['median_ms']:>7.3f} "
+        print(f"{r['workload']:>8} {r['block_size']:>6} {r['mean_ms']:>7.3f} {r['median_ms']:>7.3f} "
               f"{r['p90_ms']:>7.3f} {r['schedule_ms']:>9.3f} {r['update_ms']:>7.3f} "
               f"{r['wall_median_ms']:>9.3f} {r['ratio_to_target']:>12.2f}")
     if args.json:

@@ -20,6 +20,8 @@ steps, ``next_tokens[i] == reqs[i].all_token_ids[-1]``; ``check`` verifies it.
 
 from __future__ import annotations
 
+from itertools import compress
+
 import numpy as np
 from shoal.runtime.engine.messages import EngineCoreOutput
 from shoal.runtime.kv.kv_manager import KVCacheManager
@@ -123,16 +125,16 @@ class DecodeBatch:
         """Remove finished rows."""
         keep = np.ones(len(self.reqs), dtype=bool)
         keep[rows] = False
-        gone = set(rows)
-        self.reqs = [r for i, r in enumerate(self.reqs) if i not in gone]
-        self.req_ids = [r for i, r in enumerate(self.req_ids) if i not in gone]
-        self.versions = [v for i, v in enumerate(self.versions) if i not in gone]
+        kept = keep.tolist()
+        self.reqs = list(compress(self.reqs, kept))
+        self.req_ids = list(compress(self.req_ids, kept))
+        self.versions = list(compress(self.versions, kept))
         self.table_rows = self.table_rows[keep]
         self.positions = self.positions[keep]
         self.next_tokens = self.next_tokens[keep]
         self.steps_left = self.steps_left[keep]
         new_index = np.cumsum(keep) - 1
-        self.logprob_rows = [int(new_index[i]) for i in self.logprob_rows if i not in gone]
+        self.logprob_rows = [int(new_index[i]) for i in self.logprob_rows if kept[i]]
 
     # -- invariants ---------------------------------------------------------------------
     def check(self, running: list[Request], table_rows: dict[str, int]) -> None:
