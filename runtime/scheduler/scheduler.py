@@ -119,7 +119,8 @@ class Scheduler:
         block_size = self.config.block_size
         batch = self._batch
         if batch and (self._batch_in_flight or not batch.reserve_slots(self.kv, block_size)):
-            # a row needs a block the pool lacks: the general path decides who is preempted
+            # scheduled again before its update, or a row needs a block the pool lacks: the
+            # general path takes every row (and decides who is preempted)
             batch = self._new_batch()
         if batch:
             batch_plan = build_decode_plan(self._step_id + 1, batch, self.kv.block_table_array,
