@@ -30,11 +30,17 @@ class ExtraKeys(NamedTuple):
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra: bytes) -> int:
     """Hash one full block. ``extra`` is ``ExtraKeys.digest()``, computed once per request.
-    One-shot over the same bytes as ``hash_prefix_blocks`` (int64 token ids in native byte
-    order, as numpy writes them), so both give the same hash; it runs every time a block
-    fills, so it avoids building a numpy array for 16 ids."""
+    The bytes hashed are the parent hash (8 bytes, little-endian), ``extra`` and the token
+    ids as int64 in native byte order (as numpy writes them), one-shot."""
     return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + extra
                                   + array("q", token_ids).tobytes())
+
+
+def hash_block_chain(parent_hash: int, token_ids: Sequence[int], block_size: int,
+                     extra: bytes) -> list[int]:
+    """``hash_block`` over consecutive full blocks (``len(token_ids)`` a multiple of
+    ``block_size``), each chained to the previous one: the ids are converted once."""
+    return _chain(parent_hash, array("q", token_ids).tobytes(), 8 * block_size, extra)
 
 
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes,
@@ -43,14 +49,14 @@ def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes,
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, max_blocks)
-    ids = np.asarray(token_ids[: num_full * block_size], dtype=np.int64)
+    data = np.asarray(token_ids[: num_full * block_size], dtype=np.int64).tobytes()
+    return _chain(start_hash, data, 8 * block_size, extra)
+
+
+def _chain(parent_hash: int, data: bytes, block_bytes: int, extra: bytes) -> list[int]:
     hashes: list[int] = []
-    parent = start_hash
-    for i in range(num_full):
-        h = xxhash.xxh64()
-        h.update(parent.to_bytes(8, "little"))
-        h.update(extra)
-        h.update(ids[i * block_size:(i + 1) * block_size].tobytes())
-        parent = h.intdigest()
-        hashes.append(parent)
+    for start in range(0, len(data), block_bytes):
+        parent_hash = xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + extra
+                                             + data[start:start + block_bytes])
+        hashes.append(parent_hash)
     return hashes

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Protocol
 
 import numpy as np
-from shoal.runtime.kv.block_hash import NONE_HASH, hash_block
+from shoal.runtime.kv.block_hash import NONE_HASH, hash_block, hash_block_chain
 from shoal.runtime.kv.block_pool import BlockPool, KVBlock
 from shoal.runtime.kv.events import KVEvent
 
@@ -93,11 +93,10 @@ class KVCacheManager:
         have = len(hashes)
         if have >= num_blocks:
             return
-        size, tokens = self.block_size, seq.all_token_ids
-        parent = hashes[-1] if have else NONE_HASH
-        for i in range(have, num_blocks):
-            parent = hash_block(parent, tokens[i * size:(i + 1) * size], seq.extra_digest)
-            hashes.append(parent)
+        size = self.block_size
+        hashes.extend(hash_block_chain(hashes[-1] if have else NONE_HASH,
+                                       seq.all_token_ids[have * size:num_blocks * size], size,
+                                       seq.extra_digest))
 
     def cache_full_blocks(self, seq: KVSequence, num_computed_tokens: int) -> None:
         """Offer the blocks whose KV is now complete to the prefix cache."""

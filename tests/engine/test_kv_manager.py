@@ -205,3 +205,26 @@ def test_usage_counts_referenced_blocks_only(make_seq):
     assert kv.usage() == pytest.approx(0.2)
     kv.free("a")
     assert kv.usage() == 0.0 and len(kv.pool.cached) == 2
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_hashes_one_at_a_time_chained_and_the_routers_agree(block_size):
+    from shoal.runtime.kv.block_hash import (
+        ExtraKeys,
+        hash_block,
+        hash_block_chain,
+        hash_prefix_blocks,
+    )
+
+    extra = ExtraKeys("rev", "adapter", "salt").digest()
+    tokens = [(i * 7919) % 150_000 for i in range(5 * block_size + block_size // 2)]
+    routers = hash_prefix_blocks(tokens, block_size, extra)
+    assert len(routers) == 5 and len(set(routers)) == 5
+    assert hash_block_chain(0, tokens[:5 * block_size], block_size, extra) == routers
+    assert hash_block_chain(routers[1], tokens[2 * block_size:5 * block_size], block_size,
+                            extra) == routers[2:]
+    parent = 0
+    for i, want in enumerate(routers):
+        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size], extra)
+        assert parent == want
+    assert hash_prefix_blocks(tokens, block_size, ExtraKeys("rev").digest()) != routers
