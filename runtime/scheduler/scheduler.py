@@ -29,12 +29,7 @@ from shoal.runtime.engine.messages import (
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.decode_batch import DecodeBatch
-from shoal.runtime.scheduler.plan_builder import (
-    StepRows,
-    build_decode_plan,
-    build_plan,
-    concat_plans,
-)
+from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
 from shoal.runtime.scheduler.row_logprobs import row_logprobs
 from shoal.runtime.scheduler.stops import check_stop
@@ -56,8 +51,8 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     plan: StepPlan
-    rows: StepRows  # the rows after the decode batch's (all rows when batch is None)
-    batch: DecodeBatch | None = None  # supplied the leading rows, one token each
+    rows: StepRows  # the rows after the decode batch's
+    batch: DecodeBatch  # supplied the leading rows, one token each (maybe none)
 
 
 class Scheduler:
@@ -122,22 +117,17 @@ class Scheduler:
             # scheduled again before its update, or a row needs a block the pool lacks: the
             # general path takes every row (and decides who is preempted)
             batch = self._new_batch()
-        if batch:
-            batch_plan = build_decode_plan(self._step_id + 1, batch, self.kv.block_table_array,
-                                           block_size, self._finished_for_worker)
-            self._finished_for_worker = []
-            batch.advance()
-            self._batch_in_flight = True
-            budget -= len(batch)
-        step = self._schedule_rows(budget, len(batch))
-        if step is None and not batch:
+        rows, new_requests = self._schedule_rows(budget - len(batch), len(batch))
+        if not batch and not rows.reqs:
             return None
         self._step_id += 1
-        if step is None:
-            return ScheduledStep(batch_plan, StepRows(), batch)
-        if not batch:
-            return step
-        return ScheduledStep(concat_plans(batch_plan, step.plan), step.rows, batch)
+        plan = build_plan(self._step_id, batch, rows, self.kv.block_table_array, block_size,
+                          new_requests, self._finished_for_worker)
+        self._finished_for_worker = []
+        if batch:
+            batch.advance()
+            self._batch_in_flight = True
+        return ScheduledStep(plan, rows, batch)
 
     def _new_batch(self) -> DecodeBatch:
         self._batch = DecodeBatch(self.config.max_model_len)
@@ -150,9 +140,10 @@ class Scheduler:
         if num_rows and any(r is req for r in self.running[:num_rows]):
             self._new_batch()
 
-    def _schedule_rows(self, budget: int, first: int) -> ScheduledStep | None:
+    def _schedule_rows(self, budget: int, first: int
+                       ) -> tuple[StepRows, list[NewRequestData]]:
         """The general path: running requests from index ``first`` on, row by row, then
-        admissions; None if it schedules nothing."""
+        admissions."""
         block_size = self.config.block_size
         rows = StepRows()
         preempted = False
@@ -199,12 +190,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         if not preempted:
             self._admit(budget, rows, new_requests)
-        if not rows.reqs:
-            return None
-        plan = build_plan(self._step_id + 1, rows, kv.block_table_array, block_size,
-                          new_requests, self._finished_for_worker)
-        self._finished_for_worker = []
-        return ScheduledStep(plan, rows)
+        return rows, new_requests
 
     def _preempt_until_allocated(self, req: Request, first_unscheduled: int,
                                  count: int) -> bool:
@@ -279,7 +265,7 @@ class Scheduler:
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
         batch = step.batch
-        if batch is None:
+        if not batch:
             outputs = self._update_rows(step.plan, step.rows, result, 0)
         elif batch is not self._batch:  # its rows were revoked while the step was in flight
             rows = StepRows.of_step(batch, step.plan, step.rows)
