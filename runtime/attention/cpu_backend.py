@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shoal.kernels import paged_decode_cpu
+from shoal.kernels import native_cpu, paged_decode_cpu
 from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
@@ -38,7 +38,7 @@ class CpuAttentionBackend:
         if dtype != torch.float32:
             raise ValueError(f"the cpu attention backend runs float32 models, not {dtype}; "
                              "use --attention-backend torch")
-        paged_decode_cpu.load()  # builds the kernel once per machine; KernelUnavailable if not
+        native_cpu.load()  # builds the library once per machine; KernelUnavailable if not
 
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         starts = meta.query_start_loc_cpu

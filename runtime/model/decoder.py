@@ -13,7 +13,12 @@ from importlib.util import find_spec
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.config import ModelConfig
-from shoal.runtime.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from shoal.runtime.model.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    native_cpu_ops,
+    silu_and_mul,
+)
 from shoal.runtime.model.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -46,6 +51,7 @@ class Attention(nn.Module):
             if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        self.native = native_cpu_ops(backend.name == "cpu")  # CPU: rotary in place, one pass
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.sliding_window
         # CUDA: q/k norm + rotary as one Triton kernel per tensor instead of ~12 small ops
@@ -67,6 +73,16 @@ class Attention(nn.Module):
             fused, cos, sin = self.fused_qk_norm_rotary, self.rotary.cos, self.rotary.sin
             q = fused(q, self.q_norm.weight, positions, cos, sin, self.q_norm.eps)
             k = fused(k, self.k_norm.weight, positions, cos, sin, self.k_norm.eps)
+        elif self.native is not None:
+            cos, sin = (table[:, 0] for table in rope or self.rotary.cos_sin(positions))
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+                self.native.rotary_neox_(q, cos, sin)
+                self.native.rotary_neox_(k, cos, sin)
+            else:  # q's and k's heads sit side by side in each qkv row: one call rotates both
+                heads = self.num_heads + self.num_kv_heads
+                self.native.rotary_neox_(qkv[:, :q_size + kv_size].view(-1, heads, self.head_dim),
+                                         cos, sin)
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -78,18 +94,21 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, native_cpu: bool = False):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False,
                                                  parallel, dtype, device)
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, parallel, dtype,
                                            device)
-        self.act_fn = silu_and_mul  # CUDA: one Triton kernel instead of two ops
+        self.act_fn = silu_and_mul  # CUDA: one Triton kernel instead of two ops; CPU: one pass
         if torch.device(device).type == "cuda" and find_spec("triton"):
             from shoal.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
 
             self.act_fn = fused_silu_and_mul
+        native = native_cpu_ops(native_cpu)
+        if native is not None:
+            self.act_fn = native.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -99,17 +118,26 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
                  backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
+        native = backend.name == "cpu"
         self.self_attn = Attention(config, parallel, rotary, backend, dtype, device)
-        self.mlp = MLP(config, parallel, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, parallel, dtype, device, native)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
+                                       native)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
-                                                device)
+                                                device, native)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, rope: RopeTables | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta,
-                                         rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata,
+                rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``: the previous layer's output (layer 0: the embeddings, ``residual`` None);
+        ``residual``: the stream it is added to. Returns this layer's (output, residual)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -125,15 +153,16 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, parallel, rotary, backend, dtype, device)
             for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
+                            backend.name == "cpu")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.cos_sin(positions)  # looked up once per step, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rope)
+        return self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -15,8 +15,20 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def native_cpu_ops(native_cpu: bool):
+    """The native CPU position-wise ops (``shoal.kernels.cpu_ops``) when asked for, else None.
+    The model asks when its attention backend is the native ``cpu`` one (float32 on CPU, the
+    library already loaded); the ``torch`` backend keeps the whole model in plain torch."""
+    if not native_cpu:
+        return None
+    from shoal.kernels import cpu_ops
+
+    return cpu_ops
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str,
+                 native_cpu: bool = False):
         super().__init__()
         self.eps = eps
         self.size = size
@@ -26,8 +38,22 @@ class RMSNorm(nn.Module):
             from shoal.kernels.rms_norm import rms_norm
 
             self.fused = rms_norm
+        self.native = native_cpu_ops(native_cpu)  # CPU: residual add + norm in one pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``x [..., size]`` normalised. With ``residual`` (the pre-norm residual stream):
+        returns ``(norm(x + residual), x + residual)``; the native path updates ``residual``
+        in place."""
+        if residual is None:
+            return self._norm(x)
+        if self.native is not None and x.dim() == 2:
+            return self.native.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:
+            return self.native.rms_norm(x, self.weight, self.eps)
         if self.fused is not None:
             return self.fused(x, self.weight, self.eps)
         if x.dtype == torch.float32:

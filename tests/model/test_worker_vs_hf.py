@@ -1,4 +1,6 @@
-"""The Worker's forward pass (paged KV, flat mixed batches) against HF transformers."""
+"""The Worker's forward pass (paged KV, flat mixed batches) against HF transformers: through
+the plain-torch path, and through the native CPU kernels (the ``cpu`` backend: decode
+attention, RMSNorm + residual, SiLU-and-mul, rotary)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ def random_prompts(lengths, vocab, seed=0):
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mixed_length_prefill_then_decode_matches_hf(arch, tiny_model_dirs, load_worker,
+def test_mixed_length_prefill_then_decode_matches_hf(arch, backend, tiny_model_dirs, load_worker,
                                                      hf_model, planner_factory, new_request):
     model_dir = tiny_model_dirs[arch]
-    worker = load_worker(model_dir, num_blocks=64, block_size=4)
+    worker = load_worker(model_dir, num_blocks=64, block_size=4, attention_backend=backend)
+    layer = worker.runner.model.model.layers[0]
+    assert (layer.mlp.act_fn.__module__ == "shoal.kernels.cpu_ops") == (backend == "cpu")
     hf = hf_model(model_dir)
     prompts = random_prompts([5, 11, 1, 8, 23], worker.model_config().vocab_size)
     planner = planner_factory(64, 4)

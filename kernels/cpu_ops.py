@@ -1,0 +1,77 @@
+"""The decoder's position-wise ops for CPU float32 (``cpu_ops.c``, in the native library of
+``native_cpu``): RMSNorm with an optional fused residual add, SiLU-and-mul, and the neox
+rotary embedding in place. Each is one pass over its rows where torch runs several ops.
+
+The inputs come from the model's own layers, so checks are of kind, not of every index:
+float32 CPU tensors whose last dimension is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+from shoal.kernels.native_cpu import load
+
+
+def _check_rows(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {tensor.dtype} on "
+                         f"{tensor.device}")
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be 2-d with contiguous rows, got shape "
+                         f"{tuple(tensor.shape)} strides {tensor.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension of ``x [rows, size]``. With
+    ``residual``: ``residual += x`` in place first, and the updated residual is normalised."""
+    _check_rows("x", x)
+    rows, size = x.shape
+    if weight.shape != (size,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{size}] vector, got {tuple(weight.shape)}")
+    out = torch.empty(rows, size, dtype=x.dtype)
+    residual_ptr, residual_stride = 0, 0
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+        residual_ptr, residual_stride = residual.data_ptr(), residual.stride(0)
+    if rows:
+        load().shoal_rms_norm_f32(x.data_ptr(), x.stride(0), residual_ptr or None,
+                                  residual_stride, weight.data_ptr(), out.data_ptr(), size,
+                                  rows, size, eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [rows, 2 * size]`` = [gate | up]."""
+    _check_rows("gate_up", gate_up)
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up's last dimension must be even, got {width}")
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    if rows:
+        load().shoal_silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
+                                      width // 2, rows, width // 2)
+    return out
+
+
+def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``x [tokens, heads, head_dim]`` in place (neox halves); ``cos``/``sin``
+    ``[tokens, head_dim / 2]`` hold each token's position's table row. ``x`` may be a view
+    whose heads are contiguous within a token (e.g. the q and k heads of fused qkv rows)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3:
+        raise ValueError(f"x must be a 3-d float32 CPU tensor, got {x.dim()}-d {x.dtype}")
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError(f"x's heads must be contiguous within a token, strides {x.stride()}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_rows(name, table)
+        if table.shape != (tokens, head_dim // 2):
+            raise ValueError(f"{name} must be [{tokens}, {head_dim // 2}], got "
+                             f"{tuple(table.shape)}")
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError("cos and sin must have the same row stride")
+    if tokens:
+        load().shoal_rotary_neox_f32(x.data_ptr(), x.stride(0), heads, head_dim,
+                                     cos.data_ptr(), sin.data_ptr(), cos.stride(0), tokens)

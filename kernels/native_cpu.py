@@ -1,0 +1,117 @@
+"""The native CPU library (``paged_decode_cpu.c`` + ``cpu_ops.c``): built on first use, via ctypes.
+
+Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
+compiled on the machine that runs it (``-march=native``) and cached under
+``$SHOAL_CACHE_DIR/kernels`` (default ``~/.cache/shoal/kernels``), keyed by the sources, the
+flags, the compiler and the CPU, then renamed into place atomically so concurrent processes
+never load a half-written library. Where no compiler exists, ``load()`` raises
+``KernelUnavailable`` saying why, and callers fall back to the pure-torch path.
+
+torch is imported before the library is loaded, so the library's OpenMP runtime resolves to
+the one torch already loaded: one thread pool, sized by ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode_cpu.c", "cpu_ops.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# libmvec (vector expf) where glibc ships it; plain libm otherwise
+LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# exported function -> (return type, argument types)
+SIGNATURES: dict[str, tuple[type | None, list]] = {
+    "shoal_paged_decode_f32": (ctypes.c_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+                                              _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64]),
+    "shoal_rms_norm_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32]),
+    "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
+    "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """The native library cannot be built or loaded here (the reason is the message)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal"
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU the library is tuned for (-march=native): model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C compiler ({compiler!r} not on PATH; set CC)")
+    return compiler
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the library (or find it already compiled); returns its path."""
+    compiler = compiler or _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=False, timeout=60).stdout
+    sources = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, *FLAGS, version, _cpu_signature()])
+                         .encode()).hexdigest()[:20]
+    target = _cache_dir() / f"shoal_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial, *LIBS],
+                                capture_output=True, text=True, check=False, timeout=300)
+        if result.returncode != 0:
+            names = ", ".join(source.name for source in SOURCES)
+            raise KernelUnavailable(f"{compiler} failed to build {names}:\n"
+                                    f"{result.stderr.strip()}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The loaded library (built on first call); KernelUnavailable if it cannot be."""
+    try:
+        library = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, hung compiler...
+        raise KernelUnavailable(f"cannot build or load the native CPU kernels: {exc}") from exc
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return library
+
+
+def unavailable_reason() -> str | None:
+    """None when the library loads here, else why not."""
+    try:
+        load()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None

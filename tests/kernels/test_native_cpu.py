@@ -1,0 +1,101 @@
+"""The native CPU library (``shoal.kernels.native_cpu``): built once per machine, cached,
+and where it cannot be built, a clear reason instead of a crash. Then its position-wise ops
+(``cpu_ops``) against torch: bit-equal where the arithmetic is the same (rotary), within
+float32 rounding where a sum's order or an exp's last bit differs, on the shapes and strided
+views the model passes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from shoal.kernels import cpu_ops, native_cpu
+from shoal.runtime.model.layers import RotaryEmbedding
+
+
+def test_a_missing_compiler_is_reported_not_crashed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(native_cpu.KernelUnavailable, match="no C compiler"):
+        native_cpu.build()
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_an_unwritable_cache_is_reported_not_crashed(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(blocker))  # kernels/ cannot be made under a file
+    native_cpu.load.cache_clear()
+    try:
+        with pytest.raises(native_cpu.KernelUnavailable, match="cannot build or load"):
+            native_cpu.load()
+    finally:
+        native_cpu.load.cache_clear()
+
+
+def test_a_build_is_cached_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    first = native_cpu.build()
+    stamp = first.stat().st_mtime_ns
+    assert native_cpu.build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial files left
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 130])
+def test_rms_norm_matches_torch_with_and_without_the_residual(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(96, generator=gen)
+
+    alone = cpu_ops.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(alone, F.rms_norm(x, (96,), weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+    stream = residual.clone()
+    fused = cpu_ops.rms_norm(x, weight, 1e-6, stream)
+    assert torch.equal(stream, x + residual)  # updated in place, the same single add
+    torch.testing.assert_close(fused, F.rms_norm(x + residual, (96,), weight, 1e-6),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_reads_strided_rows():
+    wide = torch.randn(5, 200)
+    x, weight = wide[:, 8:72], torch.randn(64)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5),
+                               F.rms_norm(x.contiguous(), (64,), weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows", [0, 2, 64])
+@pytest.mark.parametrize("size", [7, 1536])  # a tail shorter than a vector, several column chunks
+def test_silu_and_mul_matches_torch(rows, size):
+    gate_up = torch.randn(rows, 2 * size) * 6  # saturating tails of the sigmoid too
+    expected = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_in_place_equals_the_torch_rotation_bit_for_bit():
+    tokens, q_heads, kv_heads, head_dim = 9, 4, 2, 32
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32, "cpu")
+    cos, sin = rotary.cos_sin(torch.randint(0, 64, (tokens,)))
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, :q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads,
+                                                                         head_dim)
+    v_before = qkv[:, (q_heads + kv_heads) * head_dim:].clone()
+    expected_q, expected_k = RotaryEmbedding.rotate((cos, sin), q, k)
+
+    both = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
+    cpu_ops.rotary_neox_(both, cos[:, 0], sin[:, 0])
+
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+def test_ops_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_ops.silu_and_mul(torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="residual"):
+        cpu_ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="cos must be"):
+        cpu_ops.rotary_neox_(torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 4))
