@@ -4,14 +4,14 @@
    buffer each layer and step, then reads it again in a batched matmul: three passes over
    the KV bytes. Decode attention is memory-bound on a CPU, so this kernel reads each K and V
    row exactly once, straight from its page, and keeps scores and the output accumulator in
-   per-thread scratch. Pages sit at random addresses, so the hardware prefetcher stops at
-   every page boundary: while one block is read, the same row of the next block is prefetched
-   (about 20% faster here).
+   per-thread scratch. The scalar path prefetches the same row of the next block while it
+   reads one (pages sit at random addresses; about 20% faster there); the vector path does
+   not need to (below).
 
    Two paths compute the same thing. The vector path (head_dim a multiple of 16, up to 256)
    scores 16 tokens at once and reduces their dot products together; the scalar path covers
    any other head size. Where the KV bytes sit in cache (small batches, short contexts) the
-   vector path is 1.3-1.6x faster; where they come from DRAM both run at the same ~18 GB/s.
+   vector path was 1.1-1.6x faster in runs here; from DRAM, ~19.5 GB/s against 17.6.
 
    Work is split over requests with OpenMP. Loaded into a process that has
    already loaded torch, the OpenMP runtime is torch's own (same soname), so both share one
@@ -23,6 +23,9 @@
      block_tables  [num_requests_in_table, table_stride]  int32; a request uses row table_rows[r]
    Positions attended by request r: [max(0, seq_len - window), seq_len) where window <= 0
    means no sliding window. Softmax is exact (max-subtracted, two passes over the scores). */
+
+/* a*b+c as one FMA in this file (cpu_ops.c keeps torch's separate roundings) */
+#pragma GCC optimize("fp-contract=fast")
 
 #include <math.h>
 #include <stdint.h>
@@ -62,7 +65,8 @@ static void softmax_rows(float *scores, int64_t num_heads, int64_t span, float *
    AVX2 registers elsewhere). The scalar path's dot products end in a sequential 16-lane
    horizontal sum per score, which cost more than the memory traffic; here 16 tokens' partial
    sums are reduced together by a shuffle tree, and the output accumulators stay in
-   registers across a block's tokens. */
+   registers across a block's tokens. No software prefetch: with this little work per byte
+   the hardware prefetchers keep up, and the prefetch loops cost more than they saved. */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));  /* any address */
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -125,14 +129,9 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
         const float *block_k = k_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *next_k = b < last_block
-            ? k_cache + (int64_t)table[b + 1] * block_size * token_stride : block_k;
         for (int64_t c = lo; c < hi; c += 16) {
             const int64_t n = hi - c < 16 ? hi - c : 16;
             const int64_t t0 = b * block_size + c - first;
-            for (int64_t i = 0; i < n; ++i)
-                for (int64_t line = 0; line < token_stride; line += 16)
-                    __builtin_prefetch(next_k + (c + i) * token_stride + line, 0, 1);
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float *k_head = block_k + c * token_stride + (h / group) * head_dim;
                 f32x16 qv[MAX_VECS];
@@ -175,11 +174,6 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
         const float *block_v = v_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *next_v = b < last_block
-            ? v_cache + (int64_t)table[b + 1] * block_size * token_stride : block_v;
-        for (int64_t off = lo; off < hi; ++off)
-            for (int64_t line = 0; line < token_stride; line += 16)
-                __builtin_prefetch(next_v + off * token_stride + line, 0, 1);
         const int64_t t0 = b * block_size - first;
         for (int64_t h = 0; h < num_heads; ++h) {
             const float *v_head = block_v + (h / group) * head_dim;
