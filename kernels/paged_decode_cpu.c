@@ -18,7 +18,8 @@
    thread pool and torch.set_num_threads() applies here too.
 
    Layouts (contiguous):
-     q, out        [rows_total, num_heads, head_dim]     a request's query is row q_rows[r]
+     q, out        [rows_total, num_heads, head_dim]     a request's query is row q_rows[r];
+                   q's rows may be q_token_stride floats apart (a view into the qkv rows)
      k/v cache     [num_blocks, block_size, num_kv_heads, head_dim]
      block_tables  [num_requests_in_table, table_stride]  int32; a request uses row table_rows[r]
    Positions attended by request r: [max(0, seq_len - window), seq_len) where window <= 0
@@ -264,7 +265,8 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
-int shoal_paged_decode_f32(const float *q, float *out, const float *k_cache,
+int shoal_paged_decode_f32(const float *q, int64_t q_token_stride, float *out,
+                           const float *k_cache,
                            const float *v_cache, const int32_t *block_tables,
                            int64_t table_stride, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *seq_lens,
@@ -285,19 +287,20 @@ int shoal_paged_decode_f32(const float *q, float *out, const float *k_cache,
             if (scores == NULL || acc == NULL) continue;
             const int64_t seq_len = seq_lens[r];
             const int64_t first = window > 0 && seq_len > window ? seq_len - window : 0;
+            const float *q_row = q + q_rows[r] * q_token_stride;
             const int64_t row = q_rows[r] * num_heads * head_dim;
             const int32_t *table = block_tables + table_rows[r] * table_stride;
             if (head_dim == 64)
-                attend_one_vec(q + row, out + row, k_cache, v_cache, table, first, seq_len,
+                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
                                num_heads, num_kv_heads, 64, block_size, scale, scores);
             else if (head_dim == 128)
-                attend_one_vec(q + row, out + row, k_cache, v_cache, table, first, seq_len,
+                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
                                num_heads, num_kv_heads, 128, block_size, scale, scores);
             else if (head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS)
-                attend_one_vec(q + row, out + row, k_cache, v_cache, table, first, seq_len,
+                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
                                num_heads, num_kv_heads, head_dim, block_size, scale, scores);
             else
-                attend_one(q + row, out + row, k_cache, v_cache, table, first, seq_len,
+                attend_one(q_row, out + row, k_cache, v_cache, table, first, seq_len,
                            num_heads, num_kv_heads, head_dim, block_size, scale, scores, acc);
         }
         free(scores);

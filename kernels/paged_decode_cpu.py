@@ -26,10 +26,13 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
     ``seq_lens[r]`` cached positions (the last ``sliding_window`` of them, if set), read
     through ``block_tables[table_rows[r]]``. Other rows of ``out`` are left untouched.
 
-    q/out ``[T, Hq, D]``; caches ``[blocks, block_size, Hk, D]``; all float32, contiguous.
+    q/out ``[T, Hq, D]``; caches ``[blocks, block_size, Hk, D]``; all float32, contiguous,
+    except that q's tokens may be further apart than ``Hq * D`` (a view into the qkv rows).
     The caller guarantees indices are in range (they come from the engine's own plan)."""
-    for name, t in (("q", q), ("out", out)):
-        _check(name, t, torch.float32, 3)
+    _check("q", q, torch.float32, 3, rows_only=True)
+    if q.stride(1) != q.shape[2]:
+        raise ValueError(f"q's heads must be contiguous within a token, strides {q.stride()}")
+    _check("out", out, torch.float32, 3)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check(name, t, torch.float32, 4)
     _check("block_tables", block_tables, torch.int32, 2, rows_only=True)
@@ -49,7 +52,7 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
     if count == 0:
         return
     failed = load().shoal_paged_decode_f32(
-        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), q_rows.data_ptr(),
         table_rows.data_ptr(), seq_lens.data_ptr(), count, num_heads, num_kv_heads, head_dim,
         block_size, scale, sliding_window or 0)

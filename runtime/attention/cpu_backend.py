@@ -63,8 +63,7 @@ class CpuAttentionBackend:
             plan = self.build_metadata(meta).extra
             assert isinstance(plan, CpuAttentionPlan)
         write_kv(k, v, k_cache, v_cache, meta)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows
         paged_decode_cpu.paged_decode_attention(
             q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
             plan.seq_lens, scale, sliding_window)

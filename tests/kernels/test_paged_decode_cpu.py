@@ -63,6 +63,25 @@ def test_kernel_writes_only_the_named_rows_through_the_named_table_rows(rng, pag
     assert out[[0, 2, 3]].abs().sum() == 0  # rows not named are untouched
 
 
+def test_kernel_reads_q_as_a_view_into_wider_qkv_rows(rng, paged_batch):
+    batch = paged_batch(rng, [(40, 1), (7, 1), (16, 1)], 16, 2, 64)
+    q, rows = _decode_inputs(batch, 4, 64, rng)
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 64, generator=rng)], dim=1)
+    q_view = qkv[:, :4 * 64].view(-1, 4, 64)
+    assert not q_view.is_contiguous()
+    out_view, out = torch.empty_like(q), torch.empty_like(q)
+    for query, result in ((q_view, out_view), (q, out)):
+        paged_decode_cpu.paged_decode_attention(query, result, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, rows, rows, batch.seq_lens,
+                                                0.125)
+    assert torch.equal(out_view, out)
+    with pytest.raises(ValueError, match="heads must be contiguous"):
+        paged_decode_cpu.paged_decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1),
+                                                out, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, rows, rows, batch.seq_lens,
+                                                0.125)
+
+
 def test_kernel_refuses_tensors_it_cannot_read(rng, paged_batch):
     batch = paged_batch(rng, [(3, 1)], 4, 1, 8)
     q, rows = _decode_inputs(batch, 2, 8, rng)
