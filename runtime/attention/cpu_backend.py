@@ -17,8 +17,9 @@ from shoal.kernels import native_cpu, paged_decode_cpu
 from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
-    prefill_attention,
+    attend_prefills,
     prefill_spans,
+    step_plan,
     write_kv,
 )
 
@@ -58,16 +59,12 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
-        plan = meta.extra
-        if not isinstance(plan, CpuAttentionPlan):
-            plan = self.build_metadata(meta).extra
-            assert isinstance(plan, CpuAttentionPlan)
+        plan = step_plan(self, meta, CpuAttentionPlan)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows
         paged_decode_cpu.paged_decode_attention(
             q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
             plan.seq_lens, scale, sliding_window)
-        for p in plan.prefills:
-            out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
-                                                   sliding_window)
+        attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
+                        sliding_window)
         return out

@@ -19,10 +19,13 @@ memory (even NaN) is never read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
-from shoal.runtime.attention.backend import AttentionMetadata
+from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+
+PlanT = TypeVar("PlanT")
 
 # a decode chunk gathers at most this many context tokens (rows x padded length)
 _DECODE_CHUNK_TOKENS = 1 << 16
@@ -85,19 +88,15 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
-        plan = meta.extra
-        if not isinstance(plan, TorchAttentionPlan):
-            plan = self.build_metadata(meta).extra
-            assert isinstance(plan, TorchAttentionPlan)
+        plan = step_plan(self, meta, TorchAttentionPlan)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
             result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
                                   scale, sliding_window)
             out.index_copy_(0, chunk.token_idx, result)
-        for p in plan.prefills:
-            out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
-                                                   sliding_window)
+        attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
+                        sliding_window)
         return out
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +125,23 @@ class TorchAttentionBackend:
         scores.masked_fill_(invalid, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def step_plan(backend: AttentionBackend, meta: AttentionMetadata, kind: type[PlanT]) -> PlanT:
+    """The backend's plan for this step: built once per step by the model runner (shared by
+    every layer), or here for a caller that skipped ``build_metadata``."""
+    plan = meta.extra if isinstance(meta.extra, kind) else backend.build_metadata(meta).extra
+    assert isinstance(plan, kind)
+    return plan
+
+
+def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    spans: list[PrefillSpan], scale: float, sliding_window: int | None) -> None:
+    """Each prefill chunk's attention into its rows of ``out``."""
+    for p in spans:
+        out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
+                                               sliding_window)
 
 
 def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
