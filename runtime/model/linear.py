@@ -199,3 +199,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.parallel.world_size > 1:
             logits = self.parallel.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits
+
+
+def use_input_major_weights(model: nn.Module) -> int:
+    """On CPU: re-store every linear weight ``[out, in]`` as the transpose of a contiguous
+    ``[in, out]`` tensor (same values, same shape, no extra memory). ``F.linear`` then runs an
+    NN matmul, which packs less per call than the NT one: 2x faster at 16 rows here, equal or
+    a few percent faster at larger row counts, bit-identical results. A tied LM head keeps
+    the embedding's row-major layout (lookups read rows). Returns the matrices converted."""
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+            and not isinstance(m, ParallelLMHead)}
+    converted = 0
+    for module in model.modules():
+        if not isinstance(module, (ReplicatedLinear, ColumnParallelLinear, QKVParallelLinear,
+                                   RowParallelLinear, ParallelLMHead)):
+            continue
+        if id(module.weight) in tied or module.weight.device.type != "cpu":
+            continue
+        module.weight = nn.Parameter(module.weight.data.t().contiguous().t(),
+                                     requires_grad=False)
+        converted += 1
+    return converted

@@ -124,3 +124,27 @@ def test_missing_model_directory_names_the_path(tmp_path, engine_config):
     worker = Worker(engine_config(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="nowhere"):
         worker.load_model()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cpu_linear_weights_are_stored_input_major_with_the_same_results(
+        arch, tiny_model_dirs, load_worker):
+    from shoal.runtime.model.linear import use_input_major_weights
+
+    worker = load_worker(tiny_model_dirs[arch])
+    model = worker.runner.model
+    linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
+               and m is not model.model.embed_tokens]
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for module in linears:
+        row_major = module is model.lm_head and tied  # a tied head is the embedding table
+        assert module.weight.t().is_contiguous() != row_major, type(module).__name__
+    assert model.model.embed_tokens.weight.is_contiguous()  # lookups read rows
+
+    x = torch.randn(5, model.config.hidden_size)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    before = qkv(x)
+    qkv.weight = torch.nn.Parameter(qkv.weight.contiguous(), requires_grad=False)
+    assert torch.equal(qkv(x), before)  # the layout changes the kernel, not the numbers
+    assert use_input_major_weights(model) == sum(
+        1 for m in linears if not (m is model.lm_head and tied))
