@@ -35,7 +35,8 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [T, 1,
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str):
+                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
+                 native_cpu: bool = False):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
@@ -51,7 +52,7 @@ class Attention(nn.Module):
             if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.native = native_cpu_ops(backend.name == "cpu")  # CPU: rotary in place, one pass
+        self.native = native_cpu_ops(native_cpu)  # CPU: rotary in place, one pass
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.sliding_window
         # CUDA: q/k norm + rotary as one Triton kernel per tensor instead of ~12 small ops
@@ -116,10 +117,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str):
+                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
+                 native: bool = False):
         super().__init__()
-        native = backend.name == "cpu"
-        self.self_attn = Attention(config, parallel, rotary, backend, dtype, device)
+        self.self_attn = Attention(config, parallel, rotary, backend, dtype, device, native)
         self.mlp = MLP(config, parallel, dtype, device, native)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
                                        native)
@@ -150,11 +151,12 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, dtype, device)
         self.rotary = rotary
+        # the native cpu attention backend brings the native position-wise ops along
+        native = backend.name == "cpu"
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel, rotary, backend, dtype, device)
+            DecoderLayer(config, parallel, rotary, backend, dtype, device, native)
             for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
-                            backend.name == "cpu")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, native)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

@@ -217,7 +217,6 @@ def use_input_major_weights(model: nn.Module) -> int:
         weight = module.weight
         if id(weight) in tied or weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue  # measured for float32 only
-        module.weight = nn.Parameter(module.weight.data.t().contiguous().t(),
-                                     requires_grad=False)
+        module.weight = nn.Parameter(weight.data.t().contiguous().t(), requires_grad=False)
         converted += 1
     return converted
