@@ -7,14 +7,36 @@ import torch
 from shoal.kernels.native_cpu import load
 
 
-def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, dims: int,
-           rows_only: bool = False) -> None:
+def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, dims: int,
+                 rows_only: bool = False) -> None:
     """Device, type and rank; contiguous, or (``rows_only``) each row contiguous."""
     if tensor.device.type != "cpu" or tensor.dtype != dtype or tensor.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-d {dtype} CPU tensor, got "
                          f"{tensor.dim()}-d {tensor.dtype} on {tensor.device}")
     if not (tensor.stride(-1) == 1 if rows_only else tensor.is_contiguous()):
         raise ValueError(f"{name} must be contiguous")
+
+
+def check_paged_layout(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor,
+                       block_tables: torch.Tensor) -> tuple[int, int, int, int]:
+    """The layouts the paged CPU kernels read (q's tokens may be a view into wider rows);
+    returns (num_heads, head_dim, block_size, num_kv_heads)."""
+    check_tensor("q", q, torch.float32, 3, rows_only=True)
+    if q.stride(1) != q.shape[2]:
+        raise ValueError(f"q's heads must be contiguous within a token, strides {q.stride()}")
+    check_tensor("out", out, torch.float32, 3)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, torch.float32, 4)
+    check_tensor("block_tables", block_tables, torch.int32, 2, rows_only=True)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    return num_heads, head_dim, block_size, num_kv_heads
 
 
 def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
@@ -29,23 +51,11 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
     q/out ``[T, Hq, D]``; caches ``[blocks, block_size, Hk, D]``; all float32, contiguous,
     except that q's tokens may be further apart than ``Hq * D`` (a view into the qkv rows).
     The caller guarantees indices are in range (they come from the engine's own plan)."""
-    _check("q", q, torch.float32, 3, rows_only=True)
-    if q.stride(1) != q.shape[2]:
-        raise ValueError(f"q's heads must be contiguous within a token, strides {q.stride()}")
-    _check("out", out, torch.float32, 3)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(name, t, torch.float32, 4)
-    _check("block_tables", block_tables, torch.int32, 2, rows_only=True)
-    _check("q_rows", q_rows, torch.int64, 1)
-    _check("table_rows", table_rows, torch.int64, 1)
-    _check("seq_lens", seq_lens, torch.int32, 1)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    num_heads, head_dim, block_size, num_kv_heads = check_paged_layout(
+        q, out, k_cache, v_cache, block_tables)
+    check_tensor("q_rows", q_rows, torch.int64, 1)
+    check_tensor("table_rows", table_rows, torch.int64, 1)
+    check_tensor("seq_lens", seq_lens, torch.int32, 1)
     count = q_rows.numel()
     if table_rows.numel() != count or seq_lens.numel() != count:
         raise ValueError("q_rows, table_rows and seq_lens must have one entry per request")

@@ -1,11 +1,14 @@
-"""CPU attention: decode rows through the native kernel, prefill chunks through torch SDPA.
+"""CPU attention: decode rows and prefill chunks through the native kernels, K/V in place.
 
 On a CPU, decode attention is bound by memory traffic over the KV cache. The torch reference
 backend gathers each request's pages into a dense buffer and reads it again; the native
 kernel (``shoal.kernels.paged_decode_cpu``) reads every K/V row once, in place. Prefill
-chunks are compute-bound and already run as matmuls in SDPA, so they share the torch
-backend's code. float32 only (the kernel's type); ``auto`` picks this backend on CPU when the
-kernel builds here and the model runs in float32, else the torch backend.
+chunks are compute-bound: torch's SDPA computes a causal prompt at the cost of a full one
+and needs a chunk's cached prefix gathered and masked, so ``shoal.kernels.paged_prefill_cpu``
+computes only the tiles at or below the diagonal, reading the pages in place (head sizes
+that are multiples of 16; others go through the torch backend's SDPA path). float32 only
+(the kernels' type); ``auto`` picks this backend on CPU when the kernels build here and the
+model runs in float32, else the torch backend.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shoal.kernels import native_cpu, paged_decode_cpu
+from shoal.kernels import native_cpu, paged_decode_cpu, paged_prefill_cpu
 from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
@@ -23,6 +26,8 @@ from shoal.runtime.attention.torch_backend import (
     write_kv,
 )
 
+_NO_SPANS = paged_prefill_cpu.prefill_spans_tensor([])
+
 
 @dataclass
 class CpuAttentionPlan:
@@ -30,6 +35,7 @@ class CpuAttentionPlan:
     table_rows: torch.Tensor  # int64 [Bd]: their requests' rows of the block table
     seq_lens: torch.Tensor  # int32 [Bd]
     prefills: list[PrefillSpan]
+    prefill_spans: torch.Tensor  # int64 [P, 4]: the same chunks, for the native kernel
 
 
 class CpuAttentionBackend:
@@ -46,14 +52,18 @@ class CpuAttentionBackend:
         num_reqs = meta.num_reqs
         if meta.is_pure_decode:
             rows = torch.arange(num_reqs, dtype=torch.long)
-            meta.extra = CpuAttentionPlan(rows, rows, meta.seq_lens.to(torch.int32), [])
+            meta.extra = CpuAttentionPlan(rows, rows, meta.seq_lens.to(torch.int32), [],
+                                          _NO_SPANS)
             return meta
         decode = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
+        prefills = prefill_spans(meta)
         meta.extra = CpuAttentionPlan(
             q_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long),
             table_rows=torch.tensor(decode, dtype=torch.long),
             seq_lens=torch.tensor([meta.seq_lens_cpu[i] for i in decode], dtype=torch.int32),
-            prefills=prefill_spans(meta))
+            prefills=prefills,
+            prefill_spans=paged_prefill_cpu.prefill_spans_tensor(
+                [(p.start, p.end - p.start, p.row, p.seq_len) for p in prefills]))
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -65,6 +75,11 @@ class CpuAttentionBackend:
         paged_decode_cpu.paged_decode_attention(
             q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
             plan.seq_lens, scale, sliding_window)
-        attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                        sliding_window)
+        if plan.prefills and paged_prefill_cpu.supports_head_dim(q.shape[2]):
+            paged_prefill_cpu.paged_prefill_attention(
+                q, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
+                sliding_window)
+        else:  # no prefill rows (a no-op), or a head size the native kernel does not take
+            attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
+                            sliding_window)
         return out
