@@ -15,8 +15,8 @@
    alpha = exp(m_old - m_new)) is lane-wise as well. Keys are addressed one by one through
    the block table, so any block size works.
 
-   Tiles are spread over OpenMP threads (torch's pool: see paged_decode_cpu.c), the most
-   expensive (last rows of the longest chunks) first.
+   Tiles are handed out to OpenMP threads (torch's pool: see paged_decode_cpu.c) one at a
+   time, each span's last rows (the most keys) first.
 
    Layouts (contiguous unless said):
      q             [rows_total, num_heads, head_dim]; tokens q_token_stride floats apart
@@ -208,7 +208,7 @@ int shoal_paged_prefill_f32(const float *q, int64_t q_token_stride, float *out,
     int64_t n = 0;
     for (int64_t s = 0; s < count; ++s) {
         const int64_t row_tiles = (spans[4 * s + 1] * group + LANES - 1) / LANES;
-        for (int64_t t = row_tiles - 1; t >= 0; --t)  /* the longest rows first */
+        for (int64_t t = row_tiles - 1; t >= 0; --t)  /* the rows with the most keys first */
             for (int64_t h = 0; h < num_kv_heads; ++h)
                 tiles[n++] = (Tile){s, h, t * LANES};
     }
