@@ -43,6 +43,18 @@ class PagedBatch:
     def max_query_len(self) -> int:
         return int((self.query_start_loc[1:] - self.query_start_loc[:-1]).max())
 
+    def metadata(self):
+        """The step's ``AttentionMetadata``, as the model runner builds it."""
+        from shoal.runtime.attention.backend import AttentionMetadata
+
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_tables=self.block_tables, slot_mapping=self.slot_mapping,
+            max_query_len=self.max_query_len, max_seq_len=int(self.seq_lens.max()),
+            block_size=self.k_cache.shape[1],
+            query_start_loc_cpu=self.query_start_loc.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist())
+
 
 def build_paged_batch(
     rng: torch.Generator,

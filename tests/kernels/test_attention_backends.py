@@ -5,24 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
-from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.flashinfer_backend import paged_kv_csr
 from shoal.runtime.attention.triton_backend import TritonAttentionBackend
-
-
-def _metadata(batch) -> AttentionMetadata:
-    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    return AttentionMetadata(
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        slot_mapping=batch.slot_mapping,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(batch.seq_lens.max()),
-        block_size=batch.k_cache.shape[1],
-        query_start_loc_cpu=batch.query_start_loc.tolist(),
-        seq_lens_cpu=batch.seq_lens.tolist(),
-    )
 
 
 def test_triton_backend_writes_kv_then_attends_like_the_reference(rng, paged_batch):
@@ -33,7 +17,7 @@ def test_triton_backend_writes_kv_then_attends_like_the_reference(rng, paged_bat
     v = torch.randn(batch.num_tokens, 2, 8, generator=rng)
     backend = TritonAttentionBackend()
 
-    meta = backend.build_metadata(_metadata(batch))
+    meta = backend.build_metadata(batch.metadata())
     out = backend.forward(q, k, v, batch.k_cache, batch.v_cache, meta, scale=0.3, sliding_window=5)
 
     reshape_and_cache_ref(k, v, k_ref, v_ref, batch.slot_mapping)

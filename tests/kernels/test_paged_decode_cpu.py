@@ -11,7 +11,6 @@ import pytest
 import torch
 from shoal.kernels import paged_decode_cpu
 from shoal.kernels.reference import paged_attention_ref
-from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.backend_choice import choose_attention_backend
 from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
 from shoal.runtime.attention.selector import get_attention_backend
@@ -99,15 +98,6 @@ def test_kernel_refuses_tensors_it_cannot_read(rng, paged_batch):
                                                 batch.seq_lens, 1.0)
 
 
-def _metadata(batch) -> AttentionMetadata:
-    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    return AttentionMetadata(
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-        max_query_len=int(query_lens.max()), max_seq_len=int(batch.seq_lens.max()),
-        block_size=batch.k_cache.shape[1], query_start_loc_cpu=batch.query_start_loc.tolist(),
-        seq_lens_cpu=batch.seq_lens.tolist())
-
 
 @pytest.mark.parametrize("requests", [
     [(30, 1), (0, 7), (12, 5), (3, 1), (64, 1)],  # decodes mixed with prefill chunks
@@ -123,7 +113,7 @@ def test_cpu_backend_equals_the_torch_backend_on_a_step(rng, paged_batch, reques
     outputs = []
     for backend, (k_cache, v_cache) in zip((CpuAttentionBackend(), TorchAttentionBackend()),
                                            caches, strict=True):
-        meta = backend.build_metadata(_metadata(batch))
+        meta = backend.build_metadata(batch.metadata())
         outputs.append(backend.forward(q, k, v, k_cache, v_cache, meta, 0.25, window))
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0)
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from shoal.kernels import paged_prefill_cpu
 from shoal.kernels.reference import paged_attention_ref
-from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
 from shoal.runtime.attention.torch_backend import TorchAttentionBackend
 
@@ -103,15 +102,30 @@ def test_cpu_backend_equals_the_torch_backend_on_prefill_chunks(rng, paged_batch
     q = torch.randn(tokens, 4, head_dim, generator=rng)
     k = torch.randn(tokens, 2, head_dim, generator=rng)
     v = torch.randn(tokens, 2, head_dim, generator=rng)
-    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
     outputs = []
     for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
-        meta = backend.build_metadata(AttentionMetadata(
-            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-            block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-            max_query_len=int(query_lens.max()), max_seq_len=int(batch.seq_lens.max()),
-            block_size=8, query_start_loc_cpu=batch.query_start_loc.tolist(),
-            seq_lens_cpu=batch.seq_lens.tolist()))
+        meta = backend.build_metadata(batch.metadata())
         outputs.append(backend.forward(q, k, v, batch.k_cache.clone(), batch.v_cache.clone(),
                                        meta, 0.2))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "native"), [(32, True), (24, False)])
+def test_cpu_backend_sends_prefill_chunks_to_the_native_kernel_where_it_applies(
+        rng, paged_batch, monkeypatch, head_dim, native):
+    import shoal.runtime.attention.cpu_backend as cpu_backend
+
+    calls: list[str] = []
+    native_call = cpu_backend.paged_prefill_cpu.paged_prefill_attention
+    sdpa_call = cpu_backend.attend_prefills
+    monkeypatch.setattr(cpu_backend.paged_prefill_cpu, "paged_prefill_attention",
+                        lambda *a, **k: calls.append("native") or native_call(*a, **k))
+    monkeypatch.setattr(cpu_backend, "attend_prefills",
+                        lambda *a, **k: calls.append("sdpa") or sdpa_call(*a, **k))
+    batch = paged_batch(rng, [(0, 9), (4, 1)], 8, 1, head_dim)
+    q = torch.randn(batch.num_tokens, 2, head_dim, generator=rng)
+    kv = torch.randn(batch.num_tokens, 1, head_dim, generator=rng)
+    backend = CpuAttentionBackend()
+    meta = backend.build_metadata(batch.metadata())
+    backend.forward(q, kv, kv, batch.k_cache, batch.v_cache, meta, 0.2)
+    assert calls == (["native"] if native else ["sdpa"])
