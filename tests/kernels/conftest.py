@@ -98,6 +98,19 @@ def paged_batch():
     return build_paged_batch
 
 
+@pytest.fixture
+def q_in_qkv_rows():
+    """``q [T, H, D]`` as the first columns of wider fused qkv rows: equal values, a
+    non-contiguous view, as the model hands q to attention."""
+    def make(q: torch.Tensor, num_kv_heads: int, rng: torch.Generator) -> torch.Tensor:
+        tokens, heads, head_dim = q.shape
+        kv = torch.randn(tokens, 2 * num_kv_heads * head_dim, generator=rng)
+        view = torch.cat([q.flatten(1), kv], dim=1)[:, :heads * head_dim].view(q.shape)
+        assert not view.is_contiguous()
+        return view
+    return make
+
+
 class ContinuousBatch:
     """A minimal continuous-batching driver for a Worker (no engine core needed).
 

@@ -62,12 +62,10 @@ def test_kernel_writes_only_the_named_rows_through_the_named_table_rows(rng, pag
     assert out[[0, 2, 3]].abs().sum() == 0  # rows not named are untouched
 
 
-def test_kernel_reads_q_as_a_view_into_wider_qkv_rows(rng, paged_batch):
+def test_kernel_reads_q_as_a_view_into_wider_qkv_rows(rng, paged_batch, q_in_qkv_rows):
     batch = paged_batch(rng, [(40, 1), (7, 1), (16, 1)], 16, 2, 64)
     q, rows = _decode_inputs(batch, 4, 64, rng)
-    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 64, generator=rng)], dim=1)
-    q_view = qkv[:, :4 * 64].view(-1, 4, 64)
-    assert not q_view.is_contiguous()
+    q_view = q_in_qkv_rows(q, 2, rng)
     out_view, out = torch.empty_like(q), torch.empty_like(q)
     for query, result in ((q_view, out_view), (q, out)):
         paged_decode_cpu.paged_decode_attention(query, result, batch.k_cache, batch.v_cache,

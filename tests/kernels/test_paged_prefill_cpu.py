@@ -63,12 +63,10 @@ def test_kernel_writes_only_the_spans_rows(rng, paged_batch):
     assert out[20].abs().sum() == 0
 
 
-def test_kernel_reads_q_as_a_view_into_wider_qkv_rows(rng, paged_batch):
+def test_kernel_reads_q_as_a_view_into_wider_qkv_rows(rng, paged_batch, q_in_qkv_rows):
     batch = paged_batch(rng, [(0, 40), (16, 20)], 16, 2, 64)
     q = torch.randn(batch.num_tokens, 4, 64, generator=rng)
-    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 64, generator=rng)], dim=1)
-    q_view = qkv[:, :4 * 64].view(-1, 4, 64)
-    assert not q_view.is_contiguous()
+    q_view = q_in_qkv_rows(q, 2, rng)
     out_view, out = torch.empty_like(q), torch.empty_like(q)
     for query, result in ((q_view, out_view), (q, out)):
         paged_prefill_cpu.paged_prefill_attention(query, result, batch.k_cache, batch.v_cache,
