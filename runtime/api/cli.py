@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton", "flashinfer"],
-                   help="cpu: native C kernels for decode attention and the position-wise ops "
-                   "(auto's pick on CPU for float32); torch: the plain-torch reference path")
+                   help="cpu: native C kernels for attention (decode and prefill) and the position-wise "
+                   "ops (auto's pick on CPU for float32); torch: the plain-torch reference path")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20)

@@ -74,7 +74,7 @@ def triton_interpreted() -> bool:
 
 
 def cpu_kernel_status() -> str | None:
-    """None when the native CPU decode kernel builds and loads here, else why not."""
+    """None when the native CPU kernels' library builds and loads here, else why not."""
     from shoal.kernels.native_cpu import unavailable_reason
 
     return unavailable_reason()

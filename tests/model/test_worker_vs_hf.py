@@ -1,6 +1,6 @@
 """The Worker's forward pass (paged KV, flat mixed batches) against HF transformers: through
-the plain-torch path, and through the native CPU kernels (the ``cpu`` backend: decode
-attention, RMSNorm + residual, SiLU-and-mul, rotary)."""
+the plain-torch path, and through the native CPU kernels (the ``cpu`` backend: decode and
+prefill attention, RMSNorm + residual, SiLU-and-mul, rotary)."""
 
 from __future__ import annotations
 

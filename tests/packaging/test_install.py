@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from shoal.kernels import native_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +31,8 @@ def test_wheel_contains_only_namespaced_packages(wheel: Path) -> None:
     assert {n for n in top_level if not n.endswith(".dist-info")} == {"shoal"}
     for package in ("runtime", "operator", "kernels"):
         assert f"shoal/{package}/__init__.py" in names
-    for source in ("paged_decode_cpu.c", "cpu_ops.c"):  # compiled on first use
-        assert f"shoal/kernels/{source}" in names
+    for source in native_cpu.SOURCES:  # compiled on first use
+        assert f"shoal/kernels/{source.name}" in names
 
 
 def test_wheel_install_imports_namespaced_and_keeps_stdlib_operator(
