@@ -72,7 +72,7 @@ def test_silu_and_mul_matches_torch(rows, size):
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_rotary_in_place_equals_the_torch_rotation_bit_for_bit():
+def test_rotary_in_place_equals_the_torch_rotation():
     tokens, q_heads, kv_heads, head_dim = 9, 4, 2, 32
     rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32, "cpu")
     cos, sin = rotary.cos_sin(torch.randint(0, 64, (tokens,)))
@@ -86,7 +86,9 @@ def test_rotary_in_place_equals_the_torch_rotation_bit_for_bit():
     both = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
     cpu_ops.rotary_neox_(both, cos[:, 0], sin[:, 0])
 
-    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    # a compiler may contract x*cos - y*sin into an FMA on one CPU and not another
+    torch.testing.assert_close(q, expected_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, expected_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 

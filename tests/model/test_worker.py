@@ -145,6 +145,8 @@ def test_cpu_linear_weights_are_stored_input_major_with_the_same_results(
     qkv = model.model.layers[0].self_attn.qkv_proj
     before = qkv(x)
     qkv.weight = torch.nn.Parameter(qkv.weight.contiguous(), requires_grad=False)
-    assert torch.equal(qkv(x), before)  # the layout changes the kernel, not the numbers
+    # The layout changes which GEMM kernel runs, so the sums may round differently on another
+    # CPU: equal to float32 tolerance, not bit for bit.
+    torch.testing.assert_close(qkv(x), before, rtol=1e-5, atol=1e-5)
     assert use_input_major_weights(model) == sum(
         1 for m in linears if not (m is model.lm_head and tied))
