@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[dev,operator,kernels]' $(TORCH)
+	$(PY) -m shoal.kernels.native_cpu --build  # compile now, not on the first serve
 	touch $(STAMP)
 
 serve: setup

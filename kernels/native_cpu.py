@@ -1,4 +1,4 @@
-"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``): built on first use, via ctypes.
+"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``): prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
 compiled on the machine that runs it (``-march=native``) and cached under
@@ -6,6 +6,12 @@ compiled on the machine that runs it (``-march=native``) and cached under
 flags, the compiler and the CPU, then renamed into place atomically so concurrent processes
 never load a half-written library. Where no compiler exists, ``load()`` raises
 ``KernelUnavailable`` saying why, and callers fall back to the pure-torch path.
+
+``make setup`` (and an image build) prebuilds it into the same cache with
+``python -m shoal.kernels.native_cpu --build``, so a first ``shoal serve`` does not pay the
+compile (100-120 s for the prefill kernel on a loaded 2-core machine). A process on another CPU
+(or with another compiler) computes another key, so it builds its own or falls back; it never
+loads a library tuned for a different CPU.
 
 torch is imported before the library is loaded, so the library's OpenMP runtime resolves to
 the one torch already loaded: one thread pool, sized by ``torch.set_num_threads``.
@@ -20,6 +26,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,15 +78,21 @@ def _compiler() -> str:
     return compiler
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the library (or find it already compiled); returns its path."""
+def library_path(compiler: str | None = None) -> Path:
+    """Where the library for these sources, flags, compiler and CPU lives in the cache."""
     compiler = compiler or _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False, timeout=60).stdout
     sources = [source.read_text() for source in SOURCES]
     key = hashlib.sha256("\0".join([*sources, *FLAGS, version, _cpu_signature()])
                          .encode()).hexdigest()[:20]
-    target = _cache_dir() / f"shoal_cpu-{key}.so"
+    return _cache_dir() / f"shoal_cpu-{key}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the library (or find it already compiled); returns its path."""
+    compiler = compiler or _compiler()
+    target = library_path(compiler)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,3 +132,21 @@ def unavailable_reason() -> str | None:
     except KernelUnavailable as exc:
         return str(exc)
     return None
+
+
+def prebuild() -> int:
+    """``python -m shoal.kernels.native_cpu --build``: compile into the cache now (install or
+    image build time). Exit 0 either way: without a compiler the runtime uses the torch path."""
+    try:
+        path = build()
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as exc:
+        print(f"native CPU kernels not prebuilt (the torch path will be used): {exc}")
+        return 0
+    print(f"native CPU kernels: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--build"]:
+        sys.exit("usage: python -m shoal.kernels.native_cpu --build")
+    sys.exit(prebuild())

@@ -6,6 +6,9 @@ views the model passes them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,65 @@ def test_a_build_is_cached_and_reused(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert native_cpu.build() == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial files left
+
+
+@pytest.fixture
+def tiny_sources(tmp_path, monkeypatch):
+    """A one-function C source in place of the real ones: the prebuild logic, not a 100 s
+    compile of the real kernels, is what these tests exercise."""
+    source = tmp_path / "tiny.c"
+    source.write_text("int shoal_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(native_cpu, "SOURCES", (source,))
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "cache"))
+    return source
+
+
+def compiles_during(monkeypatch) -> list[list[str]]:
+    """Records every compiler invocation that is not a ``--version`` query."""
+    calls: list[list[str]] = []
+    real_run = subprocess.run
+
+    def recording_run(cmd, *args, **kwargs):
+        if "--version" not in cmd:
+            calls.append(list(cmd))
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(native_cpu.subprocess, "run", recording_run)
+    return calls
+
+
+def test_the_prebuilt_library_is_used_without_compiling_again(tiny_sources, monkeypatch,
+                                                              capsys):
+    assert native_cpu.prebuild() == 0
+    prebuilt = native_cpu.library_path()
+    assert prebuilt.exists() and str(prebuilt) in capsys.readouterr().out
+    compiles = compiles_during(monkeypatch)
+    assert native_cpu.build() == prebuilt
+    assert compiles == []
+
+
+def test_another_cpu_does_not_load_the_prebuilt_library(tiny_sources, monkeypatch):
+    native_cpu.prebuild()
+    prebuilt = native_cpu.library_path()
+    monkeypatch.setattr(native_cpu, "_cpu_signature", lambda: "model name: another CPU")
+    compiles = compiles_during(monkeypatch)
+    rebuilt = native_cpu.build()  # a compiler is here: rebuilt for this CPU, under its own key
+    assert rebuilt != prebuilt and rebuilt.exists() and prebuilt.exists()
+    assert len(compiles) == 1
+
+    monkeypatch.setattr(native_cpu, "_cpu_signature", lambda: "model name: a third CPU")
+    monkeypatch.setenv("CC", "no-such-compiler-here")  # no compiler: skipped, never the wrong one
+    with pytest.raises(native_cpu.KernelUnavailable, match="no C compiler"):
+        native_cpu.build()
+
+
+def test_the_prebuild_entry_point_without_a_compiler_exits_cleanly(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "SHOAL_CACHE_DIR": str(tmp_path), "CC": "no-such-cc"}
+    done = subprocess.run([sys.executable, "-m", "shoal.kernels.native_cpu", "--build"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "not prebuilt" in done.stdout and "no C compiler" in done.stdout
+    assert not list(tmp_path.rglob("*.so"))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 130])
