@@ -1,5 +1,11 @@
 """Prometheus metrics with vLLM's names under the ``shoal:`` prefix (and ``vllm:`` on request).
 
+``--metrics-compat vllm`` makes an engine pod a model server that Gateway API Inference
+Extension endpoint pickers can score: they read ``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the labels ``block_size`` and
+``num_gpu_blocks`` of the info gauge ``vllm:cache_config_info`` (value 1, as vLLM exports it),
+scraping as often as every 50 ms: a scrape only renders numbers already held here.
+
 Engine-side numbers come from the ``SchedulerStats`` the core attaches to its outputs: the
 gauges are current values, the counters are cumulative in the core, so they are exported by a
 collector that reads the latest stats (no double counting, no drift). Request latencies are
@@ -58,6 +64,7 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.stats = SchedulerStats()
         self.phase_durations: dict[str, float] = {}
+        self.cache_config: tuple[int, int] | None = None  # (block_size, num_gpu_blocks)
 
     def collect(self) -> Iterator:
         s, labels = self.stats, [self.model_name]
@@ -88,6 +95,14 @@ class EngineStatsCollector(Collector):
             for phase, seconds in self.phase_durations.items():
                 phases.add_metric([self.model_name, phase], seconds)
             yield phases
+            info = GaugeMetricFamily(f"{p}:cache_config_info",
+                                     "Information of the KV cache config (value 1); no sample "
+                                     "until the engine has sized its cache",
+                                     labels=["block_size", "num_gpu_blocks"])
+            if self.cache_config is not None:
+                block_size, num_blocks = self.cache_config
+                info.add_metric([str(block_size), str(num_blocks)], 1.0)
+            yield info
 
 
 class ServerMetrics:
@@ -95,6 +110,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.prefixes = ["shoal", *(compat or [])]
         self.registry = CollectorRegistry()
+        self._rendered: bytes | None = None  # the last render while nothing has changed
         self.engine = EngineStatsCollector(self.prefixes, model_name)
         self.registry.register(self.engine)
         self._success = [Counter(f"{p}:request_success", "Requests finished, by reason",
@@ -132,27 +148,38 @@ class ServerMetrics:
                 for p in self.prefixes]
 
     def update_stats(self, stats: SchedulerStats) -> None:
+        self._rendered = None
         self.engine.stats = stats
 
     def set_phase_durations(self, durations: dict[str, float]) -> None:
+        self._rendered = None
         self.engine.phase_durations = dict(durations)
 
+    def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        """Known once the engine has sized its KV cache (after profiling)."""
+        self._rendered = None
+        self.engine.cache_config = (block_size, num_gpu_blocks)
+
     def observe_first_token(self, seconds: float) -> None:
+        self._rendered = None
         for h in self._ttft:
             h.observe(seconds)
 
     def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        self._rendered = None
         for h in self._itl:
             for _ in range(count):
                 h.observe(seconds)
 
     def observe_finished(self, finished_reason: str, e2e_seconds: float) -> None:
+        self._rendered = None
         for c in self._success:
             c.labels(self.model_name, finished_reason).inc()
         for h in self._e2e:
             h.observe(e2e_seconds)
 
     def observe_phases(self, phases: RequestPhases) -> None:
+        self._rendered = None
         for histograms, value in ((self._queue, phases.queue), (self._prefill, phases.prefill),
                                   (self._decode, phases.decode),
                                   (self._inference, phases.inference),
@@ -161,8 +188,13 @@ class ServerMetrics:
                 h.observe(value)
 
     def observe_rejected(self, status: int) -> None:
+        self._rendered = None
         for c in self._rejected:
             c.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text, rendered again only after something changed: pickers scrape
+        every 50 ms, and an idle engine's numbers do not move between scrapes."""
+        if self._rendered is None:
+            self._rendered = generate_latest(self.registry)
+        return self._rendered

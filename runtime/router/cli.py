@@ -60,7 +60,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Route OpenAI requests to engine replicas: prefix-cache affinity with "
                     "bounded load, health-aware, streaming pass-through.")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="listen port (default 8000; 9002 with --epp, the inference "
+                             "extension's ext_proc port)")
+    parser.add_argument("--epp", action="store_true",
+                        help="serve as a Gateway API Inference Extension Endpoint Picker (Envoy "
+                             "ext_proc over gRPC, plus gRPC health) instead of proxying")
+    parser.add_argument("--epp-shed-limit", type=int, default=None, metavar="N",
+                        help="--epp: answer 429 when every ready endpoint has N or more "
+                             "requests open or waiting (default: never shed)")
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="engine base URL, e.g. http://10.0.0.5:8000 (repeatable; "
                              "static discovery)")
@@ -103,12 +111,30 @@ def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
+    if args.epp:
+        return _serve_epp(args)
     try:
         app = build_router(config_from_args(args))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"shoal route: {exc}") from exc
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+    uvicorn.run(app, host=args.host, port=args.port or 8000, log_level="warning", lifespan="on",
                 access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _serve_epp(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from shoal.runtime.router.epp_app import serve_epp
+
+    if args.epp_shed_limit is not None and args.epp_shed_limit < 1:
+        raise SystemExit("shoal route: --epp-shed-limit must be >= 1")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        asyncio.run(serve_epp(config_from_args(args), f"{host}:{args.port or 9002}",
+                              args.epp_shed_limit))
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise SystemExit(f"shoal route --epp: {exc}") from exc
     return 0
 
 
