@@ -42,14 +42,18 @@ async def wait_disconnect(receive: Receive) -> None:
 
 
 async def respond(send: Send, status: int, body: bytes,
-                   content_type: bytes = b"application/json") -> None:
+                   content_type: bytes = b"application/json",
+                   extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()),
+                            *(extra_headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def error_response(send: Send, status: int, message: str) -> None:
+async def error_response(send: Send, status: int, message: str,
+                         retry_after_s: int | None = None) -> None:
     payload = {"error": {"message": message, "type": "router_error", "code": status}}
-    await respond(send, status, json.dumps(payload).encode())
+    extra = [(b"retry-after", str(retry_after_s).encode())] if retry_after_s else None
+    await respond(send, status, json.dumps(payload).encode(), extra_headers=extra)
 

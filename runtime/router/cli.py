@@ -82,6 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="kubernetes: engine port (default: the slice's 'http' port)")
     parser.add_argument("--kube-api", default=None, metavar="URL",
                         help="kubernetes API URL when not running in a pod")
+    parser.add_argument("--hold-timeout", type=float, default=0.0, metavar="SECONDS",
+                        help="scale from zero: hold a request that finds no ready replica "
+                             "up to this long, then 503 with Retry-After (default 0: 503 at "
+                             "once)")
+    parser.add_argument("--hold-queue", type=int, default=256, metavar="N",
+                        help="requests held at most while no replica is ready; more get 503 "
+                             "(default 256)")
+    parser.add_argument("--capacity-request", default="", metavar="NAME",
+                        help="kubernetes: annotate InferenceService NAME (in --namespace) "
+                             "to ask the operator for a replica while requests are held")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     add_router_flags(parser)
@@ -99,7 +109,9 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         chars_per_block=args.chars_per_block, kv_events=args.kv_events,
         kv_events_port=args.kv_events_port, health_interval=args.health_interval,
         scrape_interval=args.scrape_interval, load_factor=args.load_factor,
-        max_attempts=args.max_attempts, approx_capacity=args.approx_capacity)
+        max_attempts=args.max_attempts, approx_capacity=args.approx_capacity,
+        hold_timeout=args.hold_timeout, hold_queue=args.hold_queue,
+        capacity_request=args.capacity_request)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from shoal.runtime.router.asgi import (
     respond,
     wait_disconnect,
 )
+from shoal.runtime.router.hold_queue import CapacityHold
 from shoal.runtime.router.policy import RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
@@ -74,8 +75,10 @@ class RouterApp:
                  settings: ProxySettings = ProxySettings(),
                  tokenizer: PromptTokenizer | None = None,
                  on_startup: Callable[[], Awaitable[None]] | None = None,
-                 on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_shutdown: Callable[[], Awaitable[None]] | None = None,
+                 hold: CapacityHold | None = None) -> None:
         self.pool = pool
+        self.hold = hold  # scale from zero: wait for a replica instead of a 503
         self.policy = policy
         self.session: aiohttp.ClientSession | None = None  # made on startup, inside the loop
         self.settings = settings
@@ -183,6 +186,12 @@ class RouterApp:
         if self.session is None:
             raise RuntimeError("the ASGI lifespan must run before requests")
         query = scope.get("query_string", b"").decode("latin-1")
+        if self.hold is not None and self.hold.enabled:
+            refused = await self.hold.wait_for_replica()
+            if refused is not None:
+                self.metrics.no_replica.inc()
+                await error_response(send, 503, refused.message, refused.retry_after_s)
+                return
         tried: set[str] = set()
         last_error = "no ready replica"
         for attempt in range(self.settings.max_attempts):

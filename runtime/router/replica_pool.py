@@ -56,6 +56,7 @@ class ReplicaPool:
         self.probe_timeout = probe_timeout
         self.replicas: dict[str, Replica] = {}
         self.on_change: list[Callable[[set[str]], None]] = []
+        self.on_ready: list[Callable[[str], None]] = []  # a replica just passed /ready
         self._task: asyncio.Task[None] | None = None
         self._first_check: asyncio.Event = asyncio.Event()
 
@@ -98,12 +99,16 @@ class ReplicaPool:
                 ready = response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             ready = False
+        was_ready = replica.ready
         if ready and not replica.ready:
             log.info("replica %s is ready", replica.url)
         elif not ready and replica.ready:
             replica.ejections += 1
             log.warning("ejected %s: /ready failed", replica.url)
         replica.ready = ready
+        if ready and not was_ready:
+            for callback in self.on_ready:
+                callback(replica.url)
         if ready and scrape:
             try:
                 async with session.get(f"{replica.url}/metrics") as response:

@@ -6,7 +6,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from shoal.runtime.router.capacity_request import CapacityRequester
 from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
+from shoal.runtime.router.hold_queue import CapacityHold, HoldSettings
 from shoal.runtime.router.policy import make_policy
 from shoal.runtime.router.proxy import ProxySettings, RouterApp
 from shoal.runtime.router.replica_pool import ReplicaPool
@@ -35,6 +37,9 @@ class RouterConfig:
     load_factor: float = 1.25
     approx_capacity: int = 50_000  # prefix blocks remembered per replica (approximate mode)
     max_attempts: int = 3
+    hold_timeout: float = 0.0  # scale from zero: seconds a request waits for a ready replica
+    hold_queue: int = 256
+    capacity_request: str = ""  # InferenceService to annotate for capacity (kubernetes)
 
     def validate(self) -> None:
         if self.discovery == "static" and not self.backends:
@@ -47,6 +52,8 @@ class RouterConfig:
             raise ValueError("--approx-capacity must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
+        if self.capacity_request and self.discovery != "kubernetes":
+            raise ValueError("--capacity-request needs --discovery kubernetes")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")
 
@@ -94,5 +101,8 @@ def build_router(config: RouterConfig) -> RouterApp:
 
     settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
         config.block_size, config.chars_per_block, config.model_revision))
-    app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown)
+    ask = (CapacityRequester(discovery, config.capacity_request)
+           if config.capacity_request and isinstance(discovery, KubernetesDiscovery) else None)
+    hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue), ask)
+    app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold)
     return app
