@@ -18,6 +18,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "shoal-operator"
 COMPONENT_ENGINE = "engine"
 COMPONENT_ROUTER = "router"
+COMPONENT_EPP = "epp"  # `shoal route --epp`, the gateway's Endpoint Picker
 
 # Annotation on engine pods: when the operator last recycled a crash-looping pod (and how often).
 ANNOTATION_RECYCLES = f"{GROUP}/recycles"
@@ -27,6 +28,7 @@ ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
+EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "fetch-weights"  # init container that downloads hf:// weights
 FIELD_MANAGER = MANAGER

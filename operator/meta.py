@@ -39,6 +39,10 @@ def router_name(owner: Owner) -> str:
     return f"{owner.name}-router"
 
 
+def epp_name(owner: Owner) -> str:
+    return f"{owner.name}-epp"
+
+
 def cache_claim_name(owner: Owner) -> str:
     return f"{owner.name}-model-cache"
 

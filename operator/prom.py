@@ -14,6 +14,7 @@ class EngineMetrics:
     prefix_cache_queries: float = 0.0  # tokens, cumulative
     prefix_cache_hits: float = 0.0  # tokens, cumulative
     preemptions: float = 0.0
+    finished: float = 0.0  # requests finished, cumulative (any reason): activity for scale to 0
 
 
 _FIELDS = {
@@ -23,6 +24,7 @@ _FIELDS = {
     "shoal:prefix_cache_queries_total": "prefix_cache_queries",
     "shoal:prefix_cache_hits_total": "prefix_cache_hits",
     "shoal:num_preemptions_total": "preemptions",
+    "shoal:request_success_total": "finished",
 }
 
 

@@ -27,7 +27,7 @@ def render_children(owner: Owner, spec: ServiceSpec, engine_replicas: int) -> li
     children.append(render_engine_deployment(owner, spec, engine_replicas))
     children.append(render_pdb(owner))
     if spec.routing.enabled:
-        children += render_router_rbac(owner)
+        children += render_router_rbac(owner, spec)
         children.append(render_router_deployment(owner, spec))
     children.append(render_frontend_service(owner, spec))
     if spec.service_monitor:

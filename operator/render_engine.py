@@ -91,6 +91,8 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     if spec.api_key_secret is not None:
         args += ["--api-key", "$(SHOAL_API_KEY)"]  # expanded by the kubelet from env
     args += ["--shutdown-timeout", str(rt.shutdown_timeout_seconds)]
+    if spec.routing.gateway.inference_pool:  # the metric names inference-gateway pickers read
+        args += ["--metrics-compat", "vllm"]
     return args + list(rt.extra_args)
 
 

@@ -12,6 +12,8 @@ from shoal.operator.constants import (
     COMPONENT_ENGINE,
     COMPONENT_ROUTER,
     ENGINE_PORT,
+    GROUP,
+    PLURAL,
     ROUTER_PORT,
 )
 from shoal.operator.meta import (
@@ -39,7 +41,17 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # The router hashes prompts in the engines' block size, so its cache-affinity index
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),
-    ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else [])
+    ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else []
+         ) + scale_from_zero_args(owner, spec)
+
+
+def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:
+    """minReplicas 0: the router holds requests while no engine is ready and asks for one by
+    annotating this InferenceService (runtime/router/capacity_request.py)."""
+    if spec.autoscaling is None or not spec.autoscaling.scales_to_zero:
+        return []
+    return ["--hold-timeout", str(spec.autoscaling.hold_timeout_seconds),
+            "--capacity-request", owner.name]
 
 
 def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
@@ -102,24 +114,35 @@ def render_frontend_service(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
-def render_router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    name = router_name(owner)
+def render_router_rbac(owner: Owner, spec: ServiceSpec | None = None) -> list[dict[str, Any]]:
+    objects = render_endpointslice_reader_rbac(owner, router_name(owner), COMPONENT_ROUTER)
+    if spec is not None and scale_from_zero_args(owner, spec):
+        # the capacity request: patch this one InferenceService (its annotation), nothing else
+        objects[1]["rules"].append({"apiGroups": [GROUP], "resources": [PLURAL],
+                                    "resourceNames": [owner.name], "verbs": ["get", "patch"]})
+    return objects
+
+
+def render_endpointslice_reader_rbac(owner: Owner, name: str,
+                                     component: str) -> list[dict[str, Any]]:
+    """A ServiceAccount allowed to read EndpointSlices in this namespace only (the router's,
+    the Endpoint Picker's)."""
     account = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+        "metadata": child_metadata(owner, name, component),
     }
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+        "metadata": child_metadata(owner, name, component),
         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                    "verbs": ["get", "list", "watch"]}],
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": child_metadata(owner, name, COMPONENT_ROUTER),
+        "metadata": child_metadata(owner, name, component),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
     }

@@ -60,6 +60,29 @@ class AutoscalingSpec:
     target_kv_cache_usage: float = 0.8
     target_waiting_requests: float = 4.0
     scale_down_delay_seconds: int = 300
+    scale_to_zero_after_seconds: int = 300  # minReplicas 0: idle this long -> 0 replicas
+    hold_timeout_seconds: int = 300  # minReplicas 0: the router holds requests this long
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
+
+
+ENDPOINT_PICKERS = ("shoal", "external")
+FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """spec.routing.gateway: serve through a Gateway API inference gateway (InferencePool)."""
+
+    inference_pool: bool = False
+    endpoint_picker: str = "shoal"  # shoal: the operator runs `shoal route --epp`
+    picker_service: str | None = None  # external: the EPP's Service name ...
+    picker_port: int = 9002  # ... and port
+    failure_mode: str = "FailClose"
+    gateway_name: str | None = None  # the Gateway an HTTPRoute attaches to (None: no route)
+    gateway_namespace: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,7 @@ class RoutingSpec:
     enabled: bool = True
     policy: str = "cache-affinity"
     replicas: int = 1
+    gateway: GatewaySpec = GatewaySpec()
 
 
 @dataclass(frozen=True)
@@ -125,7 +149,12 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
         enabled=rt.boolean("enabled", True),
         policy=rt.string("policy", "cache-affinity", ROUTING_POLICIES) or "cache-affinity",
         replicas=rt.integer("replicas", 1, minimum=1) or 1,
+        gateway=_parse_gateway(rt.sub("gateway")),
     )
+    if autoscaling is not None and autoscaling.scales_to_zero and not routing.enabled:
+        raise SpecError("spec.autoscaling.minReplicas",
+                        "0 needs spec.routing.enabled: the router holds requests while no "
+                        "engine runs and asks for one")
     startup = root.sub("startup").integer("timeoutSeconds", 1800, minimum=30, maximum=86400)
     sch = root.sub("scheduling")
     tolerations = sch.data.get("tolerations") or []
@@ -211,7 +240,27 @@ def _parse_autoscaling(a: SpecReader) -> AutoscalingSpec:
         target_waiting_requests=a.number("targetWaitingRequests", 4.0, 0.0, 1e6, low_open=True)
         or 4.0,
         scale_down_delay_seconds=a.integer("scaleDownDelaySeconds", 300, minimum=0) or 0,
+        scale_to_zero_after_seconds=a.integer("scaleToZeroAfterSeconds", 300, minimum=0) or 0,
+        hold_timeout_seconds=a.integer("holdTimeoutSeconds", 300, minimum=1) or 300,
     )
+
+
+def _parse_gateway(g: SpecReader) -> GatewaySpec:
+    picker = g.string("endpointPicker", "shoal", ENDPOINT_PICKERS) or "shoal"
+    ref, gateway = g.sub("endpointPickerRef"), g.sub("gatewayRef")
+    service = ref.string("name", None)
+    if picker == "external" and g.boolean("inferencePool", False) and not service:
+        raise SpecError("spec.routing.gateway.endpointPickerRef.name",
+                        "is required when endpointPicker is external")
+    gateway_name = gateway.string("name", None)
+    if gateway.data and not gateway_name:
+        raise SpecError("spec.routing.gateway.gatewayRef.name", "is required")
+    return GatewaySpec(
+        inference_pool=g.boolean("inferencePool", False), endpoint_picker=picker,
+        picker_service=service,
+        picker_port=ref.integer("port", 9002, minimum=1, maximum=65535) or 9002,
+        failure_mode=ref.string("failureMode", "FailClose", FAILURE_MODES) or "FailClose",
+        gateway_name=gateway_name, gateway_namespace=gateway.string("namespace", None))
 
 
 def _parse_storage(s: SpecReader) -> StorageSpec:

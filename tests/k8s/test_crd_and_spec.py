@@ -161,6 +161,14 @@ BAD_SPECS = [
     ("startup budget too small", {"startup": {"timeoutSeconds": 5}},
      "spec.startup.timeoutSeconds"),
     ("unknown dtype", {"runtime": {"dtype": "int3"}}, "spec.runtime.dtype"),
+    ("external picker without a ref",
+     {"routing": {"gateway": {"inferencePool": True, "endpointPicker": "external"}}},
+     "spec.routing.gateway.endpointPickerRef"),
+    ("scale to zero without the router",
+     {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "routing": {"enabled": False}},
+     "spec.autoscaling.minReplicas"),
+    ("unknown endpoint picker", {"routing": {"gateway": {"endpointPicker": "envoy"}}},
+     "spec.routing.gateway.endpointPicker"),
 ]
 
 
@@ -182,5 +190,5 @@ def test_every_cel_rule_is_exercised_by_a_bad_spec(cel_rule_messages: set[str],
                                                    admit: Any) -> None:
     produced = {e.split(": ", 1)[1] for _, change, _ in BAD_SPECS
                 for e in admit(with_spec(**change))}
-    assert len(cel_rule_messages) == 4
+    assert len(cel_rule_messages) == 6
     assert cel_rule_messages <= produced, cel_rule_messages - produced

@@ -1,0 +1,155 @@
+"""spec.routing.gateway rendered (pure): the InferencePool and HTTPRoute validate against the
+two CRDs' own v1 schemas (vendored under tests/k8s/data from the upstream repositories, CEL
+rules included), the picker is `shoal route --epp` with the router's flags, the engines
+export the vLLM names, and nothing is rendered unless a pool is asked for."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from shoal.operator.meta import Owner
+from shoal.operator.render import render_children
+from shoal.operator.render_engine import engine_args
+from shoal.operator.render_gateway import render_gateway_children
+from shoal.operator.spec import SpecError, parse_spec
+
+DATA = Path(__file__).parent / "data"
+OWNER = Owner("chat", "serving", "uid-1")
+
+
+def schema(name: str) -> dict[str, Any]:
+    return yaml.safe_load((DATA / name).read_text())
+
+
+def defaults(node: dict[str, Any], value: Any) -> Any:
+    if isinstance(value, dict) and node.get("type") == "object":
+        out = dict(value)
+        for key, sub in (node.get("properties") or {}).items():
+            if key not in out and "default" in sub:
+                out[key] = sub["default"]
+            if key in out:
+                out[key] = defaults(sub, out[key])
+        return out
+    if isinstance(value, list) and "items" in node:
+        return [defaults(node["items"], v) for v in value]
+    return value
+
+
+def cel_errors(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Every x-kubernetes-validations rule on the value's path, arrays element by element."""
+    import celpy
+
+    env, errors = celpy.Environment(), []
+    for rule in node.get("x-kubernetes-validations") or []:
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(value)})):
+            errors.append(f"{path}: {rule['message']}")
+    if isinstance(value, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if key in value:
+                errors += cel_errors(sub, value[key], f"{path}.{key}")
+    if isinstance(value, list) and "items" in node:
+        for i, item in enumerate(value):
+            errors += cel_errors(node["items"], item, f"{path}[{i}]")
+    return errors
+
+
+def admitted(obj: dict[str, Any], vendored: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    assert obj["apiVersion"] == f"{vendored['group']}/{vendored['version']}"
+    assert obj["kind"] == vendored["kind"]
+    root = vendored["openAPIV3Schema"]
+    obj = defaults(root, obj)
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in jsonschema.Draft4Validator(root).iter_errors(obj)]
+    return errors or cel_errors(root, obj)
+
+
+def spec(**gateway: Any) -> Any:
+    return parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                       "routing": {"gateway": gateway}})
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["kind"]: c for c in children}
+
+
+def test_pool_and_route_are_valid_against_their_crds() -> None:
+    children = by_kind(render_gateway_children(OWNER, spec(
+        inferencePool=True, gatewayRef={"name": "inference-gw", "namespace": "gateways"})))
+    pool, route = children["InferencePool"], children["HTTPRoute"]
+    assert admitted(pool, schema("inferencepool.v1.schema.yaml")) == []
+    assert admitted(route, schema("httproute.v1.schema.yaml")) == []
+    assert pool["spec"]["selector"]["matchLabels"] == {
+        "serving.shoal.dev/inference-service": "chat", "serving.shoal.dev/component": "engine"}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "group": "", "kind": "Service", "name": "chat-epp", "port": {"number": 9002},
+        "failureMode": "FailClose"}
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io",
+                                            "kind": "Gateway", "name": "inference-gw",
+                                            "namespace": "gateways"}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{
+        "group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "chat"}]
+    for child in children.values():
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_the_vendored_schemas_reject_what_the_api_server_would() -> None:
+    """The validation above can fail: a broken pool and route are refused."""
+    pool = by_kind(render_gateway_children(OWNER, spec(inferencePool=True)))["InferencePool"]
+    broken = {**pool, "spec": {**pool["spec"], "targetPorts": [{"number": 8000}] * 2}}
+    assert any("unique" in e for e in admitted(broken, schema("inferencepool.v1.schema.yaml")))
+    no_port = {**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "x"}}}
+    assert any("port is required" in e
+               for e in admitted(no_port, schema("inferencepool.v1.schema.yaml")))
+    route = by_kind(render_gateway_children(OWNER, spec(
+        inferencePool=True, gatewayRef={"name": "gw"})))["HTTPRoute"]
+    bad = {**route, "spec": {**route["spec"], "parentRefs": [{"name": ""}]}}
+    assert admitted(bad, schema("httproute.v1.schema.yaml"))
+
+
+def test_shoal_picker_runs_the_router_as_an_epp_with_its_own_account() -> None:
+    children = render_gateway_children(OWNER, spec(inferencePool=True))
+    kinds = [c["kind"] for c in children]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service",
+                     "InferencePool"]  # no gatewayRef: no HTTPRoute
+    deployment = by_kind(children)["Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    from shoal.cli import build_parser
+
+    args = build_parser().parse_args(container["args"])
+    assert isinstance(args, argparse.Namespace)
+    assert (args.epp, args.port, args.discovery, args.service, args.engine_port) == (
+        True, 9002, "kubernetes", "chat-engine", 8000)
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    service = by_kind(children)["Service"]
+    assert service["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    assert by_kind(children)["Role"]["rules"][0]["resources"] == ["endpointslices"]
+
+
+def test_external_picker_and_the_engines_metric_names() -> None:
+    external = spec(inferencePool=True, endpointPicker="external",
+                    endpointPickerRef={"name": "llm-d-epp", "port": 9100,
+                                       "failureMode": "FailOpen"})
+    children = render_gateway_children(OWNER, external)
+    assert [c["kind"] for c in children] == ["InferencePool"]
+    assert children[0]["spec"]["endpointPickerRef"]["name"] == "llm-d-epp"
+    assert children[0]["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert admitted(children[0], schema("inferencepool.v1.schema.yaml")) == []
+    assert engine_args(external)[-2:] == ["--metrics-compat", "vllm"]
+    with pytest.raises(SpecError, match="endpointPickerRef.name"):
+        spec(inferencePool=True, endpointPicker="external")
+
+
+def test_no_pool_asked_for_renders_nothing_new() -> None:
+    plain = spec()
+    assert render_gateway_children(OWNER, plain) == []
+    assert "--metrics-compat" not in engine_args(plain)
+    assert all(c["kind"] not in ("InferencePool", "HTTPRoute")
+               for c in render_children(OWNER, plain, 1))
