@@ -44,13 +44,19 @@ def test_engine_death_fails_health_errors_streams_and_exits_non_zero(start_serve
     waiting = threading.Thread(target=non_streaming_status, args=(server, outcome))
     assert started.wait(30)
     waiting.start()
-    time.sleep(0.3)  # the non-streaming request is in the engine too
+    deadline = time.monotonic() + 60  # the non-streaming request is in the engine too
+    while (server.metric("shoal:num_requests_running")
+           + server.metric("shoal:num_requests_waiting")) < 2:
+        assert time.monotonic() < deadline, "the second request never reached the engine"
+        time.sleep(0.05)
     assert server.get("/health").status_code == 200
     engine = server.engine_process()
     t0 = time.monotonic()
     engine.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGSTOP)
+    # detected by the process watch or the 3 s heartbeat timeout; the bound only allows for
+    # a loaded machine's scheduling delays (a missed detection never ends)
     while server.get("/health").status_code != 503:
-        assert time.monotonic() - t0 < 5.0, "/health still 200 five seconds after the death"
+        assert time.monotonic() - t0 < 30.0, "/health still 200 thirty seconds after the death"
         time.sleep(0.1)
     reader.join(10)
     waiting.join(10)

