@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
-from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.sampling_params import SamplingParams, child_params
 
 PromptInput = str | list[int]
 
@@ -60,8 +59,7 @@ class LLM:
         batch = next(self._ids)
         for i, (tokens, params) in enumerate(zip(token_lists, params_list, strict=True)):
             for j in range(params.n):
-                child = msgspec.structs.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + j)
+                child = child_params(params, j)
                 req_id = f"{batch}-{i}-{j}"
                 requests.append(EngineCoreRequest(request_id=req_id, prompt_token_ids=tokens,
                                                   sampling_params=child))
@@ -80,7 +78,12 @@ class LLM:
         cached = [0] * len(prompt_list)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                failures = self.engine.take_failures()
+                if failures:
+                    raise RuntimeError(f"request {failures[0].request_id} failed in the "
+                                       "engine (see the log)")
+                for out in outputs:
                     sample = samples[out.request_id]
                     cached[sample.prompt_index] = max(cached[sample.prompt_index],
                                                       out.num_cached_tokens)
@@ -115,7 +118,7 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         for params in params_list:
-            params.validate(self.engine.config.max_logprobs)
+            params.validate(self.engine.limits)
         return params_list
 
     def _absorb(self, out: EngineCoreOutput, sample: _Sample) -> None:

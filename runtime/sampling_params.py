@@ -3,11 +3,37 @@
 A msgspec Struct because it crosses the API -> engine-core boundary inside
 ``EngineCoreRequest``. ``validate()`` runs in the front end, before any engine state is
 reserved; the engine core calls it again (cheap) so the offline API gets the same errors.
+It is total: every number is checked against what the engine can hold (int64 on the wire,
+the vocabulary, the configured limits), every string for valid UTF-8, so a request that
+passes cannot fail to serialize or trip the sampler.
 """
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestLimits(msgspec.Struct, kw_only=True, frozen=True):
+    """What one request may ask for; configured by ``shoal serve`` flags. ``vocab_size`` and
+    ``max_model_len`` are the engine's (0: not known yet, not checked)."""
+
+    max_logprobs: int = 20
+    max_n: int = 64
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 1024
+    max_cache_salt_chars: int = 256
+    vocab_size: int = 0
+    max_model_len: int = 0
+    # the OpenAI API rejects prompt + max_tokens > max_model_len; the offline LLM stops at it
+    max_tokens_within_context: bool = False
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 class InvalidParameter(ValueError):
@@ -42,34 +68,57 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self, max_logprobs: int = 20) -> None:
+    def validate(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         """Raise InvalidParameter naming the first parameter out of range."""
-        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature",
-               f"temperature must be non-negative, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+        _check(_is_int(self.n) and 1 <= self.n <= limits.max_n, "n",
+               f"n must be in [1, {limits.max_n}], got {self.n}")
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
+               f"temperature must be a finite non-negative number, got {self.temperature}")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"top_p must be in (0, 1], got {self.top_p}")
+        top_k_max = limits.vocab_size or INT64_MAX
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= top_k_max, "top_k",
+               f"top_k must be -1 or 0 (disabled) or in [1, {top_k_max}], got {self.top_k}")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               f"min_p must be in [0, 1], got {self.min_p}")
+        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty",
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty",
+               f"repetition_penalty must be a finite positive number, got {self.repetition_penalty}")
+        if self.seed is not None:  # choice i of n samples with seed + i: all must be int64
+            _check(_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1),
+                   "seed", f"seed must be in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] "
+                   f"(int64, and seed + n - 1 too), got {self.seed}")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens",
+            _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
                    f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens",
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= INT64_MAX, "min_tokens",
                f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
-            _check(0 <= self.logprobs <= max_logprobs, "logprobs",
-                   f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
-        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "stop_token_ids must be non-negative token ids")
+            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= limits.max_logprobs,
+                   "logprobs", f"logprobs must be in [0, {limits.max_logprobs}], got {self.logprobs}")
+        self._validate_stops(limits)
+
+    def _validate_stops(self, limits: RequestLimits) -> None:
+        _check(len(self.stop) <= limits.max_stop_strings, "stop",
+               f"at most {limits.max_stop_strings} stop strings, got {len(self.stop)}")
+        for text in self.stop:
+            _check(isinstance(text, str) and 0 < len(text) <= limits.max_stop_string_chars,
+                   "stop", f"stop strings must have 1 to {limits.max_stop_string_chars} "
+                   "characters")
+            check_text(text, "stop")
+        _check(len(self.stop_token_ids) <= limits.max_stop_token_ids, "stop_token_ids",
+               f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(self.stop_token_ids)}")
+        top = limits.vocab_size or INT64_MAX + 1
+        _check(all(_is_int(t) and 0 <= t < top for t in self.stop_token_ids), "stop_token_ids",
+               f"stop_token_ids must be token ids in [0, {top})")
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -87,6 +136,31 @@ def sampling_params_from_kwargs(**kwargs: object) -> SamplingParams:
         raise InvalidParameter(param, f"invalid sampling parameter: {exc}") from exc
     params.validate()
     return params
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of an n > 1 request is its own engine request (n = 1); seeded ones
+    get distinct streams (seed + index, within int64 by ``validate``)."""
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def check_text(text: str, param: str) -> None:
+    """Strings must encode as UTF-8: a lone surrogate (JSON ``"\\ud800"``) cannot cross msgpack
+    or reach the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameter(param, f"{param} is not valid Unicode text (a lone surrogate at "
+                               f"position {exc.start})") from None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

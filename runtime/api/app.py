@@ -1,34 +1,84 @@
-"""The FastAPI application: routes, the API-key guard on /v1/*, probes and metrics."""
+"""The FastAPI application: routes, the API-key guard on /v1/*, /tokenize and /detokenize,
+probes and metrics. Any exception a handler did not turn into an ``APIError`` is a generic
+500 carrying a request id; its traceback is logged once, rate-limited per cause."""
 
 from __future__ import annotations
 
-import secrets
+import logging
+import traceback
+import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from shoal.runtime.log_limits import RateLimitedLog
 
-from .errors import APIError, bad_request
+from .auth import Authenticator
+from .errors import APIError, bad_request, internal_error
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .serving_chat import create_chat_completion, render_chat
-from .serving_common import parse_body
+from .serving_common import check_prompt_text, parse_body
 from .serving_completion import create_completion
 from .state import ServerState
+
+logger = logging.getLogger("shoal.api")
+
+
+def failure_cause(exc: BaseException) -> str:
+    """A rate-limit key: the exception type and the innermost frame that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    return f"{type(exc).__name__}@{where}"
+
+
+class InternalErrors:
+    """ASGI middleware: an unhandled exception becomes a generic 500 with a request id (or,
+    once a response has started, ends it); logged here, rate-limited, and not re-raised, so
+    Starlette and uvicorn do not log it again."""
+
+    def __init__(self, app, log: RateLimitedLog, on_error) -> None:
+        self.app = app
+        self.log = log
+        self.on_error = on_error
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            request_id = f"req-{uuid.uuid4().hex}"
+            self.log.log(logging.ERROR, failure_cause(exc), "internal error in %s %s (%s)",
+                         scope.get("method"), scope.get("path"), request_id, exc_info=exc)
+            self.on_error(500)
+            if not started:
+                await internal_error(request_id).response()(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="shoal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.shoal = state
+    settings = getattr(state, "settings", None)  # None: only the routes are wanted (docs)
+    auth = Authenticator(tuple(k.encode() for k in settings.api_keys), settings.tenant_header,
+                         settings.cache_sharing == "tenant") if settings else Authenticator(())
+    errors_log = RateLimitedLog(logger)
 
     def require_api_key(request: Request) -> None:
-        expected = state.settings.api_key
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), expected.encode()):
+        try:
+            identity = auth.authenticate(request)
+        except APIError:
             state.metrics.observe_rejected(401)
-            raise APIError(401, "invalid or missing API key", None, "invalid_api_key")
+            raise
+        request.state.cache_tenant = auth.cache_tenant(identity)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -41,6 +91,8 @@ def build_app(state: ServerState) -> FastAPI:
         return bad_request(str(exc.errors()[0].get("msg", exc))).response()
 
     guarded = [Depends(require_api_key)]
+    app.add_middleware(InternalErrors, log=errors_log,
+                       on_error=lambda status: state.metrics.observe_rejected(status))
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
@@ -57,21 +109,25 @@ def build_app(state: ServerState) -> FastAPI:
              "root": state.settings.model_dir, "max_model_len": state.max_model_len}
             for name in state.settings.served_model_names]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict:
-        body, _ = await parse_body(request, state, TokenizeRequest)
+        body = await parse_body(request, state, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             tokens = render_chat(state, body.messages, body.add_generation_prompt).token_ids
         else:
+            check_prompt_text(state, body.prompt or "", "prompt")
             tokens = state.tokenizer.encode(body.prompt or "", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request) -> dict:
-        body, _ = await parse_body(request, state, DetokenizeRequest)
+        body = await parse_body(request, state, DetokenizeRequest)
         vocab = state.tokenizer.vocab_size
+        if len(body.tokens) > state.max_model_len:
+            raise bad_request(f"at most max_model_len ({state.max_model_len}) tokens",
+                              "tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}

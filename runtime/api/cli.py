@@ -16,7 +16,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use; default: the model path")
-    p.add_argument("--api-key", default=None, help="required as a Bearer token on /v1/*")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="a key clients send as a Bearer token on /v1/*, /tokenize and "
+                        "/detokenize; repeat for several (each is a tenant)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file with one API key per line (# comments), added to --api-key")
+    p.add_argument("--cache-sharing", default="tenant", choices=["tenant", "global"],
+                   help="tenant: requests share prefix-cache blocks only with requests of "
+                        "the same API key (or tenant header); global: all requests may share "
+                        "(cache_salt still separates)")
+    p.add_argument("--tenant-header", default=None,
+                   help="trust this request header as the tenant identity (set it to "
+                        "x-shoal-tenant behind a router that authenticates clients and "
+                        "forwards it; only when clients cannot reach the engine directly)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -45,7 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests waiting beyond one batch; more get 429")
     p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
-                   help="larger bodies get 413")
+                   help="larger bodies get 413, decided while reading")
+    p.add_argument("--max-json-depth", type=int, default=64,
+                   help="deeper nesting of the JSON body gets 400")
+    p.add_argument("--max-n", type=int, default=64,
+                   help="the most choices per request (n, times the number of prompts)")
+    p.add_argument("--max-stop-strings", type=int, default=64,
+                   help="the most stop strings per request")
+    p.add_argument("--max-stop-string-chars", type=int, default=256,
+                   help="the longest stop string, in characters")
+    p.add_argument("--max-stop-token-ids", type=int, default=1024,
+                   help="the most stop_token_ids per request")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--kv-events-endpoint", default=None,
@@ -71,9 +93,22 @@ def _main(args: argparse.Namespace) -> int:
     for flag, value, minimum in (("--max-queued-requests", args.max_queued_requests, 0),
                                  ("--shutdown-timeout", args.shutdown_timeout, 0),
                                  ("--max-request-body-bytes", args.max_request_body_bytes, 1),
+                                 ("--max-json-depth", args.max_json_depth, 4),
+                                 ("--max-n", args.max_n, 1),
+                                 ("--max-stop-strings", args.max_stop_strings, 0),
+                                 ("--max-stop-string-chars", args.max_stop_string_chars, 1),
+                                 ("--max-stop-token-ids", args.max_stop_token_ids, 0),
                                  ("--port", args.port, 0)):
         if value < minimum:
             raise SystemExit(f"shoal serve: {flag} must be at least {minimum}, got {value}")
+    from .auth import load_api_keys
+
+    try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+    except OSError as exc:
+        raise SystemExit(f"shoal serve: --api-key-file: {exc}") from None
+    if args.api_key_file is not None and not api_keys:
+        raise SystemExit(f"shoal serve: --api-key-file {args.api_key_file} has no key")
     model = args.model
     if model is None:
         from shoal.runtime.model.make_model import cached_model
@@ -92,9 +127,13 @@ def _main(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint)
     settings = ServerSettings(
-        model_dir=model, served_model_names=names, api_key=args.api_key,
+        model_dir=model, served_model_names=names, api_keys=api_keys,
         max_queued_requests=args.max_queued_requests, max_num_seqs=args.max_num_seqs,
         shutdown_timeout=args.shutdown_timeout,
-        max_request_body_bytes=args.max_request_body_bytes, max_logprobs=args.max_logprobs)
+        max_request_body_bytes=args.max_request_body_bytes, max_json_depth=args.max_json_depth,
+        max_logprobs=args.max_logprobs, max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+        max_stop_token_ids=args.max_stop_token_ids, cache_sharing=args.cache_sharing,
+        tenant_header=args.tenant_header.lower() if args.tenant_header else None)
     return asyncio.run(serve(config, settings, args.host, args.port, args.metrics_compat,
                              args.log_level))

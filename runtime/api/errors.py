@@ -39,5 +39,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_request_error")
 
 
+def internal_error(request_id: str) -> APIError:
+    """What a client sees of a server fault: nothing but a request id to quote."""
+    return APIError(500, f"internal server error (request id {request_id}); the details "
+                    "are in the server log", None, "internal_error")
+
+
 def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, None, "engine_unavailable")

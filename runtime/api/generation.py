@@ -24,7 +24,7 @@ from shoal.runtime.engine.messages import (
 )
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
 from shoal.runtime.frontend.tokenizer import Tokenizer
-from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.sampling_params import SamplingParams, child_params
 
 from .metrics import ServerMetrics, request_phases
 
@@ -94,7 +94,7 @@ class Generation:
             for i in range(params.n):
                 index = p * params.n + i
                 self.requests.append(_EngineRequest(
-                    f"{request_id}-{index}", Choice(index, prompt), _child_params(params, i)))
+                    f"{request_id}-{index}", Choice(index, prompt), child_params(params, i)))
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -102,12 +102,17 @@ class Generation:
     def choices(self) -> list[Choice]:
         return [r.choice for r in self.requests]
 
+    def engine_requests(self) -> list[EngineCoreRequest]:
+        """What ``start`` sends, one per choice (validated by the caller before it)."""
+        now = time.time()
+        return [EngineCoreRequest(
+            request_id=req.request_id, prompt_token_ids=req.choice.prompt.token_ids,
+            sampling_params=req.params, eos_token_ids=self.eos_token_ids, arrival_time=now,
+            priority=self.priority, cache_salt=self.cache_salt) for req in self.requests]
+
     def start(self) -> None:
-        for req in self.requests:
-            req.stream = self.client.add_request(EngineCoreRequest(
-                request_id=req.request_id, prompt_token_ids=req.choice.prompt.token_ids,
-                sampling_params=req.params, eos_token_ids=self.eos_token_ids,
-                arrival_time=time.time(), priority=self.priority, cache_salt=self.cache_salt))
+        for req, engine_request in zip(self.requests, self.engine_requests(), strict=True):
+            req.stream = self.client.add_request(engine_request)
             self._tasks.append(asyncio.create_task(self._follow(req)))
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
@@ -227,13 +232,3 @@ class Generation:
         self.metrics.observe_phases(request_phases(
             req.queued_at, req.scheduled_at, req.first_token_at, req.last_token_at,
             len(req.choice.token_ids)))
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Each of the n choices is its own engine request; seeded ones get distinct streams."""
-    import msgspec
-
-    changes: dict[str, object] = {"n": 1}
-    if params.seed is not None and index:
-        changes["seed"] = params.seed + index
-    return msgspec.structs.replace(params, **changes)

@@ -11,8 +11,7 @@ from .generation import Choice, ChoiceDelta, Generation, PromptInput
 from .logprobs_format import chat_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
 from .serving_common import (
-    check_lengths,
-    check_size,
+    check_prompt_text,
     now_s,
     parse_body,
     run_to_completion,
@@ -33,21 +32,20 @@ def render_chat(state: ServerState, messages: list[ChatMessageIn],
                                           add_generation_prompt)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
+    check_prompt_text(state, text, "messages")
     return PromptInput(state.tokenizer.encode(text), text)
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    body, size = await parse_body(request, state, ChatCompletionRequest)
+    body = await parse_body(request, state, ChatCompletionRequest)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     top_k = body.top_logprobs or 0
     params = sampling_params(body, state, max_tokens, top_k if body.logprobs else None)
-    check_size(state, size)
     prompt = render_chat(state, body.messages, body.add_generation_prompt)
-    check_lengths(state, [prompt], params)
-    generation = start_generation(state, "chatcmpl", [prompt], params, body)
+    generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.settings.model_name
 
     def choice_json(choice: Choice) -> dict:

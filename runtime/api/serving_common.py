@@ -1,11 +1,14 @@
 """What both generation endpoints share: ordered validation, admission, and running a
-``Generation`` as a JSON response or as server-sent events with disconnect handling."""
+``Generation`` as a JSON response or as server-sent events with disconnect handling.
+
+Validation has one path: pydantic checks the JSON types, ``SamplingParams.validate`` and
+``validate_request`` (shared with the engine core) check every range against
+``state.request_limits``, for every engine request before the first is admitted."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,11 +18,14 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from shoal.runtime.engine.client import EngineDeadError, EngineRequestError
+from shoal.runtime.engine.client import EngineDeadError, EngineRequestError, EngineRequestFailed
+from shoal.runtime.engine.validation import validate_request
+from shoal.runtime.kv.block_hash import effective_cache_salt
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 
 from .admission import kv_blocks_estimate
-from .errors import APIError, bad_request, engine_unavailable
+from .body import decode_json, read_body
+from .errors import APIError, bad_request, engine_unavailable, internal_error
 from .generation import ChoiceDelta, Generation, PromptInput
 from .protocol import SamplingFields
 from .state import ServerState
@@ -27,33 +33,39 @@ from .state import ServerState
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def parse_body(request: Request, state: ServerState, model: type[Body]) -> tuple[Body, int]:
-    """auth (done by the route dependency) -> availability -> model name -> parameters.
-    Returns the parsed body and its size in bytes (checked later, after the ranges)."""
+async def parse_body(request: Request, state: ServerState, model: type[Body]) -> Body:
+    """auth (done by the route dependency) -> availability -> body size and JSON depth
+    (while reading) -> model name -> field types (pydantic)."""
     state.check_available()
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    raw = await read_body(request, state.settings.max_request_body_bytes)
+    data = decode_json(raw, state.settings.max_json_depth)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     model_name = data.get("model")
     state.check_model(model_name if isinstance(model_name, str) else None)
     try:
-        return model.model_validate(data), len(raw)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from exc
 
 
 def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    param = ".".join(str(p) for p in first["loc"] if not _is_union_member(p)) or None
     if first["type"] == "extra_forbidden":
         unknown = sorted({str(e["loc"][-1]) for e in exc.errors()
                           if e["type"] == "extra_forbidden"})
         return bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
     return bad_request(f"invalid value for {param}: {first['msg']}", param)
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_union_member(loc: int | str) -> bool:
+    """pydantic puts the union member tried into the location (``prompt.str``,
+    ``prompt.list[int]``); the client's field path is the rest."""
+    return isinstance(loc, str) and (loc in _TYPE_LABELS or "[" in loc)
 
 
 def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | None,
@@ -74,58 +86,62 @@ def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | 
         ignore_eos=body.ignore_eos, logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens)
     try:
-        params.validate(state.settings.max_logprobs)
+        params.validate(state.request_limits)
     except InvalidParameter as exc:
         raise bad_request(exc.message, exc.param) from exc
     return params
 
 
-def check_size(state: ServerState, body_bytes: int) -> None:
-    limit = state.settings.max_request_body_bytes
-    if body_bytes > limit:
-        raise APIError(413, f"the request body has {body_bytes} bytes; the limit is {limit}",
-                       None, "request_too_large")
-
-
-def check_lengths(state: ServerState, prompts: list[PromptInput], params: SamplingParams) -> None:
+def check_prompt_text(state: ServerState, text: str, param: str) -> None:
+    """Before tokenizing: a text of B bytes has at least B / max_token_bytes tokens, so one
+    whose lower bound already reaches max_model_len is refused without the tokenizer's work."""
     limit = state.max_model_len
-    vocab = state.client.ready_info.vocab_size if state.client.ready_info else 0
-    for prompt in prompts:
-        n = len(prompt.token_ids)
-        if n == 0:
-            raise bad_request("the prompt is empty", "prompt")
-        if vocab and any(not 0 <= t < vocab for t in prompt.token_ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if n >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens; the "
-                              f"prompt has {n} tokens, which leaves no room to generate",
-                              "prompt")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens; you "
-                              f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
-                              f"{params.max_tokens} for the completion)", "max_tokens")
+    num_bytes = len(text.encode("utf-8"))  # valid: the JSON decoder refused lone surrogates
+    if limit and num_bytes // state.max_token_bytes >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the "
+                          f"{param} has {num_bytes} bytes, so at least "
+                          f"{num_bytes // state.max_token_bytes} tokens", param)
 
 
-def start_generation(state: ServerState, prefix: str, prompts: list[PromptInput],
-                     params: SamplingParams, body: SamplingFields) -> Generation:
-    kv_blocks = params.n * sum(
-        kv_blocks_estimate(len(p.token_ids), params.max_tokens, state.max_model_len,
-                           state.block_size) for p in prompts)
-    state.admit(len(prompts) * params.n, kv_blocks)
+def start_generation(request: Request, state: ServerState, prefix: str,
+                     prompts: list[PromptInput], params: SamplingParams,
+                     body: SamplingFields) -> Generation:
+    """Every engine request (n per prompt) is built and validated before the first is
+    admitted; admission counts all of them; only then is anything sent."""
+    cache_salt = effective_cache_salt(getattr(request.state, "cache_tenant", None),
+                                      body.cache_salt)
     generation = Generation(state.client, state.tokenizer, state.metrics,
                             f"{prefix}-{uuid.uuid4().hex}", prompts, params,
-                            state.eos_token_ids, body.priority, body.cache_salt, kv_blocks)
+                            state.eos_token_ids, body.priority, cache_salt)
+    limits = state.request_limits
+    try:
+        for engine_request in generation.engine_requests():
+            validate_request(engine_request, limits)
+    except InvalidParameter as exc:
+        raise bad_request(exc.message, exc.param) from exc
+    generation.kv_blocks = params.n * sum(
+        kv_blocks_estimate(len(p.token_ids), params.max_tokens, state.max_model_len,
+                           state.block_size) for p in prompts)
+    state.admit(len(generation.requests), generation.kv_blocks)
+    state.live.add(generation)  # counted before the first send: a failure below releases it
     try:
         generation.start()
     except EngineDeadError as exc:
+        state.release(generation)
+        generation.abort_unfinished()
         raise engine_unavailable(str(exc)) from exc
-    state.live.add(generation)
+    except BaseException:
+        state.release(generation)
+        generation.abort_unfinished()
+        raise
     return generation
 
 
-def engine_error(exc: BaseException) -> APIError:
+def engine_error(exc: BaseException, request_id: str) -> APIError:
     if isinstance(exc, EngineRequestError):
         return bad_request(exc.message, exc.param)
+    if isinstance(exc, EngineRequestFailed):  # logged by the engine core
+        return internal_error(request_id)
     return engine_unavailable(str(exc))
 
 
@@ -142,8 +158,8 @@ async def run_to_completion(request: Request, state: ServerState, generation: Ge
             return Response(status_code=499)
         try:
             collect.result()
-        except (EngineDeadError, EngineRequestError) as exc:
-            raise engine_error(exc) from exc
+        except (EngineDeadError, EngineRequestError, EngineRequestFailed) as exc:
+            raise engine_error(exc, generation.request_id) from exc
         return Response(msgspec.json.encode(respond(generation)),
                         media_type="application/json")
     finally:
@@ -170,8 +186,8 @@ def stream_response(state: ServerState, generation: Generation,
                         yield _sse(chunk)
                 if usage_chunk is not None:
                     yield _sse(usage_chunk())
-            except (EngineDeadError, EngineRequestError) as exc:
-                yield _sse(engine_error(exc).body())
+            except (EngineDeadError, EngineRequestError, EngineRequestFailed) as exc:
+                yield _sse(engine_error(exc, generation.request_id).body())
             yield b"data: [DONE]\n\n"
         finally:
             # synchronous first: when the ASGI server cancels us on disconnect, awaits here

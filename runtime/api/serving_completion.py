@@ -15,8 +15,7 @@ from .generation import Choice, ChoiceDelta, Generation, PromptInput
 from .logprobs_format import completion_logprobs
 from .protocol import CompletionRequest
 from .serving_common import (
-    check_lengths,
-    check_size,
+    check_prompt_text,
     now_s,
     parse_body,
     run_to_completion,
@@ -28,28 +27,35 @@ from .state import ServerState
 
 
 def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]:
+    """Text prompts are measured in bytes before they are tokenized; a batch of prompts
+    times n is bounded by max_n, like n alone."""
     prompt = body.prompt
     if isinstance(prompt, str):
+        check_prompt_text(state, prompt, "prompt")
         return [PromptInput(state.tokenizer.encode(prompt), prompt)]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [PromptInput(list(prompt))]  # type: ignore[arg-type]
+    max_n = state.settings.max_n
+    if len(prompt) * body.n > max_n:
+        raise bad_request(f"{len(prompt)} prompts x n = {body.n} would be "
+                          f"{len(prompt) * body.n} choices; the limit is {max_n}", "prompt")
     if all(isinstance(p, str) for p in prompt):
+        for p in prompt:
+            check_prompt_text(state, p, "prompt")  # type: ignore[arg-type]
         return [PromptInput(state.tokenizer.encode(p), p) for p in prompt]  # type: ignore[arg-type]
     return [PromptInput(list(p)) for p in prompt]  # type: ignore[arg-type]
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    body, size = await parse_body(request, state, CompletionRequest)
+    body = await parse_body(request, state, CompletionRequest)
     params = sampling_params(body, state, body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
                           "server does not compute; use echo without logprobs", "echo")
-    check_size(state, size)
     prompts = prompts_of(body, state)
-    check_lengths(state, prompts, params)
-    generation = start_generation(state, "cmpl", prompts, params, body)
+    generation = start_generation(request, state, "cmpl", prompts, params, body)
     created, model = now_s(), state.settings.model_name
     top_k = body.logprobs or 0
 

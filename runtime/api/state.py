@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.chat_template import ChatTemplate
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.sampling_params import RequestLimits
 
 from .admission import CompletionRate, decide
 from .errors import APIError, engine_unavailable
@@ -23,12 +25,20 @@ from .metrics import ServerMetrics
 class ServerSettings:
     model_dir: str
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_queued_requests: int = 1024
     max_num_seqs: int = 256
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 64
     max_logprobs: int = 20
+    max_n: int = 64
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 1024
+    max_cache_salt_chars: int = 256
+    cache_sharing: str = "tenant"  # tenant | global
+    tenant_header: str | None = None  # trusted header naming the tenant (set by the router)
 
     @property
     def model_name(self) -> str:
@@ -68,6 +78,26 @@ class ServerState:
     def num_kv_blocks(self) -> int:
         info = self.client.ready_info
         return info.num_kv_blocks if info is not None else 0
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        info = self.client.ready_info
+        s = self.settings
+        return RequestLimits(
+            max_logprobs=s.max_logprobs, max_n=s.max_n, max_stop_strings=s.max_stop_strings,
+            max_stop_string_chars=s.max_stop_string_chars,
+            max_stop_token_ids=s.max_stop_token_ids, max_cache_salt_chars=s.max_cache_salt_chars,
+            vocab_size=info.vocab_size if info is not None else 0,
+            max_model_len=info.max_model_len if info is not None else 0,
+            max_tokens_within_context=True)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes one token stands for (its vocabulary entry's
+        length: a byte-level or byte-fallback entry spells a byte with one or more
+        characters), so a text of B bytes has at least B / max_token_bytes tokens."""
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max((len(piece.encode("utf-8", "replace")) for piece in vocab), default=1) or 1
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -65,6 +65,14 @@ class EngineRequestError(ValueError):
         self.message = message
 
 
+class EngineRequestFailed(RuntimeError):
+    """The engine failed this one request (its own fault, isolated); the engine lives on."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} failed in the engine")
+        self.request_id = request_id
+
+
 @dataclass
 class RequestStream:
     """Outputs of one engine request, in order; an exception item ends it with an error."""
@@ -229,7 +237,9 @@ class AsyncEngineClient:
             elif message_type is CoreMessageType.REQUEST_ERROR:
                 stream = self.streams.pop(message.request_id, None)
                 if stream is not None:
-                    stream.queue.put_nowait(EngineRequestError(message.param, message.message))
+                    stream.queue.put_nowait(
+                        EngineRequestFailed(message.request_id) if message.internal
+                        else EngineRequestError(message.param, message.message))
             else:
                 self._mark_dead(f"the engine core failed:\n{message.message}")
 

@@ -2,20 +2,32 @@
 
 ``add_request`` validates everything before any state changes (a rejected request leaves
 the scheduler and KV cache exactly as they were); ``step`` runs one scheduler iteration
-and returns the outputs of that step. Tokenizing, detokenizing and I/O live elsewhere.
+and returns the outputs of that step. A step that raises fails the request that caused it
+(``isolation.py``; ``take_failures`` hands them to the loop); only engine faults propagate.
+Tokenizing, detokenizing and I/O live elsewhere.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import logging
+import os
 
 from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
-from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
+from shoal.runtime.log_limits import RateLimitedLog
+from shoal.runtime.sampling_params import RequestLimits
 from shoal.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("shoal.engine.core")
+# test hook: a request whose cache salt contains this marker raises in every step it is in
+# (set only by the fault-isolation tests, read once at startup)
+FAULT_MARKER_ENV = "SHOAL_TEST_FAULT_SALT_MARKER"
 
 DEFAULT_KV_TOKENS_PER_SEQ = 1024  # default budget: room for max_num_seqs sequences of ~1k tokens
 DEFAULT_KV_RAM_SHARE = 0.25  # ... capped at this share of the machine's memory
@@ -89,6 +101,17 @@ class EngineCore:
             ),
             default_eos=self.model_config.eos_token_ids,
         )
+        self.limits = RequestLimits(max_logprobs=config.max_logprobs,
+                                    max_n=2**31, max_stop_strings=2**31,
+                                    max_stop_string_chars=2**31, max_stop_token_ids=2**31,
+                                    max_cache_salt_chars=2**31,
+                                    vocab_size=self.model_config.vocab_size,
+                                    max_model_len=self.max_model_len)
+        self.isolation = StepIsolation(self.scheduler)
+        self._failures: list[RequestFailure] = []
+        self._fault_marker = os.environ.get(FAULT_MARKER_ENV) or None
+        self._faulty: set[str] = set()
+        self._fault_log = RateLimitedLog(logger)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
@@ -112,43 +135,50 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
         self.scheduler.add_request(request)
+        if self._fault_marker and self._fault_marker in (request.cache_salt or ""):
+            self._faulty.add(request.request_id)
 
     def validate(self, request: EngineCoreRequest) -> None:
-        """Raise InvalidParameter naming what is wrong; touches no state."""
-        params: SamplingParams = request.sampling_params
-        params.validate(self.config.max_logprobs)
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidParameter(
-                "prompt", f"the prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.max_model_len}, which leaves no room to generate")
-        if len(prompt) + params.min_tokens > self.max_model_len:
-            raise InvalidParameter(
-                "min_tokens", f"prompt ({len(prompt)} tokens) + min_tokens "
-                f"({params.min_tokens}) exceeds max_model_len {self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise InvalidParameter("prompt", f"prompt token id {bad} is outside the vocabulary "
-                                   f"[0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidParameter("stop_token_ids",
-                                   f"stop token ids must be below the vocabulary size {vocab}")
+        """Raise InvalidParameter naming what is wrong (the same checks as the API
+        process's, ``validation.py``); touches no state."""
+        validate_request(request, self.limits)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self.isolation.forget(request_ids)
+        self._faulty.difference_update(request_ids)
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        result = self.executor.execute(scheduled.plan)
-        return self.scheduler.update(scheduled, result)
+        plan = scheduled.plan
+        try:
+            if self._faulty and not self._faulty.isdisjoint(plan.req_ids):
+                raise RuntimeError("injected per-request fault (test hook)")
+            result = self.executor.execute(plan)
+            outputs = self.scheduler.update(scheduled, result)
+        except Exception as exc:
+            if is_engine_fault(exc):
+                raise
+            self.executor.check_health()  # a dead rank behind the error: fatal
+            self._fault_log.log(logging.ERROR, f"{type(exc).__name__}: {exc}"[:200],
+                                "step %d failed with %d request(s) in it; isolating",
+                                plan.step_id, len(plan.req_ids), exc_info=exc)
+            failed = self.isolation.step_failed(list(plan.req_ids), plan.finished_req_ids)
+            self._faulty.difference_update(f.request_id for f in failed)
+            self._failures.extend(failed)
+            return []
+        self.isolation.step_succeeded(plan.req_ids)
+        return outputs
+
+    def take_failures(self) -> list[RequestFailure]:
+        """Requests failed by isolated step errors since the last call (already removed)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -4,8 +4,10 @@ Started by the API process (``AsyncEngineClient``) as ``python -m`` of this modu
 reports its startup phases, then loops: take every waiting input without blocking while
 there is work (block briefly when idle), run one step, send that step's outputs. Heartbeats
 are answered between steps, so a busy engine still proves it is alive and a hung one
-(stopped, deadlocked) is noticed by the API. Any exception is fatal: it is reported on the
-output socket and the process exits non-zero. It never outlives the API process.
+(stopped, deadlocked) is noticed by the API. A request's own failure (rejected on arrival,
+or isolated by the core after a step raised) is sent as a ``RequestError`` for that request
+alone; any other exception is fatal: it is reported on the output socket and the process
+exits non-zero. It never outlives the API process.
 
 Heartbeats are answered by a thread on their own socket, with how long the current step has
 been running: the API tells a slow step (seconds of CPU prefill) from a stuck one.
@@ -13,6 +15,7 @@ been running: the API tells a slow step (seconds of CPU prefill) from a stuck on
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -34,7 +37,9 @@ from shoal.runtime.engine.core_wire import (
     UtilityReply,
 )
 from shoal.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from shoal.runtime.log_limits import RateLimitedLog
 
+logger = logging.getLogger("shoal.engine.core_proc")
 IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 0.1
 
@@ -196,6 +201,7 @@ class EngineLoop:
             self.publisher = KVEventsPublisher(kv_events_endpoint)
         self._stats_dirty = True
         self._last_stats = 0.0
+        self._arrival_log = RateLimitedLog(logger)
 
     def run(self) -> None:
         while True:
@@ -203,6 +209,10 @@ class EngineLoop:
             if self.inputs.poll(0 if busy else IDLE_POLL_MS):
                 self._take_inputs()
             outputs = self._step() if self.core.has_unfinished_requests() else []
+            for failure in self.core.take_failures():
+                self._stats_dirty = True
+                self.send(CoreMessageType.REQUEST_ERROR, RequestError(
+                    failure.request_id, "request", failure.message, internal=True))
             if self.publisher is not None:
                 self.publisher.publish(self.core.drain_kv_events())
             self._send_outputs(outputs)
@@ -220,8 +230,12 @@ class EngineLoop:
                 kind, payload = self.inputs.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            request_type = RequestType(kind)
-            message = self.decoders[request_type].decode(payload)
+            try:
+                request_type = RequestType(kind)
+                message = self.decoders[request_type].decode(payload)
+            except (ValueError, msgspec.DecodeError):  # the API never sends these
+                logger.exception("dropped an undecodable input frame")
+                continue
             self._stats_dirty = True
             if request_type is RequestType.ADD:
                 self._add(message)
@@ -241,6 +255,12 @@ class EngineLoop:
         except ValueError as exc:
             self.send(CoreMessageType.REQUEST_ERROR,
                       RequestError(request.request_id, "request", str(exc)))
+        except Exception:  # a request's data must never end the loop
+            self._arrival_log.log(logging.ERROR, "arrival", "request %s failed on arrival",
+                                  request.request_id, exc_info=sys.exc_info()[1])
+            self.send(CoreMessageType.REQUEST_ERROR, RequestError(
+                request.request_id, "request", "the request failed in the engine",
+                internal=True))
 
     def _utility(self, call: UtilityCall) -> None:
         if call.method == "heartbeat":

@@ -58,6 +58,7 @@ class RequestError(msgspec.Struct, array_like=True):
     request_id: str
     param: str
     message: str
+    internal: bool = False  # failed in the engine (not the client's input): a 500
 
 
 class FatalError(msgspec.Struct, array_like=True):

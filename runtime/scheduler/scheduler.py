@@ -108,6 +108,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def revoke(self, req_ids: list[str], finished_for_worker: list[str]) -> None:
+        """A step failed: preempt its running rows (recomputed later, outputs kept) and
+        re-send the drop list the failed plan carried (dropping is idempotent)."""
+        self._finished_for_worker.extend(finished_for_worker)
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self._preempt(req)
+
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens

@@ -213,27 +213,35 @@ def test_unknown_model_is_not_found(client):
         client.completions.create(model="no-such-model", prompt="x")
 
 
-def test_validation_order_auth_then_model_then_parameters_then_size(server):
+def test_validation_order_auth_then_size_then_model_then_parameters(server):
+    """The body size is decided while reading (before any parsing), then the model, then
+    the parameter ranges, then the prompt's length."""
     huge = "x" * (9 * 1024 * 1024)  # over the default 8 MiB body limit
     url = server.v1 + "/completions"
     bad_everything = {"model": "nope", "prompt": huge, "temperature": -1}
     assert httpx.post(url, json=bad_everything, timeout=30).status_code == 401
     headers = server.headers()
+    assert httpx.post(url, json=bad_everything, headers=headers, timeout=30).status_code == 413
+    bad_everything["prompt"] = "x" * 100_000  # fits the body, not the context
     assert httpx.post(url, json=bad_everything, headers=headers, timeout=30).status_code == 404
     bad_everything["model"] = server.model
     response = httpx.post(url, json=bad_everything, headers=headers, timeout=30)
     assert (response.status_code, response.json()["error"]["param"]) == (400, "temperature")
     del bad_everything["temperature"]
-    assert httpx.post(url, json=bad_everything, headers=headers, timeout=30).status_code == 413
+    response = httpx.post(url, json=bad_everything, headers=headers, timeout=30)
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "prompt")
 
 
 def test_tokenize_and_detokenize_round_trip(server, tokenizer):
     text = "print('héllo 世界')"
-    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    auth = server.headers()
+    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": text},
+                        headers=auth).json()["tokens"]
     assert tokens == tokenizer.encode(text)
-    back = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens}).json()
+    back = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens},
+                      headers=auth).json()
     assert back["prompt"] == text
-    chat = httpx.post(server.base_url + "/tokenize",
+    chat = httpx.post(server.base_url + "/tokenize", headers=auth,
                       json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert tokenizer.decode(chat["tokens"], skip_special_tokens=False).endswith(
         "<|im_start|>assistant\n")
