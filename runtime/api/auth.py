@@ -5,8 +5,10 @@ comments). Each key is a tenant: with ``--cache-sharing tenant`` (the default) r
 salted by their key, so one tenant never hits another's cached blocks (and cannot probe for
 them through TTFT or the cached-token count). Behind a router that authenticates clients and
 talks to engines with its own key, the router forwards the client's tenant in a header
-(``--tenant-header``, ``x-shoal-tenant`` by convention); it is trusted only when that flag is
-set, since any client with a key could send it otherwise.
+(``--tenant-header``, ``x-shoal-tenant`` by convention, with ``tenant_of_key`` of the
+client's key as its value, so a key's cache identity is the same directly and through the
+router); it is trusted only when that flag is set, since any client with a key could send
+it otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
+from shoal.runtime.kv.block_hash import tenant_of_key
 
 from .errors import APIError
 
@@ -47,11 +50,11 @@ class Authenticator:
             matched = [k for k in self.api_keys if hmac.compare_digest(token, k)]
             if not matched:
                 raise APIError(401, "invalid or missing API key", None, "invalid_api_key")
-            identity = "key:" + matched[0].decode()
+            identity = tenant_of_key(matched[0].decode())
         if self.tenant_header is not None:
             forwarded = request.headers.get(self.tenant_header)
             if forwarded:
-                identity = "tenant:" + forwarded
+                identity = forwarded
         return identity
 
     def cache_tenant(self, identity: str | None) -> str | None:

@@ -10,6 +10,7 @@ import os
 
 import httpx
 import pytest
+from shoal.runtime.kv.block_hash import tenant_of_key
 
 from .test_cancellation import engine_idle, wait_idle_within
 
@@ -78,6 +79,11 @@ def test_the_forwarded_tenant_header_separates_tenants_behind_one_key(tenant_ser
     assert cached_tokens(complete(tenant_server, KEY_A, prompt, headers=as_x)) == 0
     assert cached_tokens(complete(tenant_server, KEY_A, prompt, headers=as_y)) == 0
     assert cached_tokens(complete(tenant_server, KEY_A, prompt, headers=as_x)) > 0
+    # the router forwards tenant_of_key(client key): the same cache as that key's own
+    direct = "direct or routed: " + SHARED_PROMPT
+    assert cached_tokens(complete(tenant_server, KEY_A, direct)) == 0
+    routed = {"x-shoal-tenant": tenant_of_key(KEY_A)}
+    assert cached_tokens(complete(tenant_server, KEY_B, direct, headers=routed)) > 0
 
 
 def test_global_cache_sharing_lets_tenants_share(global_server):

@@ -12,6 +12,7 @@ from shoal.runtime.kv.block_hash import (
     hash_block_chain,
     hash_prefix_blocks,
     tenant_cache_salt,
+    tenant_of_key,
 )
 
 BLOCK = 16
@@ -40,7 +41,8 @@ def test_tenants_salts_and_revisions_change_every_hash():
         assert not set(other) & set(base)
     assert effective_cache_salt(None, "mine") == "mine"
     assert effective_cache_salt("key:a", "mine") != effective_cache_salt("key:b", "mine")
-    assert "sk-" not in tenant_cache_salt("key:sk-secret")  # the key itself never appears
+    assert "secret" not in tenant_of_key("sk-secret") + tenant_cache_salt(tenant_of_key("s"))
+    assert tenant_of_key("sk-a") == tenant_of_key("sk-a") != tenant_of_key("sk-b")
 
 
 def test_hashing_a_block_costs_microseconds_not_more():
