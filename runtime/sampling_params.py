@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+from shoal.runtime.structured.spec import GrammarSpec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -63,6 +64,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # output constrained to a grammar (checked by the
+    # engine core: runtime/structured/spec.py)
 
     @property
     def greedy(self) -> bool:

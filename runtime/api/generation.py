@@ -96,6 +96,7 @@ class Generation:
                 self.requests.append(_EngineRequest(
                     f"{request_id}-{index}", Choice(index, prompt), child_params(params, i)))
         self._deltas: asyncio.Queue = asyncio.Queue()
+        self._unfinished = len(self.requests)  # choices whose last delta deltas() has not given
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -116,9 +117,9 @@ class Generation:
             self._tasks.append(asyncio.create_task(self._follow(req)))
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Every choice's deltas, interleaved, until all choices finish (or an abort)."""
-        remaining = len(self.requests)
-        while remaining:
+        """Every choice's deltas, interleaved, until all choices finish (or an abort). May be
+        iterated again after a break: it resumes where the last iteration stopped."""
+        while self._unfinished:
             item = await self._deltas.get()
             if item is _ABORTED:
                 return
@@ -126,7 +127,7 @@ class Generation:
                 self.abort()
                 raise item
             if item.finish_reason is not None:
-                remaining -= 1
+                self._unfinished -= 1
             yield item
 
     async def collect(self) -> list[Choice]:

@@ -7,7 +7,7 @@ not a silent default. Only fields we honour are accepted. Responses are built in
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +15,33 @@ from pydantic import BaseModel, ConfigDict, Field
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these constraints."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -43,6 +70,8 @@ class SamplingFields(BaseModel):
     user: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -72,6 +101,34 @@ class ChatMessageIn(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = None
@@ -79,6 +136,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

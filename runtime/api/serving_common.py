@@ -22,6 +22,7 @@ from shoal.runtime.engine.client import EngineDeadError, EngineRequestError, Eng
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.kv.block_hash import effective_cache_salt
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
+from shoal.runtime.structured.spec import GrammarSpec
 
 from .admission import kv_blocks_estimate
 from .body import decode_json, read_body
@@ -69,7 +70,7 @@ def _is_union_member(loc: int | str) -> bool:
 
 
 def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, structured: GrammarSpec | None = None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(
         n=body.n,
@@ -84,7 +85,7 @@ def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | 
         stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, logprobs=logprobs,
-        skip_special_tokens=body.skip_special_tokens)
+        skip_special_tokens=body.skip_special_tokens, structured=structured)
     try:
         params.validate(state.request_limits)
     except InvalidParameter as exc:
@@ -171,17 +172,41 @@ async def run_to_completion(request: Request, state: ServerState, generation: Ge
         await generation.close()
 
 
+async def first_delta(state: ServerState, generation: Generation) -> ChoiceDelta | None:
+    """Wait for the first delta before the stream's headers go out, so a request the engine
+    core rejects (an invalid grammar, which only it can check) is a 4xx, not an SSE error."""
+    try:
+        async for delta in generation.deltas():
+            return delta
+        return None
+    except BaseException as exc:  # a rejection, an engine death, or the handler cancelled
+        generation.abort_unfinished()
+        state.release(generation)
+        if isinstance(exc, (EngineDeadError, EngineRequestError, EngineRequestFailed)):
+            await generation.close()
+            raise engine_error(exc, generation.request_id) from exc
+        raise
+
+
 def stream_response(state: ServerState, generation: Generation,
                     chunks: Callable[[ChoiceDelta], list[dict]],
-                    usage_chunk: Callable[[], dict] | None) -> StreamingResponse:
+                    usage_chunk: Callable[[], dict] | None,
+                    first: ChoiceDelta | None = None) -> StreamingResponse:
     """SSE: one event per delta. A disconnect makes Starlette cancel this generator (it
     listens for http.disconnect), and ``finally`` aborts the engine requests; an engine
-    death ends the stream with an error event."""
+    death ends the stream with an error event. ``first``: a delta already taken from the
+    generation (``first_delta``), sent first."""
+
+    async def all_deltas() -> AsyncIterator[ChoiceDelta]:
+        if first is not None:
+            yield first
+        async for delta in generation.deltas():
+            yield delta
 
     async def events() -> AsyncIterator[bytes]:
         try:
             try:
-                async for delta in generation.deltas():
+                async for delta in all_deltas():
                     for chunk in chunks(delta):
                         yield _sse(chunk)
                 if usage_chunk is not None:

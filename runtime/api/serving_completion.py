@@ -16,6 +16,7 @@ from .logprobs_format import completion_logprobs
 from .protocol import CompletionRequest
 from .serving_common import (
     check_prompt_text,
+    first_delta,
     now_s,
     parse_body,
     run_to_completion,
@@ -24,6 +25,7 @@ from .serving_common import (
     stream_response,
 )
 from .state import ServerState
+from .structured_request import grammar_for
 
 
 def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]:
@@ -50,7 +52,8 @@ def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]
 
 async def create_completion(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, state, CompletionRequest)
-    params = sampling_params(body, state, body.max_tokens, body.logprobs)
+    grammar = grammar_for(body)
+    params = sampling_params(body, state, body.max_tokens, body.logprobs, grammar)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
                           "server does not compute; use echo without logprobs", "echo")
@@ -111,7 +114,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 "model": model, "choices": [], "usage": usage(generation)}
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return stream_response(state, generation, chunks, usage_chunk if include_usage else None)
+    first = await first_delta(state, generation) if grammar is not None else None
+    return stream_response(state, generation, chunks, usage_chunk if include_usage else None,
+                           first)
 
 
 def usage(gen: Generation) -> dict:

@@ -21,8 +21,9 @@ from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
 from shoal.runtime.log_limits import RateLimitedLog
-from shoal.runtime.sampling_params import RequestLimits
+from shoal.runtime.sampling_params import InvalidParameter, RequestLimits
 from shoal.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+from shoal.runtime.structured.spec import GrammarError, GrammarSpec, check_grammar
 
 logger = logging.getLogger("shoal.engine.core")
 # test hook: a request whose cache salt contains this marker raises in every step it is in
@@ -140,8 +141,11 @@ class EngineCore:
 
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise InvalidParameter naming what is wrong (the same checks as the API
-        process's, ``validation.py``); touches no state."""
+        process's, ``validation.py``, plus the grammar, which only the engine side parses);
+        touches no state."""
         validate_request(request, self.limits)
+        if request.sampling_params.structured is not None:
+            check_structured(request.sampling_params.structured)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
 
@@ -197,3 +201,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def check_structured(spec: GrammarSpec) -> None:
+    try:
+        check_grammar(spec)
+    except GrammarError as exc:
+        raise InvalidParameter(spec.param, str(exc)) from exc

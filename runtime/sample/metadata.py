@@ -31,6 +31,10 @@ class SamplingMetadata:
     banned_rows: torch.Tensor | None = None  # long [N]
     banned_tokens: torch.Tensor | None = None  # long [N]
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
+    # structured output: int32 [S, ceil(V/32)] allowed-token bits (xgrammar's layout), for
+    # the rows listed (the others' bits are all set); applied before anything else
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @property
     def needs_processing(self) -> bool:

@@ -1,6 +1,7 @@
 """The sampler: logits [S, V] -> one token per row, vectorised with per-row parameters.
 
-Order, as in vLLM: raw logprobs (log_softmax of the model's logits) are taken first; then
+Order, as in vLLM: grammar masks first (structured output: forbidden tokens -inf, so the
+logprobs are those of the constrained distribution), raw logprobs (log_softmax of the model's logits) are taken first; then
 min_tokens bans, penalties (repetition over prompt + output, presence and frequency over
 the output), then greedy rows take the argmax, the others are divided by their temperature,
 filtered by min-p, top-k and top-p, and sampled. Sampling uses the exponential race
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from shoal.runtime.sample.metadata import SamplingMetadata
+from shoal.runtime.structured.backend import apply_token_bitmask
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Sampler:
         self.generator = generator  # the shared stream for unseeded rows
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.token_bitmask is not None:  # in place: the logits are this step's own
+            apply_token_bitmask(logits, meta.token_bitmask, meta.bitmask_rows)
         if meta.all_greedy and not meta.needs_processing:
             return SamplerOutput(logits.argmax(dim=-1))
         raw_logprobs = None

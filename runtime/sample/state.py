@@ -3,7 +3,9 @@
 A request's state is created when a plan first lists it in ``new_requests`` (again after a
 preemption, when the output so far and the generator offset come with it) and dropped when
 the plan lists it in ``finished_req_ids``. Penalty bookkeeping (prompt mask, output counts)
-exists only for requests that use a penalty, so plain requests cost nothing per token.
+exists only for requests that use a penalty, so plain requests cost nothing per token. A
+request with a grammar (``params.structured``) holds its matcher here: rebuilt by replaying
+the output so far whenever the state is rebuilt, advanced by every token ``append``s.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from shoal.runtime.sample.metadata import SamplingMetadata
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.structured.backend import GrammarBackend, GrammarMatcher
 
 
 @dataclass
@@ -24,6 +27,7 @@ class RequestSamplingState:
     prompt_mask: torch.Tensor | None = None  # bool [V]
     output_counts: torch.Tensor | None = None  # float [V]
     banned_on_min: list[int] = field(default_factory=list)  # EOS + stop ids while < min_tokens
+    grammar: GrammarMatcher | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -35,13 +39,22 @@ class RequestSamplingState:
         self.output_token_ids.append(token_id)
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # only possible when every allowed token was also banned (min_tokens vs a
+            # grammar that must end now): the sampler had nothing legal left to pick
+            self.grammar = None
 
 
 def new_request_state(params: SamplingParams, prompt_token_ids: Sequence[int],
                       output_token_ids: Sequence[int], generator_offset: int,
                       eos_token_ids: Sequence[int], vocab_size: int,
-                      device: torch.device) -> RequestSamplingState:
+                      device: torch.device,
+                      grammars: GrammarBackend | None = None) -> RequestSamplingState:
     state = RequestSamplingState(params, list(output_token_ids))
+    if params.structured is not None:
+        if grammars is None:
+            raise ValueError("a request with structured output needs a grammar backend")
+        state.grammar = grammars.matcher(params.structured, output_token_ids)
     if params.seed is not None and not params.greedy:
         state.generator = torch.Generator(device=device).manual_seed(params.seed)
         # resume the stream where it was before a preemption: replay each earlier draw of
@@ -115,6 +128,13 @@ def build_sampling_metadata(states: Sequence[RequestSamplingState], vocab_size: 
     if rows:
         meta.banned_rows = torch.tensor(rows, dtype=torch.long, device=device)
         meta.banned_tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+    grammar_rows = [row for row, s in enumerate(states)
+                    if s.grammar is not None and not s.grammar.finished]
+    if grammar_rows:
+        bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for row in grammar_rows:
+            states[row].grammar.fill_mask(bitmask, row)  # type: ignore[union-attr]
+        meta.token_bitmask, meta.bitmask_rows = bitmask, grammar_rows
     asked = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(asked) if asked else None
     return meta

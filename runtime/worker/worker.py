@@ -21,6 +21,7 @@ from shoal.runtime.sample.state import (
     new_request_state,
 )
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.structured.backend import GrammarBackend
 from shoal.runtime.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,6 +57,7 @@ class Worker:
         self.states: dict[str, RequestSamplingState] = {}
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
+        self._grammars: GrammarBackend | None = None  # made by the first structured request
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -145,6 +147,12 @@ class Worker:
         self.execute(plan)
         self.states.pop("__warmup__", None)
 
+    def grammars(self) -> GrammarBackend:
+        if self._grammars is None:
+            mc = self.model_config()
+            self._grammars = GrammarBackend(self.config.model, mc.vocab_size, mc.eos_token_ids)
+        return self._grammars
+
     # -- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         runner = self._runner()
@@ -155,7 +163,8 @@ class Worker:
         for new in plan.new_requests:
             self.states[new.req_id] = new_request_state(
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids,
-                new.generator_offset, eos, vocab, self.device)
+                new.generator_offset, eos, vocab, self.device,
+                self.grammars() if new.sampling_params.structured is not None else None)
         sample_rows = np.asarray(plan.sample_rows, dtype=bool)
         sampled_ids = [rid for rid, s in zip(plan.req_ids, sample_rows, strict=True) if s]
         try:
