@@ -92,6 +92,7 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
     metrics = ServerMetrics(settings.model_name, metrics_compat)
     client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)
     state = ServerState(settings, client, tokenizer, metrics, template)
+    _ = state.max_token_bytes  # one pass over the vocabulary now, not in the first request
     server = ShoalServer(uvicorn.Config(
         build_app(state), host=host, port=port, log_level=log_level, access_log=False,
         timeout_graceful_shutdown=5, lifespan="off"), state)
