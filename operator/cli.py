@@ -16,8 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="namespace to watch (repeatable); default: all namespaces")
     scope.add_argument("--all-namespaces", "-A", action="store_true",
                        help="watch every namespace (the default)")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster credentials, "
-                        "then $KUBECONFIG, then ~/.kube/config)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file, or several joined with ':' "
+                        "(merged like kubectl does); default: in-cluster credentials, then "
+                        "$KUBECONFIG, then ~/.kube/config. Exec credential plugins are run.")
     parser.add_argument("--context", help="kubeconfig context (default: current-context)")
     parser.add_argument("--server", help="API server URL without auth (development and tests)")
     parser.add_argument("--interval", type=float, default=5.0,
@@ -38,9 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    import asyncio
+
     import kopf
+    from shoal.operator.credentials import CredentialsError, load_credentials
     from shoal.operator.handlers import OperatorOptions, build_registry
-    from shoal.operator.kubeconfig import KubeConfigError, load_access
 
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -49,11 +52,14 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         raise SystemExit("shoal operator: --metrics-port must be a TCP port (1-65535)")
     try:
-        access = load_access(server=args.server, kubeconfig=args.kubeconfig,
-                             context=args.context)
-    except KubeConfigError as exc:
+        credentials = asyncio.run(load_credentials(
+            server=args.server, kubeconfig=args.kubeconfig, context=args.context))
+    except CredentialsError as exc:
         raise SystemExit(f"shoal operator: {exc}") from exc
-    options = OperatorOptions(access=access, interval=args.interval,
+    logging.getLogger("shoal.operator").info("API server %s (%s)",
+                                             credentials.configuration.host,
+                                             credentials.description)
+    options = OperatorOptions(credentials=credentials, interval=args.interval,
                               engine_port=args.engine_port, probe_timeout=args.probe_timeout,
                               metrics_port=args.metrics_port)
     kopf.run(

@@ -1,7 +1,8 @@
 """kopf wiring: a timer per InferenceService runs the reconcile round; spec changes run it at once.
 
 Handlers are registered into a registry built at start-up (no import-time globals), with the
-round interval chosen on the command line.
+round interval chosen on the command line. kopf logs in with the same credentials as the
+operator's own client (login.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import httpx
 import kopf
 from shoal.operator import metrics as operator_metrics
 from shoal.operator.constants import GROUP, PLURAL, VERSION
-from shoal.operator.kube import ApiError, KubeClient
-from shoal.operator.kubeconfig import ClusterAccess
-from shoal.operator.reconcile import ISVC, ReconcileContext, reconcile
+from shoal.operator.credentials import Credentials
+from shoal.operator.kube_api import API_ERRORS, ISVC, KubeApi
+from shoal.operator.login import login_handler
+from shoal.operator.reconcile import ReconcileContext, reconcile
 
 log = logging.getLogger("shoal.operator")
 
 
 @dataclass(frozen=True)
 class OperatorOptions:
-    access: ClusterAccess
+    credentials: Credentials
     interval: float = 5.0  # seconds between rounds per object
     engine_port: int = 8000
     probe_timeout: float = 2.0
@@ -42,7 +44,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         if options.metrics_port:
             operator_metrics.serve(options.metrics_port)
         state["ctx"] = ReconcileContext(
-            kube=KubeClient(options.access),
+            kube=KubeApi(options.credentials),
             http=httpx.AsyncClient(timeout=options.probe_timeout),
             engine_port=options.engine_port, probe_timeout=options.probe_timeout)
 
@@ -53,13 +55,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             await ctx.kube.close()
             await ctx.http.aclose()
 
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        a = options.access
-        return kopf.ConnectionInfo(
-            server=a.server, ca_path=a.ca_path, insecure=a.insecure, token=a.token,
-            certificate_path=a.cert_path, private_key_path=a.key_path,
-            default_namespace=a.default_namespace)
+    kopf.on.login(registry=registry)(login_handler(options.credentials))
 
     # One round at a time per object: the timer and a spec change must not interleave (double
     # Events, a status written from an older view).
@@ -80,7 +76,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                         status = await reconcile(ctx, fresh)
                     operator_metrics.ROUNDS.labels("ok").inc()
                     operator_metrics.record_status(namespace, meta["name"], status)
-        except (ApiError, httpx.HTTPError) as exc:
+        except (*API_ERRORS, httpx.HTTPError) as exc:
             operator_metrics.ROUNDS.labels("error").inc()
             # Transient API trouble: the next round retries from scratch (level-based).
             raise kopf.TemporaryError(f"{why}: {exc}", delay=options.interval) from exc

@@ -20,7 +20,7 @@ from shoal.operator.backoff import RecycleState, after_recycle, after_round, may
 from shoal.operator.constants import ENGINE_PORT, ENGINE_READY_CONDITION
 from shoal.operator.engine_probe import probe_engine
 from shoal.operator.events import render_event
-from shoal.operator.kube import KINDS, ApiError, KubeClient
+from shoal.operator.kube_api import API_ERRORS, ISVC, POD, KubeApi, Resource
 from shoal.operator.meta import (
     Owner,
     engine_name,
@@ -43,16 +43,12 @@ from shoal.operator.status import build_status
 
 log = logging.getLogger("shoal.operator")
 
-POD = KINDS[("v1", "Pod")]
-ISVC = KINDS[("serving.shoal.dev/v1alpha1", "InferenceService")]
-EVENT = KINDS[("v1", "Event")]
-
 
 @dataclass
 class ReconcileContext:
     """What a round needs besides the object: the API client and the probing settings."""
 
-    kube: KubeClient
+    kube: KubeApi
     http: httpx.AsyncClient
     engine_port: int = ENGINE_PORT
     probe_timeout: float = 2.0
@@ -98,7 +94,7 @@ def gate_patches(pods: list[dict[str, Any]], replicas: list[ReplicaState], now: 
 async def _event(ctx: ReconcileContext, owner: Owner, kind: str, reason: str, msg: str) -> None:
     try:
         await ctx.kube.create(render_event(owner, kind, reason, msg, _now()))
-    except (ApiError, httpx.HTTPError) as exc:  # an Event is best effort; never fail the round
+    except API_ERRORS as exc:  # an Event is best effort; never fail the round
         log.warning("event %s for %s/%s not posted: %s", reason, owner.namespace, owner.name, exc)
 
 
@@ -121,7 +117,7 @@ async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec
         for api_version, kind in (("apps/v1", "Deployment"), ("v1", "ServiceAccount"),
                                   ("rbac.authorization.k8s.io/v1", "Role"),
                                   ("rbac.authorization.k8s.io/v1", "RoleBinding")):
-            await ctx.kube.delete(KINDS[(api_version, kind)], owner.namespace,
+            await ctx.kube.delete(Resource(api_version, kind), owner.namespace,
                                   router_name(owner))
     engine = next(c for c in children if c["kind"] == "Deployment"
                   and c["metadata"]["name"] == engine_name(owner))

@@ -1,8 +1,9 @@
 """The one console script: ``shoal <subcommand>``.
 
-Each subcommand lives in its own module with two functions: ``register(subparsers)``
-(cheap, no heavy imports) and the handler it sets as ``func``, which imports what it
-needs. So ``shoal operator`` never imports torch and ``shoal serve`` never imports kopf.
+Each subcommand lives in its own module with two functions: ``register(subparsers)`` and the
+handler it sets as ``func``, which imports what it needs. Only the chosen subcommand's module is
+imported: ``shoal operator`` loads neither torch nor the router's numpy/xxhash (the operator
+image installs none of them), and ``shoal serve`` never imports kopf.
 """
 
 from __future__ import annotations
@@ -12,22 +13,38 @@ import importlib
 import os
 import sys
 
-# subcommand -> module that registers it (order = order in --help)
-SUBCOMMANDS: dict[str, str] = {
-    "serve": "shoal.runtime.api.cli",
-    "route": "shoal.runtime.router.cli",
-    "fleet": "shoal.runtime.router.fleet",
-    "operator": "shoal.operator.cli",
-    "make-model": "shoal.runtime.model.make_model",
+# subcommand -> (module that registers it, its one-line help); order = order in --help.
+# The help is repeated here so that `shoal --help` imports no subcommand (a test keeps the two
+# in step).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("shoal.runtime.api.cli", "serve a model over the OpenAI API"),
+    "route": ("shoal.runtime.router.cli",
+              "cache-affinity router (OpenAI-compatible reverse proxy)"),
+    "fleet": ("shoal.runtime.router.fleet",
+              "N engines + one router on loopback (demos, benchmarks)"),
+    "operator": ("shoal.operator.cli", "run the Kubernetes operator for InferenceService objects"),
+    "make-model": ("shoal.runtime.model.make_model",
+                   "write an HF-format checkpoint with random weights and a tokenizer"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's full parser, or with `only`, that one's and a one-line entry for the
+    others (their modules not imported)."""
     parser = argparse.ArgumentParser(prog="shoal", description="LLM serving on Kubernetes")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="<command>")
-    for module_name in SUBCOMMANDS.values():
-        importlib.import_module(module_name).register(subparsers)
+    for name, (module_name, summary) in SUBCOMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module_name).register(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary)
     return parser
+
+
+def chosen_command(argv: list[str]) -> str:
+    """The subcommand named on the command line ('' for none, e.g. `shoal --help`)."""
+    first = next((a for a in argv if not a.startswith("-")), "")
+    return first if first in SUBCOMMANDS else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     # API process, other pods). Measured here: a 2-thread matmul loop beside one busy process
     # took 14.8 s spinning vs 3.1 s passive; on idle cores the two were within noise.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(only=chosen_command(argv)).parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 

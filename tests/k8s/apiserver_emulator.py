@@ -7,17 +7,27 @@ writes; treats server-side apply as create-or-replace of the applier's fields; m
 conditions by type in strategic-merge patches; filters lists and watches by labelSelector.
 This subclass adds exactly those, and lets /api/v1/namespaces be listed (loaded by
 conftest.py; not a test module).
+
+Authentication, when `authenticate` is set: a request must carry a bearer token it accepts or
+a client certificate the TLS layer verified, else 401 (as the API server answers an expired or
+revoked token). Every request's credentials are recorded in `seen`. `drop_watches()` ends the
+open watch streams, as an API server restart does; clients re-connect.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import itertools
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import jsonpointer
@@ -99,8 +109,52 @@ def matches_selector(labels: Mapping[str, str], selector: str | None) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Seen:
+    """The credentials one request carried, and what the emulator answered."""
+
+    at: float  # time.monotonic()
+    user_agent: str
+    token: str | None
+    client_cert: str | None  # the verified client certificate's subject CN
+    path: str
+    status: int  # 401 when refused; 0 when passed on
+
+
+def _common_name(peercert: Any) -> str | None:
+    for rdn in (peercert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
 @attrs.define(kw_only=True)
 class ApiServerEmulator(kmock.KubernetesEmulator):
+    authenticate: Callable[[str | None, str | None], bool] | None = None  # (token, cert CN)
+    seen: list[Seen] = attrs.field(factory=list)
+    _drop: asyncio.Event = attrs.field(factory=asyncio.Event)
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if self.authenticate is None:
+            return await super().__call__(raw_request)
+        header = raw_request.headers.get("Authorization") or ""
+        token = header[len("Bearer "):] if header.startswith("Bearer ") else None
+        transport = raw_request.transport
+        cert = _common_name(transport.get_extra_info("peercert")) if transport else None
+        allowed = self.authenticate(token, cert)
+        self.seen.append(Seen(time.monotonic(), raw_request.headers.get("User-Agent", ""),
+                              token, cert, raw_request.path_qs, 0 if allowed else 401))
+        if not allowed:
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "message": "Unauthorized", "reason": "Unauthorized", "code": 401}, status=401)
+        return await super().__call__(raw_request)
+
+    def drop_watches(self) -> None:
+        self._drop.set()
+        self._drop = asyncio.Event()
+
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock logs every request and matches reactions by scanning that log: keep it short,
         # or each request gets slower as a long test runs.
@@ -205,13 +259,35 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         selector = request.params.get("labelSelector")
         result["items"] = [item for item in result["items"] if matches_selector(
             (item.get("metadata") or {}).get("labels") or {}, selector)]
+        # A real list names its kind (DeploymentList); clients (the dynamic client) read it.
+        resource = request.resource
+        result["apiVersion"] = f"{resource.group}/{resource.version}" if resource.group \
+            else resource.version
+        result["kind"] = f"{self.resources[resource].kind}List"
         return result
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         selector = request.params.get("labelSelector")
-        async for event in super()._serve_watch(request):
-            if isinstance(event, dict) and selector:
-                labels = ((event.get("object") or {}).get("metadata") or {}).get("labels") or {}
-                if not matches_selector(labels, selector):
-                    continue
-            yield event
+        dropped = asyncio.ensure_future(self._drop.wait())
+        events = aiter(super()._serve_watch(request))
+        try:
+            while True:
+                following = asyncio.ensure_future(anext(events))
+                await asyncio.wait({following, dropped}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():  # drop_watches(): end this stream
+                    following.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await following
+                    return
+                try:
+                    event = following.result()
+                except StopAsyncIteration:
+                    return
+                if isinstance(event, dict) and selector:
+                    labels = ((event.get("object") or {}).get("metadata") or {}).get(
+                        "labels") or {}
+                    if not matches_selector(labels, selector):
+                        continue
+                yield event
+        finally:
+            dropped.cancel()

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from aiohttp.test_utils import RawTestServer
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -169,29 +171,98 @@ RESOURCES = {
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True),
     "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", namespaced=True),
     "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", namespaced=True),
+    "monitoring.coreos.com/v1/servicemonitors": dict(kind="ServiceMonitor", namespaced=True),
 }
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
-@pytest.fixture
-async def apiserver(crd: dict[str, Any]) -> AsyncIterator[SimpleNamespace]:
-    """The emulator on a free port of 127.0.0.1, knowing our resources and holding the CRD."""
+async def _serve_emulator(crd: dict[str, Any], ssl_context: ssl.SSLContext | None = None,
+                          client_context: ssl.SSLContext | None = None
+                          ) -> AsyncIterator[SimpleNamespace]:
+    """The emulator on a free port of 127.0.0.1, knowing our resources and holding the CRD;
+    over TLS when `ssl_context` is given (the test's own client then uses `client_context`)."""
+    import functools
+
+    import httpx
     import kmock
 
     emulator_module = _load_helper("apiserver_emulator")
+    server_kwargs: dict[str, Any] = {}
+    if ssl_context is not None:
+        server_kwargs["server_cls"] = functools.partial(TlsRawTestServer,
+                                                        ssl_context=ssl_context)
     async with emulator_module.ApiServerEmulator() as emulator, \
-            kmock.Server(emulator, host="127.0.0.1") as server:
+            kmock.Server(emulator, host="127.0.0.1", **server_kwargs) as server:
         for key, info in RESOURCES.items():
             emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
-        import httpx
-
-        async with httpx.AsyncClient(base_url=str(server.url).rstrip("/"), timeout=10) as api:
+        url = str(server.url).rstrip("/")
+        async with httpx.AsyncClient(base_url=url, timeout=10,
+                                     verify=client_context or True) as api:
             (await api.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
                             json=crd)).raise_for_status()
             (await api.post("/api/v1/namespaces", json={
                 "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "serving"}})
              ).raise_for_status()
-            yield SimpleNamespace(emulator=emulator, url=str(server.url).rstrip("/"), api=api)
+            yield SimpleNamespace(emulator=emulator, url=url, api=api)
+
+
+class TlsRawTestServer(RawTestServer):
+    """aiohttp's test server listening with TLS (for kmock.Server's server_cls)."""
+
+    def __init__(self, handler: Any, *, ssl_context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(handler, scheme="https", **kwargs)
+        self.ssl_context = ssl_context
+
+    async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
+        await super().start_server(loop=loop, ssl=self.ssl_context, **kwargs)
+
+
+@pytest.fixture
+async def apiserver(crd: dict[str, Any]) -> AsyncIterator[SimpleNamespace]:
+    """The emulator over plain HTTP, without authentication (the operator's --server)."""
+    async for served in _serve_emulator(crd):
+        yield served
+
+
+@pytest.fixture
+async def secure_apiserver(crd: dict[str, Any], tmp_path: Path
+                           ) -> AsyncIterator[SimpleNamespace]:
+    """The emulator over TLS with a test CA, authenticating every request: a token in
+    `tokens` (a set, or a callable deciding) or a client certificate whose CN is in `users`.
+    `ca_pem` is the CA file; `client_cert(cn)` issues a client certificate (cert, key paths)."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    ca_pem = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    ca.configure_trust(context)
+    context.verify_mode = ssl.CERT_OPTIONAL  # tokens or client certificates
+
+    def client_cert(common_name: str) -> tuple[str, str]:
+        leaf = ca.issue_cert(common_name, common_name=common_name)
+        cert, key = tmp_path / f"{common_name}.crt", tmp_path / f"{common_name}.key"
+        leaf.cert_chain_pems[0].write_to_path(str(cert))
+        leaf.private_key_pem.write_to_path(str(key))
+        return str(cert), str(key)
+
+    state = SimpleNamespace(tokens=set(), users={"test-admin"})
+
+    def authenticate(token: str | None, cert: str | None) -> bool:
+        if cert is not None:
+            return cert in state.users
+        tokens = state.tokens
+        return token is not None and (tokens(token) if callable(tokens) else token in tokens)
+
+    admin = ssl.create_default_context(cafile=str(ca_pem))
+    admin.load_cert_chain(*client_cert("test-admin"))
+    async for served in _serve_emulator(crd, context, admin):
+        served.emulator.authenticate = authenticate
+        served.state, served.ca_pem, served.client_cert = state, ca_pem, client_cert
+        yield served
 
 
 def _port_free_on(port: int, hosts: list[str]) -> bool:
@@ -283,11 +354,13 @@ def fake_kubelet_cls() -> type:
 class OperatorProcess:
     """`shoal operator` (the console script) against the emulator."""
 
-    def __init__(self, server: str, namespace: str, engine_port: int, log_path: Path,
-                 liveness_port: int, metrics_port: int) -> None:
+    def __init__(self, credential_args: list[str], namespace: str, engine_port: int,
+                 log_path: Path, liveness_port: int, metrics_port: int,
+                 env: dict[str, str] | None = None) -> None:
         self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.args = [str(Path(sys.executable).with_name("shoal")), "operator", "--server", server,
+        self.env = env
+        self.args = [str(Path(sys.executable).with_name("shoal")), "operator", *credential_args,
                      "--namespace", namespace, "--interval", "1", "--probe-timeout", "1",
                      "--engine-port", str(engine_port), "--log-level", "INFO",
                      "--liveness", self.liveness_url, "--metrics-port", str(metrics_port)]
@@ -295,7 +368,8 @@ class OperatorProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**(os.environ if self.env is None else self.env), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -319,17 +393,70 @@ class OperatorProcess:
             else ""
 
 
-@pytest.fixture
-def operator_process(apiserver: SimpleNamespace, engine_port: int,
-                     tmp_path: Path) -> Iterator[OperatorProcess]:
+def _free_ports(count: int) -> list[int]:
     ports = []
-    for _ in range(2):
+    for _ in range(count):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(int(sock.getsockname()[1]))
-    process = OperatorProcess(apiserver.url, "serving", engine_port, tmp_path / "operator.log",
-                              *ports)
+    return ports
+
+
+@pytest.fixture
+def operator_process(apiserver: SimpleNamespace, engine_port: int,
+                     tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(["--server", apiserver.url], "serving", engine_port,
+                              tmp_path / "operator.log", *_free_ports(2))
     try:
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture
+def start_operator(engine_port: int, tmp_path: Path) -> Iterator[Any]:
+    """`start_operator(args, env)`: `shoal operator` with the given credentials (arguments and
+    the whole environment: nothing of the test's own kube settings leaks in)."""
+    started: list[OperatorProcess] = []
+
+    def start(credential_args: list[str], env: dict[str, str]) -> OperatorProcess:
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("KUBERNETES_", "KUBECONFIG", "SHOAL_SERVICE_ACCOUNT"))}
+        process = OperatorProcess(credential_args, "serving", engine_port,
+                                  tmp_path / f"operator-{len(started)}.log", *_free_ports(2),
+                                  env={**base, "HOME": str(tmp_path), **env})
+        started.append(process)
+        process.start()
+        return process
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.stop()
+
+
+EXEC_PLUGIN = """#!/bin/sh
+# A client-go exec credential plugin: a new token per run, each appended to the file in $1.
+n=$(( $(wc -l < "$1" 2>/dev/null || echo 0) + 1 ))
+echo "exec-token-$n" >> "$1"
+printf '{"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+ "status": {"token": "exec-token-%s"}}\\n' "$n"
+"""
+
+
+@pytest.fixture
+def exec_plugin(tmp_path: Path) -> SimpleNamespace:
+    """A script plugin printing an ExecCredential; `issued()` lists the tokens it gave out."""
+    script, issued = tmp_path / "credential-plugin.sh", tmp_path / "issued-tokens"
+    script.write_text(EXEC_PLUGIN)
+    script.chmod(0o755)
+
+    def tokens() -> list[str]:
+        return issued.read_text().split() if issued.exists() else []
+
+    return SimpleNamespace(
+        command=str(script), issued=tokens,
+        user={"exec": {"apiVersion": "client.authentication.k8s.io/v1",
+                       "command": str(script), "args": [str(issued)],
+                       "interactiveMode": "Never"}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from shoal.operator.kube import Kind, kind_of
+from shoal.operator.kube_api import Resource, resource_of
 from shoal.operator.reconcile import ReconcileContext, reconcile
 
 
@@ -19,32 +19,32 @@ class MemoryApi:
         self.deleted: list[tuple[str, str]] = []
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.objects[(kind_of(obj).plural, obj["metadata"]["name"])] = obj
+        self.objects[(resource_of(obj).kind, obj["metadata"]["name"])] = obj
         return obj
 
-    async def list(self, kind: Kind, namespace: str | None,
+    async def list(self, resource: Resource, namespace: str | None,
                    labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
         return []
 
-    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.objects.get((kind.plural, name))
+    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((resource.kind, name))
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         self.events.append(obj)
         return obj
 
-    async def merge_patch(self, kind: Kind, namespace: str, name: str, patch: dict[str, Any],
+    async def merge_patch(self, resource: Resource, namespace: str, name: str, patch: dict[str, Any],
                           subresource: str | None = None) -> dict[str, Any]:
-        self.patches.append((kind.plural, name, patch, subresource))
+        self.patches.append((resource.kind, name, patch, subresource))
         return patch
 
-    async def strategic_patch(self, kind: Kind, namespace: str, name: str,
+    async def strategic_patch(self, resource: Resource, namespace: str, name: str,
                               patch: dict[str, Any], subresource: str | None = None
                               ) -> dict[str, Any]:
-        return await self.merge_patch(kind, namespace, name, patch, subresource)
+        return await self.merge_patch(resource, namespace, name, patch, subresource)
 
-    async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
-        self.deleted.append((kind.plural, name))
+    async def delete(self, resource: Resource, namespace: str, name: str) -> bool:
+        self.deleted.append((resource.kind, name))
         return False
 
 
@@ -59,10 +59,10 @@ async def test_a_first_round_creates_every_child_and_reports_pending() -> None:
         ctx = ReconcileContext(kube=api, http=http)  # type: ignore[arg-type]
         status = await reconcile(ctx, service({"model": {"uri": "hf://org/m"}, "replicas": 2}))
     assert sorted(api.objects) == [
-        ("deployments", "m-engine"), ("deployments", "m-router"),
-        ("poddisruptionbudgets", "m-engine"), ("rolebindings", "m-router"),
-        ("roles", "m-router"), ("serviceaccounts", "m-router"), ("services", "m"),
-        ("services", "m-engine")]
+        ("Deployment", "m-engine"), ("Deployment", "m-router"),
+        ("PodDisruptionBudget", "m-engine"), ("Role", "m-router"),
+        ("RoleBinding", "m-router"), ("Service", "m"), ("Service", "m-engine"),
+        ("ServiceAccount", "m-router")]
     assert (status["phase"], status["ready"], status["observedGeneration"]) == ("Pending", "0/2", 4)
     (written,) = [p for p in api.patches if p[3] == "status"]
     assert written[2]["status"]["phase"] == "Pending"
@@ -85,9 +85,9 @@ async def test_routing_off_removes_the_router() -> None:
         ctx = ReconcileContext(kube=api, http=http)  # type: ignore[arg-type]
         await reconcile(ctx, service({"model": {"uri": "hf://org/m"},
                                       "routing": {"enabled": False}}))
-    assert ("deployments", "m-router") not in api.objects
-    assert sorted(api.deleted) == [("deployments", "m-router"), ("rolebindings", "m-router"),
-                                   ("roles", "m-router"), ("serviceaccounts", "m-router")]
+    assert ("Deployment", "m-router") not in api.objects
+    assert sorted(api.deleted) == [("Deployment", "m-router"), ("Role", "m-router"),
+                                   ("RoleBinding", "m-router"), ("ServiceAccount", "m-router")]
 
 
 async def test_an_invalid_spec_is_reported_not_acted_on() -> None:
