@@ -46,6 +46,8 @@ ISVC = Resource(API_VERSION, KIND)
 CUSTOM_PLURALS: dict[Resource, str] = {
     ISVC: PLURAL,
     Resource("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    Resource("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    Resource("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
 }
 
 
