@@ -157,6 +157,14 @@ CASES = [
     chat("chat stop_token_ids [2**64]", "stop_token_ids", stop_token_ids=[2**64]),
     chat("a 6 MiB chat message", "messages",
          messages=[{"role": "user", "content": LONG_TEXT}]),
+    # -- structured outputs -----------------------------------------------------------------
+    cmpl("an invalid regex", None, structured_outputs={"regex": "(unclosed"}),
+    cmpl("an invalid grammar", None, structured_outputs={"grammar": "root ::= ("}),
+    cmpl("an unknown response_format type", "response_format.type",
+         response_format={"type": "yaml"}),
+    raw("a 10k-deep JSON schema", "/v1/completions",
+        '{"model": "shoal-test", "prompt": "a", "structured_outputs": {"json": '
+        + '{"type": "array", "items": ' * DEEP + '{"type": "string"}' + "}" * DEEP + "}}"),
     # -- /tokenize and /detokenize ----------------------------------------------------------
     Case("tokenize: both prompt and messages", "/tokenize",
          {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
