@@ -1,35 +1,47 @@
-"""Offline throughput on CPU: our engine vs HF transformers, as a share of the CPU roofline.
+"""Offline throughput on CPU: our engine against vLLM's CPU build, in the same run.
 
-Workload (fixed seed): the bench-size model (``shoal make-model --size bench``), 128
-requests, prompt lengths uniform in 32..512, output lengths in 16..256, greedy with
-ignore_eos, all submitted at once. In one run:
+Workload (fixed seed): the bench-size llama (``shoal make-model --size bench``), ``--requests``
+requests (default 128), prompt lengths uniform in ``--prompt-range`` (32..512), output lengths
+in ``--output-range`` (16..256), greedy with ignore_eos, all submitted at once, token-id prompts.
+Per round (``--rounds``, interleaved so a change in the shared machine's load hits every system):
 
-- HF ``generate`` in static batches (left-padded; each batch runs to its longest output),
-  at the best batch size of a calibration on the first requests;
-- HF ``generate_batch``-style continuous batching (the ContinuousBatchingManager, per-request
-  max_new_tokens), warmed up first;
-- ours: ``LLM.generate`` with token-id prompts.
+- ours: ``LLM.generate`` (the engine is built once, before the first round), at each torch
+  thread count in ``--threads`` (1 and 2: on a loaded 2-core machine one thread can win);
+- vLLM: ``LLM.generate`` in its own venv (``bench/peers.py``), once per thread binding in
+  ``--vllm-bind`` (its default ``auto`` and ``0-1``: both cores for the model); the better
+  binding is the peer's figure and the better thread count ours;
+- with ``--peer hf`` as well (context only): HF ``generate`` in static batches at the best
+  batch size of a calibration, and HF continuous batching.
 
-For each: output tokens/s, ratio to the best HF figure, and share of the CPU roofline: the
-workload's model FLOPs (2 x linear parameters per processed token, the LM head per generated
-token, attention over each token's context) over the torch matmul rate measured in this run at
-the steps' shapes. The machine is shared (2 cores): figures are noisy.
+For each: output tokens/s, ratio to the peer (best vLLM binding), share of the CPU roofline
+(the workload's model FLOPs over the torch matmul rate measured in this run at the steps'
+shapes) and the load average when it ran. The machine is shared (2 cores): figures are noisy.
 
-    .venv/bin/python bench/offline_throughput.py [--requests 128] [--json out.json] [--quick]
+    .venv/bin/python bench/offline_throughput.py [--peer vllm[,hf]] [--requests 128]
+        [--rounds 1] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from shoal.runtime.model.config import ModelConfig, load_model_config
+# what `shoal` sets for every process it starts (docs/operations.md): spinning OpenMP waits
+# stall when the cores are shared; this in-process engine gets the same
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from shoal.runtime.model.config import ModelConfig, load_model_config  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (bench/ is not a package)
 
 
 @dataclass
@@ -96,16 +108,24 @@ def matmul_rate(mc: ModelConfig, rows: tuple[int, ...] = (128, 512, 2048),
 
 # -- the three systems -------------------------------------------------------------------------
 
-def run_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int) -> float:
+def build_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int):
     from shoal.runtime.llm import LLM
     from shoal.runtime.sampling_params import SamplingParams
 
     llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=len(work.prompts),
               max_num_batched_tokens=max_num_batched_tokens,
               max_model_len=max(len(p) for p in work.prompts) + max(work.output_lens) + 16)
+    llm.generate(work.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=n,
+                                                   ignore_eos=True)
+                                    for n in work.output_lens[:2]])  # warm-up
+    return llm
+
+
+def run_ours(llm, work: Workload) -> float:
+    from shoal.runtime.sampling_params import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in work.output_lens]
-    llm.generate(work.prompts[:2], params[:2])  # warm-up
     start = time.perf_counter()
     results = llm.generate(work.prompts, params)
     elapsed = time.perf_counter() - start
@@ -113,6 +133,17 @@ def run_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int) -> fl
     if produced != work.output_tokens:
         raise RuntimeError(f"ours produced {produced} tokens, expected {work.output_tokens}")
     return elapsed
+
+
+def run_vllm(peer: peers.VllmPeer, model_dir: Path, work: Workload,
+             max_num_batched_tokens: int, scratch: Path) -> float:
+    result = peers.run_vllm_offline(peer, model_dir, work.prompts, work.output_lens,
+                                    max_num_batched_tokens, scratch / "offline_work.json")
+    if result["output_tokens"] != work.output_tokens:
+        raise RuntimeError(f"{peer.name} produced {result['output_tokens']} tokens, expected "
+                           f"{work.output_tokens}")
+    print(f"  ({peer.name} started in {result['startup_seconds']:.0f} s)", flush=True)
+    return float(result["seconds"])
 
 
 def load_hf(model_dir: Path):
@@ -193,74 +224,119 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     parser.add_argument("--size", default="bench")
     parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--prompt-range", default="32-512")
+    parser.add_argument("--output-range", default="16-256")
+    parser.add_argument("--peer", default="vllm", help="comma-separated: vllm, hf")
+    parser.add_argument("--vllm-venv", default=peers.DEFAULT_VLLM_VENV)
+    parser.add_argument("--vllm-bind", default="auto,0-1",
+                        help="VLLM_CPU_OMP_THREADS_BIND values to measure (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds of every system (the best round counts)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32,64")
     parser.add_argument("--calibration-requests", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, 16 short requests: a smoke run of the script")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads for every system (0: torch's default); on a "
-                        "loaded machine 1 avoids OpenMP barrier stalls")
+    parser.add_argument("--threads", default="1,2",
+                        help="torch thread counts to measure ours at (comma-separated; the "
+                        "better is our figure, like the peer's bindings); HF runs at the first")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    torch.set_num_threads(thread_counts[0])
+    wanted = {p.strip() for p in args.peer.split(",") if p.strip()}
+    if wanted - {"vllm", "hf"}:
+        parser.error(f"unknown peer(s) {sorted(wanted - {'vllm', 'hf'})}")
+    vllm = (peers.vllm_peers(args.vllm_venv, args.vllm_bind, kv_cache_gib=2)
+            if "vllm" in wanted else [])
 
     from shoal.runtime.model.make_model import cached_model
 
     size, count = ("tiny", 16) if args.quick else (args.size, args.requests)
-    prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 512), (16, 256))
+    prompt_range = (8, 64) if args.quick else tuple(map(int, args.prompt_range.split("-")))
+    output_range = (4, 32) if args.quick else tuple(map(int, args.output_range.split("-")))
     model_dir = cached_model(args.arch, size)
     mc = load_model_config(model_dir)
-    work = make_workload(count, mc.vocab_size, prompt_range, output_range)
+    work = make_workload(count, mc.vocab_size, prompt_range, output_range)  # type: ignore[arg-type]
     flops = workload_flops(mc, work)
     rates = matmul_rate(mc)
     peak = max(rates.values())
     roofline_s = flops / peak
     print(f"model {model_dir.name}; {count} requests, {sum(map(len, work.prompts))} prompt + "
           f"{work.output_tokens} output tokens; {flops / 1e12:.2f} TFLOP; torch threads "
-          f"{torch.get_num_threads()}")
+          f"{torch.get_num_threads()}; load average {peers.load_average()}")
     print("matmul GFLOP/s at rows " + ", ".join(f"{m}: {r / 1e9:.1f}" for m, r in rates.items())
           + f" -> roofline {roofline_s:.1f} s")
 
     rows: list[dict] = []
-    model = load_hf(model_dir)
-    calib = work.subset(min(args.calibration_requests, count))
-    trials = {}
-    for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-        trials[bs] = calib.output_tokens / run_hf_static(model, calib, bs)
-        print(f"  HF static batch {bs}: {trials[bs]:.1f} tok/s on {len(calib.prompts)} requests",
-              flush=True)
-    best_bs = max(trials, key=trials.get)
-    def done(system: str, seconds: float) -> None:
-        rows.append({"system": system, "seconds": seconds})
-        print(f"  {system}: {seconds:.1f} s, {work.output_tokens / seconds:.1f} tok/s",
-              flush=True)
 
-    done(f"HF generate (static, batch {best_bs})", run_hf_static(model, work, best_bs))
-    if not args.skip_hf_continuous:
-        done("HF continuous batching", run_hf_continuous(load_hf(model_dir), work,
-                                                         args.max_num_batched_tokens))
-    del model
-    done("shoal LLM.generate", run_ours(model_dir, work, args.max_num_batched_tokens))
+    def done(system: str, seconds: float, load: str, round_: int) -> None:
+        rows.append({"system": system, "seconds": seconds, "load_average": load,
+                     "round": round_})
+        print(f"  round {round_} {system}: {seconds:.1f} s, {work.output_tokens / seconds:.1f} "
+              f"tok/s (load {load})", flush=True)
 
-    best_hf = max(work.output_tokens / r["seconds"] for r in rows if r["system"].startswith("HF"))
-    print(f"\n{'system':<32} {'seconds':>8} {'out tok/s':>10} {'x best HF':>10} "
-          f"{'% roofline':>11}")
+    trials: dict[int, float] = {}
+    if "hf" in wanted:
+        model = load_hf(model_dir)
+        calib = work.subset(min(args.calibration_requests, count))
+        for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+            trials[bs] = calib.output_tokens / run_hf_static(model, calib, bs)
+            print(f"  HF static batch {bs}: {trials[bs]:.1f} tok/s on {len(calib.prompts)} "
+                  "requests", flush=True)
+        best_bs = max(trials, key=lambda bs: trials[bs])
+        load = peers.load_average()
+        done(f"HF generate (static, batch {best_bs})", run_hf_static(model, work, best_bs),
+             load, 0)
+        if not args.skip_hf_continuous:
+            load = peers.load_average()
+            done("HF continuous batching", run_hf_continuous(load_hf(model_dir), work,
+                                                             args.max_num_batched_tokens),
+                 load, 0)
+        del model
+
+    ours = build_ours(model_dir, work, args.max_num_batched_tokens)
+    scratch = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
+    for round_ in range(1, args.rounds + 1):
+        systems: list[int | peers.VllmPeer] = [*thread_counts, *vllm]
+        if round_ % 2 == 0:
+            systems.reverse()
+        for system in systems:
+            load = peers.load_average()
+            if isinstance(system, int):
+                torch.set_num_threads(system)
+                done(f"shoal[threads={system}]", run_ours(ours, work), load, round_)
+            else:
+                assert isinstance(system, peers.VllmPeer)
+                done(system.name, run_vllm(system, model_dir, work,
+                                           args.max_num_batched_tokens, scratch), load, round_)
+
+    best: dict[str, float] = {}  # system -> its best round's tok/s
     for r in rows:
         r["output_tok_s"] = work.output_tokens / r["seconds"]
-        r["ratio_to_best_hf"] = r["output_tok_s"] / best_hf
         r["roofline_share"] = roofline_s / r["seconds"]
-        print(f"{r['system']:<32} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
-              f"{r['ratio_to_best_hf']:>10.2f} {100 * r['roofline_share']:>10.1f}%")
-    print("(targets: >= 70% of the roofline, >= 3x the best HF figure; shared machine: noisy)")
+        best[r["system"]] = max(best.get(r["system"], 0.0), r["output_tok_s"])
+    peer_name = max((s for s in best if s.startswith("vllm")), key=best.__getitem__,
+                    default=None)
+    ours_name = max((s for s in best if s.startswith("shoal")), key=best.__getitem__)
+    print(f"\n{'system':<34} {'round':>5} {'seconds':>8} {'out tok/s':>10} {'x peer':>7} "
+          f"{'% roofline':>11}  load 1/5/15")
+    for r in rows:
+        ratio = f"{r['output_tok_s'] / best[peer_name]:.2f}" if peer_name else "-"
+        r["ratio_to_peer"] = r["output_tok_s"] / best[peer_name] if peer_name else None
+        print(f"{r['system']:<34} {r['round']:>5} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
+              f"{ratio:>7} {100 * r['roofline_share']:>10.1f}%  {r['load_average']}")
+    if peer_name:
+        print(f"{ours_name} / {peer_name} (the better setting of each, best rounds): "
+              f"{best[ours_name] / best[peer_name]:.2f}x")
+    print("(target: >= 1.2x the peer; shared machine: noisy)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": model_dir.name, "requests": count, "workload_flops": flops,
             "matmul_flops_per_s": {str(k): v for k, v in rates.items()},
             "roofline_seconds": roofline_s, "hf_static_trials_tok_s": trials,
-            "results": rows}, indent=2))
+            "peer": peer_name, "results": rows}, indent=2))
     return 0
 
 

@@ -1,18 +1,29 @@
-"""HTTP load on CPU: ``shoal serve`` vs ``transformers serve --continuous-batching``.
+"""HTTP serving load on CPU: ``shoal serve`` against ``vllm serve`` (its CPU build), same run.
 
-One run drives both servers, one after the other (never at once: the machine has 2 cores),
-with the same requests: the bench-size model (``shoal make-model --size bench``), text
-prompts of 32..256 tokens, max_tokens 32..128 (fixed seed), streaming completions. Each rate
-is a Poisson arrival process (requests/s); ``inf`` sends everything at once (saturation).
-Both servers are warmed up first (transformers' first request is slow) and run with the same
-torch thread count (``--threads``, default 1: on a shared 2-core machine, two OpenMP threads
-per process oversubscribe the cores and run ~10x slower than one).
+Every server is started first, on the same model directory (the bench-size llama, ``shoal
+make-model --size bench``) and the same limits (max_num_seqs, max_num_batched_tokens,
+max_model_len, a 2 GiB KV cache); then each workload runs on every server back to back (the
+order alternates from one workload to the next), so a change in the shared machine's load hits
+both systems alike. Requests are token ids (``prompt: [ids]``), greedy, ``ignore_eos``,
+streamed with usage. Workloads (sizes are flags, so a short run is possible):
 
-Per server and rate: output tokens/s (from the usage each stream reports), TTFT and
-inter-token latency p50/p99 (client side: the gap between content chunks), and the ratio of
-shoal's throughput to the peer's. The machine is shared with other work: figures are noisy.
+- ``burst``: C requests at once for each C in ``--concurrency`` (1 means ``--single-requests``
+  one after another), prompts ``--prompt-range`` tokens, for each ``--new-tokens`` value;
+- ``poisson``: ``--poisson-requests`` with Poisson arrivals at each ``--rates`` (requests/s);
+- ``chat``: ``--chat-users`` users, each a conversation of ``--chat-turns`` turns on one of
+  ``--chat-system-prompts`` long system prompts; a turn's prompt is the system prompt, the
+  earlier turns (each user message, then a fixed stand-in for the reply: the reply's own tokens
+  are not returned as ids by both servers) and the new user message, so prefix caching decides
+  TTFT.
 
-    .venv/bin/python bench/serve_load.py [--rates 2,inf] [--requests 48] [--json out.json]
+Per server and workload: output tokens/s (from each stream's usage), TTFT and inter-token
+latency p50/p99 (client side: gaps between chunks that carry text) and the load average when it
+ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
+``--threads`` (one server each, all up at once); the better of each is its figure (by tok/s)
+and the ratios compare those two. The machine is shared: figures are noisy.
+
+    .venv/bin/python bench/serve_load.py --peer vllm [--workloads burst,poisson,chat]
+        [--concurrency 1,16,48,128,256] [--new-tokens 64,128] [--rates 1,2,4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,23 +31,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (bench/ is not a package)
+
+SERVED_NAME = "bench"
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
 
 @dataclass
 class Workload:
-    prompts: list[str]
-    max_tokens: list[int]
+    name: str
+    requests: list[Request]
+    concurrency: int = 0  # >0: a closed loop of this many in flight; 0: arrivals below
+    rate: float = float("inf")  # Poisson arrivals (requests/s); inf: all at once
+    chats: list[list[Request]] = field(default_factory=list)  # each list: one user's turns
 
 
 @dataclass
@@ -49,9 +70,9 @@ class RequestResult:
 
 
 @dataclass
-class RateResult:
+class Result:
     server: str
-    rate: str
+    workload: str
     tokens_per_s: float
     requests_per_s: float
     ttft_p50: float
@@ -59,18 +80,45 @@ class RateResult:
     itl_p50: float
     itl_p99: float
     errors: int
+    load_average: str
 
 
-def make_workload(model_dir: Path, count: int, seed: int = 0) -> Workload:
-    from shoal.runtime.frontend.tokenizer import Tokenizer
+def random_ids(rng: random.Random, vocab: int, count: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(count)]
 
-    tokenizer = Tokenizer.from_dir(model_dir)
+
+def burst_workload(vocab: int, concurrency: int, new_tokens: int, prompt_range: tuple[int, int],
+                   single_requests: int, seed: int) -> Workload:
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(32, 256))]
-        prompts.append(tokenizer.decode(ids).replace("\ufffd", "?"))
-    return Workload(prompts, [rng.randint(32, 128) for _ in range(count)])
+    count = single_requests if concurrency == 1 else concurrency
+    requests = [Request(random_ids(rng, vocab, rng.randint(*prompt_range)), new_tokens)
+                for _ in range(count)]
+    return Workload(f"burst c={concurrency} n={new_tokens}", requests, concurrency=concurrency)
+
+
+def poisson_workload(vocab: int, rate: float, count: int, prompt_range: tuple[int, int],
+                     new_range: tuple[int, int], seed: int) -> Workload:
+    rng = random.Random(seed)
+    requests = [Request(random_ids(rng, vocab, rng.randint(*prompt_range)),
+                        rng.randint(*new_range)) for _ in range(count)]
+    return Workload(f"poisson {rate:g}/s x{count}", requests, rate=rate)
+
+
+def chat_workload(vocab: int, users: int, turns: int, system_prompts: int, system_len: int,
+                  user_len: int, reply_len: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    systems = [random_ids(rng, vocab, system_len) for _ in range(system_prompts)]
+    chats = []
+    for user in range(users):
+        history = list(systems[user % system_prompts])
+        conversation = []
+        for _ in range(turns):
+            history += random_ids(rng, vocab, user_len)
+            conversation.append(Request(list(history), reply_len))
+            history += random_ids(rng, vocab, reply_len)  # the reply's stand-in
+        chats.append(conversation)
+    name = f"chat {users}u x{turns}t sys {system_prompts}x{system_len}"
+    return Workload(name, [r for c in chats for r in c], chats=chats)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,85 +128,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# -- servers -------------------------------------------------------------------------------------
-
-class ServerProcess:
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str],
-                 health_path: str) -> None:
-        self.name, self.port, self.health_path = name, port, health_path
-        self.log = open(f"/tmp/serve_load_{name}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_up(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see "
-                                   f"{self.log.name}")
-            try:
-                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not up after {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-
-
-def start_shoal(model_dir: Path, port: int, threads: int) -> ServerProcess:
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model_dir), "--host",
-           "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-           "--log-level", "warning", "--shutdown-timeout", "1",
-           "--kv-cache-memory", str(1 << 30)]  # 1 GiB: room for the whole workload
-    return ServerProcess("shoal", cmd, port, thread_env(threads), "/ready")
-
-
-def start_transformers(model_dir: Path, port: int, threads: int) -> ServerProcess:
-    exe = Path(sys.executable).with_name("transformers")
-    cmd = [str(exe), "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    env = {**thread_env(threads), "HF_HUB_OFFLINE": "1"}
-    return ServerProcess("transformers", cmd, port, env, "/health")
-
-
 # -- load ----------------------------------------------------------------------------------------
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int) -> RequestResult:
+async def one_request(http: httpx.AsyncClient, url: str, request: Request) -> RequestResult:
     result = RequestResult()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if model == "bench":
-        body["ignore_eos"] = True  # shoal only; the peer ignores unknown fields anyway
+    body = {"model": SERVED_NAME, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}"
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -166,7 +147,7 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if any(c.get("text") for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
@@ -179,98 +160,174 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
     return result
 
 
-async def run_rate(url: str, model: str, workload: Workload, rate: float,
-                   seed: int = 1) -> tuple[list[RequestResult], float]:
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        tasks = []
+async def drive(url: str, workload: Workload, seed: int = 1) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as http:
         start = time.perf_counter()
-        for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
-            tasks.append(asyncio.create_task(one_request(http, url, model, prompt, max_tokens)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-    return results, start
+        if workload.chats:
+            async def converse(turns: list[Request]) -> list[RequestResult]:
+                return [await one_request(http, url, turn) for turn in turns]
+
+            per_user = await asyncio.gather(*(converse(c) for c in workload.chats))
+            return [r for user in per_user for r in user], start
+        if workload.concurrency:
+            slots = asyncio.Semaphore(workload.concurrency)
+
+            async def limited(request: Request) -> RequestResult:
+                async with slots:
+                    return await one_request(http, url, request)
+
+            return list(await asyncio.gather(*(limited(r) for r in workload.requests))), start
+        rng = random.Random(seed)
+        tasks = []
+        for request in workload.requests:
+            tasks.append(asyncio.create_task(one_request(http, url, request)))
+            if workload.rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(workload.rate))
+        return list(await asyncio.gather(*tasks)), start
 
 
-def summarise(server: str, rate_name: str, results: list[RequestResult],
-              start: float) -> RateResult:
+def summarise(server: str, workload: Workload, results: list[RequestResult], start: float,
+              load: str) -> Result:
     ok = [r for r in results if r.error is None]
     elapsed = max(r.end for r in results) - start
-    tokens = sum(r.output_tokens for r in ok)
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
-    return RateResult(server, rate_name, tokens / elapsed, len(ok) / elapsed,
-                      percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
-                      percentile(gaps, 99), len(results) - len(ok))
+    return Result(server, workload.name, sum(r.output_tokens for r in ok) / elapsed,
+                  len(ok) / elapsed, percentile(ttfts, 50), percentile(ttfts, 99),
+                  percentile(gaps, 50), percentile(gaps, 99), len(results) - len(ok), load)
 
 
-def bench_server(server: ServerProcess, model: str, workload: Workload,
-                 rates: list[str]) -> list[RateResult]:
-    server.wait_up()
-    warm = Workload(workload.prompts[:4], [8] * 4)
-    for _ in range(2):  # the peer's first requests are slow: warm both sides alike
-        asyncio.run(run_rate(server.url, model, warm, float("inf")))
-    out = []
-    for rate_name in rates:
-        results, start = asyncio.run(run_rate(server.url, model, workload, float(rate_name)))
-        out.append(summarise(server.name, rate_name, results, start))
-        print(f"  {server.name} rate={rate_name}: {out[-1].tokens_per_s:.1f} tok/s", flush=True)
-    return out
+def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
+    load = peers.load_average()
+    results, start = asyncio.run(drive(server.url, workload))
+    result = summarise(server.name, workload, results, start, load)
+    errors = [r.error for r in results if r.error]
+    print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p99 "
+          f"{result.ttft_p99:7.3f} s  load {load}" + (f"  errors: {errors[:2]}" if errors else ""),
+          flush=True)
+    return result
 
 
-def print_table(results: list[RateResult]) -> None:
-    print(f"\n{'server':<13}{'rate':>6}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'ITL p50':>9}{'ITL p99':>9}{'errors':>7}{'vs peer':>9}")
-    peer = {r.rate: r for r in results if r.server == "transformers"}
+# -- report --------------------------------------------------------------------------------------
+
+def print_table(results: list[Result]) -> None:
+    print(f"\n{'workload':<34}{'server':<17}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>9}"
+          f"{'TTFT p99':>9}{'ITL p50':>8}{'ITL p99':>8}{'err':>4}  {'load 1/5/15':<14}")
     for r in results:
-        ratio = (f"{r.tokens_per_s / peer[r.rate].tokens_per_s:.2f}x"
-                 if r.server == "shoal" and r.rate in peer and peer[r.rate].tokens_per_s else "")
-        print(f"{r.server:<13}{r.rate:>6}{r.tokens_per_s:>9.1f}{r.requests_per_s:>7.2f}"
-              f"{r.ttft_p50:>10.3f}{r.ttft_p99:>10.3f}{r.itl_p50:>9.3f}{r.itl_p99:>9.3f}"
-              f"{r.errors:>7}{ratio:>9}")
-    print("(seconds; target: shoal >= 3x the peer's tok/s at rate=inf and a lower TTFT p99 at "
-          "equal load; shared 2-core machine: noisy)")
+        print(f"{r.workload:<34}{r.server:<17}{r.tokens_per_s:>8.1f}{r.requests_per_s:>7.2f}"
+              f"{r.ttft_p50:>9.3f}{r.ttft_p99:>9.3f}{r.itl_p50:>8.3f}{r.itl_p99:>8.3f}"
+              f"{r.errors:>4}  {r.load_average:<14}")
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    print(f"\n{'workload':<34}{'shoal (best)':<17}{'peer (best)':<17}{'tok/s ratio':>12}"
+          f"{'TTFT p99 ratio':>16}")
+    for name in workloads:
+        mine = [r for r in results if r.workload == name and r.server.startswith("shoal")]
+        theirs = [r for r in results if r.workload == name and r.server.startswith("vllm")]
+        if not mine or not theirs:
+            continue
+        ours = max(mine, key=lambda r: r.tokens_per_s)
+        best = max(theirs, key=lambda r: r.tokens_per_s)
+        print(f"{name:<34}{ours.server:<17}{best.server:<17}"
+              f"{ours.tokens_per_s / best.tokens_per_s:>11.2f}x"
+              f"{ours.ttft_p99 / best.ttft_p99:>15.2f}x")
+    print("(seconds; ratios are shoal / peer: targets tok/s >= 1.2x, TTFT p99 <= 1.0x; "
+          "shared 2-core machine: noisy)")
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split("-"))
+    return low, high
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: cached qwen3 bench model")
-    parser.add_argument("--rates", default="2,inf", help="comma-separated requests/s; inf = burst")
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--servers", default="shoal,transformers")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    parser.add_argument("--model", default=None, help="default: the cached llama bench model")
+    parser.add_argument("--peer", default="vllm", choices=["vllm", "none"])
+    parser.add_argument("--vllm-venv", default=peers.DEFAULT_VLLM_VENV)
+    parser.add_argument("--vllm-bind", default="auto,0-1",
+                        help="VLLM_CPU_OMP_THREADS_BIND values to measure (comma-separated)")
+    parser.add_argument("--workloads", default="burst,poisson,chat")
+    parser.add_argument("--concurrency", default="1,16,48,128,256")
+    parser.add_argument("--new-tokens", default="64,128")
+    parser.add_argument("--prompt-range", default="64-320")
+    parser.add_argument("--single-requests", type=int, default=4,
+                        help="requests one after another at concurrency 1")
+    parser.add_argument("--rates", default="1,2,4", help="Poisson requests/s")
+    parser.add_argument("--poisson-requests", type=int, default=64)
+    parser.add_argument("--poisson-new-tokens", default="64-128")
+    parser.add_argument("--chat-users", type=int, default=32)
+    parser.add_argument("--chat-turns", type=int, default=3)
+    parser.add_argument("--chat-system-prompts", type=int, default=4)
+    parser.add_argument("--chat-system-len", type=int, default=768)
+    parser.add_argument("--chat-user-len", type=int, default=48)
+    parser.add_argument("--chat-reply-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads", default="1,2",
+                        help="OMP thread counts to run shoal at, one server each (the better "
+                        "is our figure, like the peer's bindings)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.model is None:
         from shoal.runtime.model.make_model import cached_model
 
-        model_dir = cached_model("qwen3", "bench")
+        model_dir = cached_model("llama", "bench")
     else:
         model_dir = Path(args.model)
-    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    for rate in rates:
-        if not float(rate) > 0:
-            parser.error(f"rates must be positive (or inf), got {rate}")
-    workload = make_workload(model_dir, args.requests)
-    results: list[RateResult] = []
-    for name in args.servers.split(","):
-        if name == "shoal":
-            server, model = start_shoal(model_dir, free_port(), args.threads), "bench"
-        elif name == "transformers":
-            server, model = start_transformers(model_dir, free_port(), args.threads), \
-                str(model_dir)
-        else:
-            parser.error(f"unknown server {name!r}")
-        print(f"{name}: starting ({server.log.name})", flush=True)
-        try:
-            results += bench_server(server, model, workload, rates)
-        finally:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = parse_range(args.prompt_range)
+
+    workloads: list[Workload] = []
+    kinds = set(args.workloads.split(","))
+    if "burst" in kinds:
+        workloads += [burst_workload(vocab, c, n, prompts, args.single_requests, seed=c)
+                      for n in parse_ints(args.new_tokens) for c in parse_ints(args.concurrency)]
+    if "poisson" in kinds:
+        workloads += [poisson_workload(vocab, float(rate), args.poisson_requests, prompts,
+                                       parse_range(args.poisson_new_tokens), seed=7)
+                      for rate in args.rates.split(",") if rate.strip()]
+    if "chat" in kinds:
+        workloads.append(chat_workload(vocab, args.chat_users, args.chat_turns,
+                                       args.chat_system_prompts, args.chat_system_len,
+                                       args.chat_user_len, args.chat_reply_len, seed=11))
+
+    limits = (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
+    servers: list[peers.ServerProcess] = []
+    try:
+        for threads in parse_ints(args.threads):
+            servers.append(peers.start_shoal_server(model_dir, SERVED_NAME, *limits, threads))
+        if args.peer == "vllm":
+            for peer in peers.vllm_peers(args.vllm_venv, args.vllm_bind, kv_cache_gib=2):
+                servers.append(peers.start_vllm_server(peer, model_dir, SERVED_NAME, *limits))
+        for server in servers:
+            print(f"{server.name}: starting ({server.log.name})", flush=True)
+        for server in servers:
+            server.wait_up()
+            print(f"{server.name}: up after {server.startup_seconds:.0f} s", flush=True)
+        warm = Workload("warm-up", workloads[0].requests[:4] if workloads else [], concurrency=4)
+        for server in servers:  # the first requests are slow on both (compile, allocator)
+            for _ in range(2):
+                asyncio.run(drive(server.url, warm))
+        print(f"model {model_dir.name}; load average {peers.load_average()}", flush=True)
+        results: list[Result] = []
+        for index, workload in enumerate(workloads):
+            order = servers if index % 2 == 0 else servers[::-1]
+            results += [run_one(server, workload) for server in order]
+    finally:
+        for server in servers:
             server.stop()
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2))
+        Path(args.json).write_text(json.dumps({
+            "model": model_dir.name, "startup_seconds": {s.name: s.startup_seconds
+                                                         for s in servers},
+            "results": [asdict(r) for r in results]}, indent=2))
     return 0
 
 

@@ -1,0 +1,82 @@
+"""How long ``shoal serve`` (the default model) takes to answer ``/ready``, from a cold cache.
+
+Three starts, each in a fresh process and a cache directory of its own (``SHOAL_CACHE_DIR``),
+one after another:
+
+- ``fresh, no prebuild``: an empty cache, as a checkout before this change: the default model
+  is written and the native CPU kernels compile on the first start;
+- ``fresh after make setup``: an empty cache where ``python -m shoal.kernels.native_cpu
+  --build`` (the step ``make setup`` and the image build run) has prebuilt the kernels; the
+  model is still written on this start;
+- ``started before``: the same cache again (model and kernels there).
+
+The machine is shared: the compile in particular stretches with the load, which is printed.
+
+    .venv/bin/python bench/first_start.py [--skip-no-prebuild]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (bench/ is not a package)
+
+
+def time_to_ready(cache: Path) -> float:
+    env = {**os.environ, "SHOAL_CACHE_DIR": str(cache)}
+    port = peers.free_port()
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--host", "127.0.0.1", "--port",
+           str(port), "--log-level", "warning", "--shutdown-timeout", "1"]
+    server = peers.ServerProcess("shoal", cmd, port, env, "/ready")
+    try:
+        server.wait_up(timeout=900)
+        return server.startup_seconds
+    finally:
+        server.stop()
+
+
+def prebuild(cache: Path) -> float:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "shoal.kernels.native_cpu", "--build"], check=True,
+                   env={**os.environ, "SHOAL_CACHE_DIR": str(cache)}, timeout=900)
+    return time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-no-prebuild", action="store_true",
+                        help="skip the start that compiles the kernels itself")
+    args = parser.parse_args()
+    rows = []
+    root = Path(tempfile.mkdtemp(prefix="shoal-first-start-"))
+    try:
+        if not args.skip_no_prebuild:
+            load = peers.load_average()
+            rows.append(("fresh, no prebuild", time_to_ready(root / "bare"), load))
+        cache = root / "setup"
+        load = peers.load_average()
+        print(f"prebuild (the make setup step): {prebuild(cache):.1f} s (load {load})",
+              flush=True)
+        load = peers.load_average()
+        rows.append(("fresh after make setup", time_to_ready(cache), load))
+        load = peers.load_average()
+        rows.append(("started before", time_to_ready(cache), load))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{'start':<26}{'/ready after':>13}  load 1/5/15")
+    for name, seconds, load in rows:
+        print(f"{name:<26}{seconds:>11.1f} s  {load}")
+    print("(targets: started before <= 15 s, fresh after make setup <= 60 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

