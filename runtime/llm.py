@@ -1,6 +1,7 @@
 """Offline API: ``LLM(model_dir, **engine_args).generate(prompts, sampling_params)``.
 
-Tokenizes with the checkpoint's HF tokenizer, validates every prompt before any reaches the
+Tokenizes with the front end's tokenizer and renderer (frontend/prompts.py: text encoded as
+HF encodes it, BOS included; ``chat`` renders the checkpoint's template), validates every prompt before any reaches the
 engine (a bad one leaves the engine untouched), fans ``n > 1`` out into n engine requests
 sharing the prompt (the copies enter once the first has computed it, so the prefix cache
 serves them), steps the engine until all are
@@ -14,10 +15,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from shoal.runtime.frontend.prompts import ChatPrompt, PromptRenderer
+from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
 from shoal.runtime.sampling_params import SamplingParams, child_params
 
@@ -40,20 +44,35 @@ class _Sample:
 
 class LLM:
     def __init__(self, model_dir: str | Path, **engine_args: object) -> None:
-        from transformers import AutoTokenizer
-
         self.engine = EngineCore(EngineConfig.from_kwargs(str(model_dir), **engine_args))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.renderer = PromptRenderer(self.tokenizer)
         self._ids = itertools.count()
         freeze_gc_after_startup()
 
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered by the template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        rendered = [self.renderer.render_chat(ChatPrompt(
+            list(conv), tools=tools, add_generation_prompt=add_generation_prompt))  # type: ignore[arg-type]
+            for conv in conversations]
+        outputs = self.generate([r.token_ids for r in rendered], sampling_params)
+        for out, r in zip(outputs, rendered, strict=True):
+            out.prompt = r.text
+        return outputs
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Text prompts are encoded as HF's ``tokenizer.encode`` (BOS added where the
+        checkpoint adds it) unless ``add_special_tokens=False``."""
         prompt_list = _normalize_prompts(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
-                       else list(p) for p in prompt_list]
+        token_lists = [self.renderer.encode_text(p, add_special_tokens).token_ids
+                       if isinstance(p, str) else list(p) for p in prompt_list]
         requests: list[EngineCoreRequest] = []
         samples: dict[str, _Sample] = {}
         batch = next(self._ids)
@@ -145,8 +164,8 @@ class LLM:
         self.engine.abort_requests([req_id])
 
     def _decode(self, sample: _Sample) -> str:
-        return str(self.tokenizer.decode(sample.token_ids,
-                                         skip_special_tokens=sample.params.skip_special_tokens))
+        return self.tokenizer.decode(sample.token_ids,
+                                     skip_special_tokens=sample.params.skip_special_tokens)
 
 
 def _normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

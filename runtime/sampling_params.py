@@ -63,6 +63,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
+    prompt_logprobs: int | None = None  # per prompt token (after the first); top alternatives
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # output constrained to a grammar (checked by the
     # engine core: runtime/structured/spec.py)
@@ -107,6 +109,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             _check(_is_int(self.logprobs) and 0 <= self.logprobs <= limits.max_logprobs,
                    "logprobs", f"logprobs must be in [0, {limits.max_logprobs}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check(_is_int(self.prompt_logprobs)
+                   and 0 <= self.prompt_logprobs <= limits.max_logprobs, "prompt_logprobs",
+                   f"prompt_logprobs must be in [0, {limits.max_logprobs}], "
+                   f"got {self.prompt_logprobs}")
+        if self.logit_bias:
+            top = limits.vocab_size or INT64_MAX + 1
+            _check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+                   "logit_bias values must be in [-100, 100]")
+            _check(all(_is_int(t) and 0 <= t < top for t in self.logit_bias), "logit_bias",
+                   f"logit_bias keys must be token ids in [0, {top})")
         self._validate_stops(limits)
 
     def _validate_stops(self, limits: RequestLimits) -> None:

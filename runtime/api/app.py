@@ -4,6 +4,7 @@ probes and metrics. Any exception a handler did not turn into an ``APIError`` is
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 import uuid
@@ -13,10 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from shoal.runtime.log_limits import RateLimitedLog
 
+from shoal import __version__
+
 from .auth import Authenticator
 from .errors import APIError, bad_request, internal_error
+from .openapi import REQUEST_BODIES, document_request_bodies
 from .protocol import DetokenizeRequest, TokenizeRequest
-from .serving_chat import create_chat_completion, render_chat
+from .serving_chat import chat_prompt, create_chat_completion, render_chat
 from .serving_common import check_prompt_text, parse_body
 from .serving_completion import create_completion
 from .state import ServerState
@@ -65,12 +69,13 @@ class InternalErrors:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="shoal", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="shoal", version=__version__, redoc_url=None)
     app.state.shoal = state
     settings = getattr(state, "settings", None)  # None: only the routes are wanted (docs)
     auth = Authenticator(tuple(k.encode() for k in settings.api_keys), settings.tenant_header,
                          settings.cache_sharing == "tenant") if settings else Authenticator(())
     errors_log = RateLimitedLog(logger)
+    document_request_bodies(app, REQUEST_BODIES)
 
     def require_api_key(request: Request) -> None:
         try:
@@ -111,14 +116,23 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict:
+        """Exactly the ids a completion (``prompt``) or a chat (``messages``) would run."""
         body = await parse_body(request, state, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            tokens = render_chat(state, body.messages, body.add_generation_prompt).token_ids
+            tokens = (await render_chat(state, chat_prompt(
+                body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=bool(body.add_special_tokens),
+                allow_special_tokens_in_content=body.allow_special_tokens_in_content))
+                      ).token_ids
         else:
             check_prompt_text(state, body.prompt or "", "prompt")
-            tokens = state.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = (await asyncio.to_thread(state.renderer.encode_text, body.prompt or "",
+                                              add)).token_ids
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize", dependencies=guarded)

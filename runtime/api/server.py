@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import uvicorn
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.client import AsyncEngineClient, EngineStartupError
-from shoal.runtime.frontend.chat_template import ChatTemplate
+from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 
 from .app import build_app
@@ -87,11 +87,10 @@ class ShoalServer(uvicorn.Server):
 async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str, port: int,
                 metrics_compat: list[str], log_level: str = "info") -> int:
     tokenizer = Tokenizer.from_dir(engine_config.model)
-    template = (ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-                if tokenizer.chat_template else None)
+    renderer = PromptRenderer(tokenizer)
     metrics = ServerMetrics(settings.model_name, metrics_compat)
     client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)
-    state = ServerState(settings, client, tokenizer, metrics, template)
+    state = ServerState(settings, client, tokenizer, metrics, renderer)
     _ = state.max_token_bytes  # one pass over the vocabulary now, not in the first request
     server = ShoalServer(uvicorn.Config(
         build_app(state), host=host, port=port, log_level=log_level, access_log=False,

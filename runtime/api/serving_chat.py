@@ -1,15 +1,18 @@
-"""POST /v1/chat/completions: the chat template renders the conversation, then as completions.
+"""POST /v1/chat/completions: the chat template renders the conversation (frontend/prompts.py,
+the one renderer, with the request's tools), then it runs as a completion.
 
 With ``tools``, the choice's text becomes a message with ``tool_calls`` (``tool_calls.py``:
 grammar-constrained for ``required`` and named choices, parsed for ``auto``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from shoal.runtime.frontend.chat_template import ChatMessage, ChatTemplateError
+from shoal.runtime.frontend.chat_template import ChatTemplateError
+from shoal.runtime.frontend.prompts import ChatPrompt
 from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
@@ -25,6 +28,7 @@ from .serving_common import (
     sampling_params,
     start_generation,
     stream_response,
+    truncated,
 )
 from .serving_completion import usage
 from .state import ServerState
@@ -34,17 +38,43 @@ from .tool_parsers import parse_tool_calls
 from .tool_stream import ToolDeltaStream
 
 
-def render_chat(state: ServerState, messages: list[ChatMessageIn],
-                add_generation_prompt: bool) -> PromptInput:
-    if state.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+def chat_prompt(messages: list[ChatMessageIn], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template: str | None = None,
+                template_kwargs: dict | None = None, documents: list | None = None,
+                tools: list[dict] | None = None, add_special_tokens: bool = False,
+                allow_special_tokens_in_content: bool = False) -> ChatPrompt:
+    """The request's conversation as the renderer takes it: each message with the fields
+    that were sent (tool_calls, tool_call_id, name, content parts)."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true", "continue_final_message")
+    return ChatPrompt([m.template_data() for m in messages], tools=tools, documents=documents,
+                      add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, template=template,
+                      template_kwargs=template_kwargs, add_special_tokens=add_special_tokens,
+                      special_tokens_in_content=allow_special_tokens_in_content)
+
+
+async def render_chat(state: ServerState, chat: ChatPrompt) -> PromptInput:
+    """Rendered and encoded in a worker thread: a long conversation never stalls the loop.
+    The messages' text is measured in bytes first (the rendering is at least that long)."""
+    check_prompt_text(state, "".join(_message_texts(chat.messages)), "messages")
     try:
-        text = state.chat_template.render([ChatMessage(m.role, m.text()) for m in messages],
-                                          add_generation_prompt)
+        rendered = await asyncio.to_thread(state.renderer.render_chat, chat)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
-    check_prompt_text(state, text, "messages")
-    return PromptInput(state.tokenizer.encode(text), text)
+    return PromptInput(rendered.token_ids, rendered.text)
+
+
+def _message_texts(messages: list[dict]) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [str(part.get("text", "")) for part in content if isinstance(part, dict)]
+    return texts
 
 
 def output_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> GrammarSpec | None:
@@ -90,7 +120,14 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     policy = tool_policy(body.tools, body.tool_choice)
     grammar = output_grammar(body, policy)
     params = sampling_params(body, state, max_tokens, top_k if body.logprobs else None, grammar)
-    prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    prompt = truncated(await render_chat(state, chat_prompt(
+        body.messages, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, template=body.chat_template,
+        template_kwargs=body.chat_template_kwargs, documents=body.documents, tools=tools,
+        add_special_tokens=body.add_special_tokens,
+        allow_special_tokens_in_content=body.allow_special_tokens_in_content)),
+        body.truncate_prompt_tokens, state)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.settings.model_name
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from .protocol import SamplingFields
 from .state import ServerState
 
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger("shoal.api")
 
 
 async def parse_body(request: Request, state: ServerState, model: type[Body]) -> Body:
@@ -69,8 +71,50 @@ def _is_union_member(loc: int | str) -> bool:
     return isinstance(loc, str) and (loc in _TYPE_LABELS or "[" in loc)
 
 
+_logged_ignored: set[str] = set()
+
+
+def check_fields(body: SamplingFields) -> None:
+    """A 400 naming a field whose value would silently change the result; fields that
+    cannot change it are accepted, and logged the first time each is seen."""
+    refused = body.refused_fields()
+    if refused:
+        raise bad_request(f"{refused[0]} is not supported with this value by this server "
+                          "(see docs/api-fields.md)", refused[0])
+    for name in body.ignored_fields():
+        if name not in _logged_ignored:
+            _logged_ignored.add(name)
+            logger.info("the request field %r is accepted and ignored (logged once)", name)
+
+
+def logit_bias_of(body: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias: JSON object keys are token ids as strings."""
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in body.logit_bias.items()}
+    except ValueError as exc:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from exc
+
+
+def truncated(prompt: PromptInput, keep: int | None, state: ServerState) -> PromptInput:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last ``keep`` tokens (-1: as many
+    as max_model_len allows)."""
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = state.max_model_len
+    if keep < 1:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
+                          "truncate_prompt_tokens")
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return PromptInput(prompt.token_ids[-keep:])
+
+
 def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | None,
                     logprobs: int | None, structured: GrammarSpec | None = None) -> SamplingParams:
+    check_fields(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(
         n=body.n,
@@ -84,8 +128,9 @@ def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | 
         seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos, logprobs=logprobs,
-        skip_special_tokens=body.skip_special_tokens, structured=structured)
+        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+        logit_bias=logit_bias_of(body), skip_special_tokens=body.skip_special_tokens,
+        structured=structured)
     try:
         params.validate(state.request_limits)
     except InvalidParameter as exc:

@@ -7,6 +7,8 @@ prompt tokens' logprobs, which the engine does not compute, so that combination 
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -23,18 +25,21 @@ from .serving_common import (
     sampling_params,
     start_generation,
     stream_response,
+    truncated,
 )
 from .state import ServerState
 from .structured_request import grammar_for
 
 
 def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]:
-    """Text prompts are measured in bytes before they are tokenized; a batch of prompts
-    times n is bounded by max_n, like n alone."""
+    """Text prompts are measured in bytes before they are tokenized, then encoded as HF
+    encodes them (special tokens added unless the request's add_special_tokens is false);
+    token-id prompts as given; a batch of prompts times n is bounded by max_n, like n
+    alone. Runs in a worker thread."""
     prompt = body.prompt
     if isinstance(prompt, str):
         check_prompt_text(state, prompt, "prompt")
-        return [PromptInput(state.tokenizer.encode(prompt), prompt)]
+        return [_encoded(state, prompt, body.add_special_tokens)]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -46,8 +51,13 @@ def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]
     if all(isinstance(p, str) for p in prompt):
         for p in prompt:
             check_prompt_text(state, p, "prompt")  # type: ignore[arg-type]
-        return [PromptInput(state.tokenizer.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+        return [_encoded(state, p, body.add_special_tokens) for p in prompt]  # type: ignore[arg-type]
     return [PromptInput(list(p)) for p in prompt]  # type: ignore[arg-type]
+
+
+def _encoded(state: ServerState, text: str, add_special_tokens: bool) -> PromptInput:
+    rendered = state.renderer.encode_text(text, add_special_tokens)
+    return PromptInput(rendered.token_ids, rendered.text)
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -57,7 +67,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
                           "server does not compute; use echo without logprobs", "echo")
-    prompts = prompts_of(body, state)
+    prompts = [truncated(p, body.truncate_prompt_tokens, state)
+               for p in await asyncio.to_thread(prompts_of, body, state)]
     generation = start_generation(request, state, "cmpl", prompts, params, body)
     created, model = now_s(), state.settings.model_name
     top_k = body.logprobs or 0

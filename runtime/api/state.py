@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shoal.runtime.engine.client import AsyncEngineClient
-from shoal.runtime.frontend.chat_template import ChatTemplate
+from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.sampling_params import RequestLimits
 
@@ -51,7 +51,7 @@ class ServerState:
     client: AsyncEngineClient
     tokenizer: Tokenizer
     metrics: ServerMetrics
-    chat_template: ChatTemplate | None = None
+    renderer: PromptRenderer
     draining: bool = False
     exit_code: int = 0
     live: set[Generation] = field(default_factory=set)

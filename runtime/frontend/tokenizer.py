@@ -1,8 +1,13 @@
-"""The front end's tokenizer: a checkpoint's ``tokenizer.json`` plus ``tokenizer_config.json``.
+"""The front end's tokenizer: a checkpoint's ``tokenizer.json`` plus ``tokenizer_config.json``
+and its chat templates, read the way transformers reads them.
 
 Loaded with the ``tokenizers`` library directly (fast to import, no transformers machinery),
-so the API process can encode prompts, decode outputs and render the chat template without
-touching the engine. The same object serves the offline ``LLM``.
+so the API process, the offline ``LLM`` and the router's precise mode encode exactly alike.
+Special tokens (BOS) are added by ``tokenizer.json``'s post-processor, which is what
+transformers' generic fast tokenizer runs (model-specific tokenizer classes that rebuild it
+from tokenizer_config's ``add_bos_token`` are not imitated). Chat templates: ``chat_template.jinja`` and
+``additional_chat_templates/*.jinja`` take priority over tokenizer_config's ``chat_template``
+(a string, or the named-templates list).
 """
 
 from __future__ import annotations
@@ -10,8 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+
+DEFAULT_TEMPLATE = "default"
 
 
 def _token_content(value: object) -> str | None:
@@ -23,12 +31,36 @@ def _token_content(value: object) -> str | None:
     return None
 
 
+def load_chat_templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Template name -> jinja source; the unnamed one is ``default``."""
+    templates: dict[str, str] = {}
+    configured = config.get("chat_template")
+    if isinstance(configured, str):
+        templates[DEFAULT_TEMPLATE] = configured
+    elif isinstance(configured, list):  # [{"name": ..., "template": ...}, ...]
+        templates.update({t["name"]: t["template"] for t in configured
+                          if isinstance(t, dict) and isinstance(t.get("template"), str)})
+    files: dict[str, str] = {}
+    if (root / "chat_template.jinja").is_file():
+        files[DEFAULT_TEMPLATE] = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = root / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    return files or templates  # template files replace the config's templates entirely
+
+
 @dataclass
 class Tokenizer:
     backend: HFTokenizer
-    chat_template: str | None = None
+    # the same tokenizer with special-token strings read as ordinary text (a separate object:
+    # encode_special_tokens is a property of the tokenizer, and encoding runs in threads)
+    plain_backend: HFTokenizer | None = None
+    chat_templates: dict[str, str] = field(default_factory=dict)
     bos_token: str | None = None
     eos_token: str | None = None
+    unk_token: str | None = None
+    pad_token: str | None = None
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
@@ -37,26 +69,56 @@ class Tokenizer:
         path = root / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{root} has no tokenizer.json")
-        backend = HFTokenizer.from_file(str(path))
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"),
-                            None)
+        tokens = {k: _token_content(config.get(k))
+                  for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        backends = []
+        for plain in (False, True):
+            backend = HFTokenizer.from_file(str(path))
+            backend.encode_special_tokens = plain
+            backends.append(backend)
         special = {int(i) for i, tok in config.get("added_tokens_decoder", {}).items()
                    if isinstance(tok, dict) and tok.get("special")}
-        return cls(backend=backend, chat_template=template,
-                   bos_token=_token_content(config.get("bos_token")),
-                   eos_token=_token_content(config.get("eos_token")),
-                   special_token_ids=frozenset(special))
+        special |= {i for i, tok in backends[0].get_added_tokens_decoder().items()
+                    if tok.special}
+        return cls(backend=backends[0], plain_backend=backends[1],
+                   chat_templates=load_chat_templates(root, config),
+                   special_token_ids=frozenset(special), **tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.chat_templates.get(DEFAULT_TEMPLATE)
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    @property
+    def special_tokens(self) -> list[str]:
+        """The strings of the special added tokens (what a template writes as control)."""
+        tokens = (self.backend.id_to_token(i) for i in sorted(self.special_token_ids))
+        return [t for t in tokens if t is not None]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As transformers' ``tokenizer.encode(text)``: BOS/EOS added as the checkpoint says
+        unless ``add_special_tokens=False``; special-token strings in ``text`` are matched."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` as ordinary characters: special-token strings are not matched and
+        nothing is added (transformers' ``split_special_tokens=True``)."""
+        backend = self.plain_backend or self.backend
+        return backend.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def template_kwargs(self) -> dict[str, str]:
+        """The special tokens a chat template may read (transformers passes its map)."""
+        names = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                 "unk_token": self.unk_token, "pad_token": self.pad_token}
+        return {k: v for k, v in names.items() if v is not None}
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -1,9 +1,12 @@
 """``shoal make-model``: HF-format checkpoints with random weights, made offline.
 
 Each checkpoint is what a real model directory holds (config.json, model.safetensors,
-generation_config.json, tokenizer.json, tokenizer_config.json with a chat template), built
+generation_config.json, tokenizer.json, tokenizer_config.json, a chat template), built
 with transformers' own config and model classes so HF transformers loads it unchanged and
-serves as the reference. The byte-level BPE tokenizer is trained in seconds on the Python
+serves as the reference. The three archs cover the three ways checkpoints ship a tokenizer:
+llama as modern Llama-style ones do (a BOS token the tokenizer adds, the template in
+``chat_template.jinja``), qwen2 with the template string in tokenizer_config.json, qwen3
+with tokenizer_config's named-templates list (``default`` and ``tool_use``). The byte-level BPE tokenizer is trained in seconds on the Python
 standard library's own source files, read in a fixed order, so a seed gives the same bytes.
 
 Random weights give near-flat logits; a larger ``initializer_range`` makes greedy argmax a
@@ -26,16 +29,53 @@ ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small", "bench")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+BOS_TOKEN = "<|begin_of_text|>"  # llama only: the tokenizer adds it to every encoded text
+BOS_ID = 3
 EOS_TOKEN_IDS = [IM_END_ID, ENDOFTEXT_ID]
 INITIALIZER_RANGE = 0.15
 CORPUS_BYTES = 3_000_000
+# what make_model writes; part of the cache key so a changed format is never read stale
+FORMAT_VERSION = 2
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML with tools as Qwen2.5 renders them: the tool list in the system turn, assistant
+# tool calls as <tool_call> JSON, tool results as <tool_response> in a user turn
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- set fn = tool_call.function if tool_call.function is defined else tool_call %}
+{{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+LLAMA_CHAT_TEMPLATE = "{{- bos_token }}\n" + CHAT_TEMPLATE  # llama writes BOS itself
+
+
+def special_tokens(arch: str) -> list[str]:
+    return SPECIAL_TOKENS + [BOS_TOKEN] if arch == "llama" else list(SPECIAL_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -101,7 +141,8 @@ def hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
         intermediate_size=s.intermediate_size, max_position_embeddings=s.max_position_embeddings,
         rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE, tie_word_embeddings=_tied(arch),
-        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=BOS_ID if arch == "llama" else ENDOFTEXT_ID, eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
     )
     if arch == "llama":
         # llama3 rope scaling with a short original context so every band of the rule is used
@@ -136,38 +177,66 @@ def training_corpus(max_bytes: int = CORPUS_BYTES) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(vocab_size: int, arch: str = "qwen2"):  # -> tokenizers.Tokenizer
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if arch.startswith("qwen"):
+        # Qwen's own split (and NFC), which transformers installs for a qwen2 checkpoint
+        # whatever tokenizer.json says: the file must already hold it to agree with HF
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size, special_tokens=special_tokens(arch), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    if arch == "llama":  # as Llama 3's tokenizer.json: BOS before every encoded text
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+            special_tokens=[(BOS_TOKEN, BOS_ID)])
     return tokenizer
 
 
-def _tokenizer_config() -> dict:
+def _tokenizer_config(arch: str) -> dict:
     added = {
         str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
-        for i, tok in enumerate(SPECIAL_TOKENS)
+        for i, tok in enumerate(special_tokens(arch))
     }
-    return {
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "bos_token": None,
+        "bos_token": BOS_TOKEN if arch == "llama" else None,
         "eos_token": SPECIAL_TOKENS[IM_END_ID],
         "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
         "unk_token": None,
         "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID]],
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if arch == "qwen2":
+        config["chat_template"] = CHAT_TEMPLATE
+    elif arch == "qwen3":  # the named-templates form
+        config["chat_template"] = [{"name": "default", "template": CHAT_TEMPLATE},
+                                   {"name": "tool_use", "template": CHAT_TEMPLATE}]
+    return config
 
 
 def _make_confident(model, arch: str, seed: int) -> None:
@@ -200,13 +269,19 @@ def make_model(arch: str, size: str, out_dir: str | Path, seed: int = 0) -> Path
     _make_confident(model, arch, seed)
     model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
     model.generation_config.pad_token_id = ENDOFTEXT_ID
-    model.generation_config.bos_token_id = ENDOFTEXT_ID
+    model.generation_config.bos_token_id = config.bos_token_id
     model.save_pretrained(out)
-    train_tokenizer(config.vocab_size).save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": SPECIAL_TOKENS[IM_END_ID], "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
-        "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID]]}, indent=2) + "\n")
+    train_tokenizer(config.vocab_size, arch).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(arch), indent=2) + "\n")
+    if arch == "llama":  # transformers >= 4.43 saves the template beside the config
+        (out / "chat_template.jinja").write_text(LLAMA_CHAT_TEMPLATE)
+    specials_map = {"eos_token": SPECIAL_TOKENS[IM_END_ID],
+                    "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
+                    "additional_special_tokens": [SPECIAL_TOKENS[IM_START_ID]]}
+    if arch == "llama":
+        specials_map["bos_token"] = BOS_TOKEN
+    (out / "special_tokens_map.json").write_text(json.dumps(specials_map, indent=2) + "\n")
     return out
 
 
@@ -218,7 +293,7 @@ def cached_model(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path
     """Build once into the cache; concurrent builders race safely (temp dir, then rename)."""
     _check_choice("arch", arch, ARCHS)
     _check_choice("size", size, SIZES)
-    target = cache_dir() / "models" / f"{arch}-{size}-s{seed}"
+    target = cache_dir() / "models" / f"{arch}-{size}-s{seed}-v{FORMAT_VERSION}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -40,47 +40,39 @@ class RequestKeys:
 
 
 class PromptTokenizer:
-    """The model's tokenizer and chat template, applied the way the engine's front end
-    applies them: the template rendered in a jinja sandbox (trim_blocks, lstrip_blocks),
-    then the text encoded without added special tokens."""
+    """The model's tokenizer and chat templates, applied by the engine front end's own
+    renderer (frontend/prompts.py), so precise keys are over the very ids the engine runs:
+    text prompts with the special tokens HF adds (unless the body says
+    ``add_special_tokens: false``), chats rendered with the message objects as sent."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
-        import json
+        from shoal.runtime.frontend.prompts import PromptRenderer
+        from shoal.runtime.frontend.tokenizer import Tokenizer
 
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from tokenizers import Tokenizer
+        self._renderer = PromptRenderer(Tokenizer.from_dir(tokenizer_dir))
 
-        root = Path(tokenizer_dir)
-        if not (root / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{root} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        config_path = root / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"),
-                            None)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template) if template else None
-        self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self._renderer.encode_text(prompt, add_special_tokens).token_ids
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self._tok.encode(prompt, add_special_tokens=False).ids)
+    def encode_chat(self, messages: list[dict[str, Any]], body: dict[str, Any] | None = None
+                    ) -> list[int]:
+        from shoal.runtime.frontend.chat_template import ChatTemplateError
+        from shoal.runtime.frontend.prompts import ChatPrompt
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self._template is None:
-            raise RequestKeyError("the tokenizer has no chat template")
-        plain = [{"role": str(m.get("role", "")), "content": _content_text(m.get("content"))}
-                 for m in messages if isinstance(m, dict)]
-        text = self._template.render(messages=plain, add_generation_prompt=True,
-                                     **{k: v or "" for k, v in self._specials.items()})
-        return self.encode_prompt(text)
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+        body = body or {}
+        try:
+            return self._renderer.render_chat(ChatPrompt(
+                [{k: v for k, v in m.items() if v is not None and k != "refusal"}
+                 for m in messages if isinstance(m, dict)], tools=body.get("tools"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                template=body.get("chat_template"),
+                template_kwargs=body.get("chat_template_kwargs"),
+                add_special_tokens=bool(body.get("add_special_tokens", False)),
+                special_tokens_in_content=bool(
+                    body.get("allow_special_tokens_in_content", False)))).token_ids
+        except ChatTemplateError as exc:
+            raise RequestKeyError(str(exc)) from exc
 
 
 def _content_text(content: Any) -> str:
@@ -149,7 +141,7 @@ def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
         if not isinstance(messages, list):
             raise RequestKeyError("chat request needs a 'messages' list")
         if tokenizer is not None:
-            return _precise(tokenizer.encode_chat(messages), config, extra)
+            return _precise(tokenizer.encode_chat(messages, body), config, extra)
         return _approximate(render_chat_text(messages), config, extra)
     prompt = body.get("prompt")
     token_ids = _token_id_prompt(prompt)
@@ -162,7 +154,8 @@ def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
     if not isinstance(prompt, str):
         raise RequestKeyError("completion request needs a 'prompt' string or token ids")
     if tokenizer is not None:
-        return _precise(tokenizer.encode_prompt(prompt), config, extra)
+        return _precise(tokenizer.encode_prompt(
+            prompt, bool(body.get("add_special_tokens", True))), config, extra)
     return _approximate(prompt, config, extra)
 
 

@@ -30,6 +30,10 @@ class SamplingMetadata:
     # min_tokens: (row, token id) pairs whose logit is forced to -inf this step
     banned_rows: torch.Tensor | None = None  # long [N]
     banned_tokens: torch.Tensor | None = None  # long [N]
+    # logit_bias: (row, token id, bias) triples added to the logits this step
+    bias_rows: torch.Tensor | None = None  # long [M]
+    bias_tokens: torch.Tensor | None = None  # long [M]
+    bias_values: torch.Tensor | None = None  # float [M]
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
     # structured output: int32 [S, ceil(V/32)] allowed-token bits (xgrammar's layout), for
     # the rows listed (the others' bits are all set); applied before anything else
@@ -39,4 +43,4 @@ class SamplingMetadata:
     @property
     def needs_processing(self) -> bool:
         return (self.output_counts is not None or self.banned_rows is not None
-                or self.max_num_logprobs is not None)
+                or self.bias_rows is not None or self.max_num_logprobs is not None)

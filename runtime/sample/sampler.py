@@ -2,7 +2,7 @@
 
 Order, as in vLLM: grammar masks first (structured output: forbidden tokens -inf, so the
 logprobs are those of the constrained distribution), raw logprobs (log_softmax of the model's logits) are taken first; then
-min_tokens bans, penalties (repetition over prompt + output, presence and frequency over
+min_tokens bans, logit_bias, penalties (repetition over prompt + output, presence and frequency over
 the output), then greedy rows take the argmax, the others are divided by their temperature,
 filtered by min-p, top-k and top-p, and sampled. Sampling uses the exponential race
 (argmax of probs / Exp(1) noise), which draws exactly from probs; each seeded row draws its
@@ -42,6 +42,10 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         if meta.banned_rows is not None:
             logits[meta.banned_rows, meta.banned_tokens] = float("-inf")
+        if meta.bias_rows is not None:
+            assert meta.bias_tokens is not None and meta.bias_values is not None
+            logits.index_put_((meta.bias_rows, meta.bias_tokens), meta.bias_values,
+                              accumulate=True)
         if meta.output_counts is not None:
             apply_penalties(logits, meta)
         if meta.all_greedy:

@@ -135,6 +135,13 @@ def build_sampling_metadata(states: Sequence[RequestSamplingState], vocab_size: 
         for row in grammar_rows:
             states[row].grammar.fill_mask(bitmask, row)  # type: ignore[union-attr]
         meta.token_bitmask, meta.bitmask_rows = bitmask, grammar_rows
+    bias = [(row, token, value) for row, p in enumerate(params) if p.logit_bias
+            for token, value in p.logit_bias.items()]
+    if bias:
+        meta.bias_rows = torch.tensor([b[0] for b in bias], dtype=torch.long, device=device)
+        meta.bias_tokens = torch.tensor([b[1] for b in bias], dtype=torch.long, device=device)
+        meta.bias_values = torch.tensor([b[2] for b in bias], dtype=torch.float32,
+                                        device=device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(asked) if asked else None
     return meta

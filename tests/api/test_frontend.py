@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from shoal.runtime.frontend.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from shoal.runtime.frontend.chat_template import ChatTemplate, ChatTemplateError
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer, held_back_length
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.sampling_params import SamplingParams
@@ -69,8 +69,9 @@ def test_held_back_length_is_the_longest_stop_prefix_at_the_end():
 
 
 def test_the_chat_template_renders_the_checkpoint_format(tokenizer):
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-    text = template.render([ChatMessage("system", "be brief"), ChatMessage("user", "hi")])
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.template_kwargs())
+    text = template.render([{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "hi"}])
     assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                     "<|im_start|>assistant\n")
 
@@ -78,10 +79,10 @@ def test_the_chat_template_renders_the_checkpoint_format(tokenizer):
 def test_a_template_that_raises_is_a_clear_error():
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
-        template.render([ChatMessage("user", "x")])
+        template.render([{"role": "user", "content": "x"}])
 
 
 def test_the_template_runs_in_a_sandbox():
     template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ChatTemplateError):
-        template.render([ChatMessage("user", "x")])
+        template.render([{"role": "user", "content": "x"}])

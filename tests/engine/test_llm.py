@@ -20,13 +20,15 @@ def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
 
 def test_text_prompts_decode_to_text_and_match_hf_greedy(llm, tiny_qwen3, hf_greedy,
                                                         assert_matches_hf):
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
     prompts = ["def main():\n    return", "import os\nimport sys", "class Foo"]
     results = llm.generate(prompts, greedy())
     assert [r.prompt for r in results] == prompts
     for result in results:
         (completion,) = result.outputs
-        assert result.prompt_token_ids == llm.tokenizer.encode(result.prompt,
-                                                               add_special_tokens=False)
+        assert result.prompt_token_ids == hf_tokenizer.encode(result.prompt)
         assert completion.text == llm.tokenizer.decode(completion.token_ids,
                                                        skip_special_tokens=True)
         assert completion.finish_reason == "length" and len(completion.token_ids) == 12

@@ -24,7 +24,8 @@ def test_hf_loads_each_tiny_checkpoint_and_its_tokenizer(arch, tiny_model_dirs):
     assert n_params == mm.count_params(arch, "tiny")
     text = "def main():\n    return 42\n"
     ids = tok(text)["input_ids"]
-    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert (ids[0] == mm.BOS_ID) == (arch == "llama")  # only llama's tokenizer adds BOS
     assert len(ids) < len(text)  # merges were learned
     assert max(ids) < model.config.vocab_size
 
@@ -115,9 +116,9 @@ def test_cached_model_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
     first = mm.cached_model("llama", "tiny", seed=5)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert first == tmp_path / "models" / "llama-tiny-s5"
+    assert first == tmp_path / "models" / f"llama-tiny-s5-v{mm.FORMAT_VERSION}"
     assert mm.cached_model("llama", "tiny", seed=5) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["llama-tiny-s5"]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]
     with pytest.raises(ValueError, match="unknown size"):
         mm.cached_model("llama", "huge")

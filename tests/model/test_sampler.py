@@ -209,3 +209,20 @@ def test_token_ids_outside_the_vocabulary_are_rejected():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         new_request_state(SamplingParams(repetition_penalty=1.2), [VOCAB + 3], [], 0, EOS, VOCAB,
                           CPU)
+
+
+def test_logit_bias_is_added_per_row_after_raw_logprobs():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 2] = 1.0
+    params = [SamplingParams(temperature=0.0, logit_bias={5: 3.0}, logprobs=0),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={2: -100.0, 7: 0.5})]
+    out = sample(logits, params)
+    assert out.sampled_token_ids.tolist() == [5, 2, 7]
+    # logprobs are of the model's distribution, before the bias (as vLLM reports them)
+    assert out.logprobs is not None
+    assert out.logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[5].item())
+    # a biased token can still be sampled away from when its bias is small and others win
+    hot = sample(torch.tensor([[0.0, 10.0] + [0.0] * (VOCAB - 2)]),
+                 [SamplingParams(temperature=1.0, seed=1, logit_bias={0: 1.0})])
+    assert hot.sampled_token_ids.tolist() == [1]

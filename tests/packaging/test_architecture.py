@@ -62,9 +62,10 @@ def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
     assert violations(ROOT / "operator", r"(shoal\.(runtime|kernels)|torch|triton)\b") == []
 
 
-def test_router_shares_only_the_block_hash_with_the_engine() -> None:
+def test_router_shares_only_the_block_hash_and_tokenization_with_the_engine() -> None:
     found = violations(ROOT / "runtime" / "router", r"shoal\.",
-                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$)")
+                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$|"
+                               r"frontend\.(tokenizer|chat_template|prompts)$)")
     assert found == []
 
 

@@ -58,28 +58,29 @@ def test_bad_bodies_are_rejected_clearly(path, body):
         request_keys(path, body, CFG)
 
 
-def test_precise_keys_equal_the_engine_front_ends_block_hashes(tiny_qwen3):
-    """Same template rendering, same token ids, same block hashes as the engine's API."""
-    from shoal.runtime.frontend.chat_template import ChatMessage, ChatTemplate
-    from shoal.runtime.frontend.tokenizer import Tokenizer
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_precise_keys_are_the_block_hashes_of_hfs_token_ids(arch, tiny_model_dirs):
+    """The router keys over the ids HF (and so the engine) runs: the chat template's
+    rendering, and text prompts with the BOS a llama-style tokenizer adds."""
+    from transformers import AutoTokenizer
 
-    engine_tok = Tokenizer.from_dir(tiny_qwen3)
-    template = ChatTemplate(engine_tok.chat_template, engine_tok.bos_token, engine_tok.eos_token)
-    router_tok = PromptTokenizer(tiny_qwen3)
+    model_dir = tiny_model_dirs[arch]
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    router_tok = PromptTokenizer(model_dir)
     messages = [{"role": "system", "content": "You are terse. " * 10},
                 {"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]
     keys = request_keys("/v1/chat/completions", {"messages": messages},
                         KeyConfig(block_size=16), router_tok)
-    text = template.render([ChatMessage("system", "You are terse. " * 10),
-                            ChatMessage("user", "Hello there")])
-    ids = engine_tok.encode(text)
+    ids = list(hf.apply_chat_template(
+        [messages[0], {"role": "user", "content": "Hello there"}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"])
     assert keys.precise and keys.num_units == len(ids)
     assert keys.block_keys == hash_prefix_blocks(ids, 16, ExtraKeys().digest())
     prompt = "Once upon a time " * 8
     keys = request_keys("/v1/completions", {"prompt": prompt}, KeyConfig(block_size=16),
                         router_tok)
-    assert keys.block_keys == hash_prefix_blocks(engine_tok.encode(prompt), 16,
-                                                 ExtraKeys().digest())
+    assert keys.num_units == len(hf.encode(prompt))
+    assert keys.block_keys == hash_prefix_blocks(hf.encode(prompt), 16, ExtraKeys().digest())
 
 
 def test_block_index_matches_leading_run_and_follows_events():
