@@ -13,7 +13,7 @@ C requests in flight. Per policy, over all its rounds: the fleet's prefix-cache 
 in-flight balance (time-averaged in-flight per replica from the router's /metrics:
 max/mean); then the router's overhead: p50 latency of tiny requests via router minus direct.
 
-    .venv/bin/python bench/routing.py [--replicas 4] [--systems 8] [--users 32] [--rounds 2]
+    .venv/bin/python bench/routing.py [--replicas 3] [--systems 12] [--users 36] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -209,20 +209,21 @@ async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
-    parser.add_argument("--systems", type=int, default=8)
+    parser.add_argument("--systems", type=int, default=12)
     parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--users", type=int, default=36)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs per policy, interleaved (RR, affinity, RR, ...)")
     parser.add_argument("--arrival-gap", type=float, default=0.25,
                         help="seconds between users' first requests")
-    parser.add_argument("--num-kv-blocks", type=int, default=96,
-                        help="per engine: room for a share of the system prompts, not all")
+    parser.add_argument("--num-kv-blocks", type=int, default=160,
+                        help="per engine: room for its share of the system prompts and the "
+                             "requests in flight, not for all of them")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
