@@ -167,6 +167,11 @@ def alternating_qwen3(tiny_qwen3, tmp_path_factory) -> Path:
         (root / item.name).symlink_to(item)
     (root / "tokenizer_config.json").unlink()
     config = json.loads((tiny_qwen3 / "tokenizer_config.json").read_text())
-    config["chat_template"] = ALTERNATION_CHECK + config["chat_template"]
+    templates = config["chat_template"]  # a string, or the named-templates list
+    if isinstance(templates, str):
+        config["chat_template"] = ALTERNATION_CHECK + templates
+    else:
+        for named in templates:
+            named["template"] = ALTERNATION_CHECK + named["template"]
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     return root
