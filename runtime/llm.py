@@ -95,6 +95,7 @@ class LLM:
             else:
                 siblings.setdefault(f"{batch}-{sample.prompt_index}-0", []).append(request)
         cached = [0] * len(prompt_list)
+        prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(prompt_list)
         try:
             while self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
@@ -106,6 +107,8 @@ class LLM:
                     sample = samples[out.request_id]
                     cached[sample.prompt_index] = max(cached[sample.prompt_index],
                                                       out.num_cached_tokens)
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[sample.prompt_index] = [None, *out.prompt_logprobs]
                     self._absorb(out, sample)
                     for request in siblings.pop(out.request_id, ()):
                         self.engine.add_request(request)
@@ -114,7 +117,8 @@ class LLM:
             raise
         results = [RequestOutput(request_id=f"{batch}-{i}",
                                  prompt=p if isinstance(p, str) else None,
-                                 prompt_token_ids=token_lists[i], num_cached_tokens=cached[i])
+                                 prompt_token_ids=token_lists[i], num_cached_tokens=cached[i],
+                                 prompt_logprobs=prompt_lps[i])
                    for i, p in enumerate(prompt_list)]
         for sample in samples.values():
             if sample.finish_reason != "stop" or not isinstance(sample.stop_reason, str):

@@ -25,3 +25,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # prompt_logprobs: None for the first prompt token, then one entry per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -48,6 +49,17 @@ class StepPlan:
         return len(self.req_ids)
 
 
+class PromptLogprobsChunk(msgspec.Struct, array_like=True):
+    """One row's prompt logprobs for the prompt positions this step computed: entry i is
+    the logprob of prompt token ``start + i`` given the tokens before it (start >= 1), and
+    that position's top alternatives."""
+
+    start: int
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 @dataclass
 class StepResult:
     """Sampled tokens for the rows whose ``sample_rows`` was set, in row order."""
@@ -58,3 +70,5 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32 [S]: of the sampled token
     top_token_ids: np.ndarray | None = None  # int64 [S, K]
     top_logprobs: np.ndarray | None = None  # float32 [S, K]
+    # rows whose request asked for prompt logprobs and computed prompt tokens this step
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None

@@ -59,6 +59,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, when asked
 
 
 @dataclass
@@ -181,6 +182,8 @@ class Generation:
                     choice.logprobs.extend(output.new_logprobs)
                 if output.num_cached_tokens:
                     choice.num_cached_tokens = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    choice.prompt_logprobs = output.prompt_logprobs
                 finish: str | None = None
                 stop_reason: int | str | None = None
                 if detok.update(output.new_token_ids) is not None:

@@ -1,4 +1,5 @@
-"""Engine logprobs -> the two OpenAI shapes (completions' parallel lists, chat's content)."""
+"""Engine logprobs -> the OpenAI shapes (completions' parallel lists, chat's content) and
+vLLM's ``prompt_logprobs`` list."""
 
 from __future__ import annotations
 
@@ -38,3 +39,43 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
                                     strict=True)]
         content.append(item)
     return {"content": content}
+
+
+def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                  prompt_logprobs: list[TokenLogprobs], top_k: int) -> dict:
+    """The prompt's part of completions' logprobs with ``echo``: OpenAI's legacy shape, the
+    first prompt token with ``None`` (nothing precedes it), offsets from 0."""
+    scored = completion_logprobs(tokenizer, prompt_ids[1:], prompt_logprobs, top_k,
+                                 len(tokenizer.token_text(prompt_ids[0])))
+    return {"tokens": [tokenizer.token_text(prompt_ids[0]), *scored["tokens"]],
+            "token_logprobs": [None, *scored["token_logprobs"]],
+            "top_logprobs": [None, *scored["top_logprobs"]],
+            "text_offset": [0, *scored["text_offset"]]}
+
+
+def joined_logprobs(first: dict, second: dict | None) -> dict:
+    """Completions' parallel lists, one after the other (echoed prompt, then the output)."""
+    if second is None:
+        return first
+    shift = (first["text_offset"][-1] + len(first["tokens"][-1])) if first["tokens"] else 0
+    return {"tokens": first["tokens"] + second["tokens"],
+            "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                         prompt_logprobs: list[TokenLogprobs], top_k: int) -> list[dict | None]:
+    """vLLM's shape: ``None`` for the first prompt token, then per token a map token id ->
+    {logprob, rank, decoded_token} holding the prompt's own token and the top ``top_k``."""
+    out: list[dict | None] = [None]
+    for token_id, lp in zip(prompt_ids[1:], prompt_logprobs, strict=True):
+        entry = {str(t): {"logprob": v, "rank": rank + 1,
+                          "decoded_token": tokenizer.token_text(t)}
+                 for rank, (t, v) in enumerate(zip(lp.top_token_ids[:top_k],
+                                                   lp.top_logprobs[:top_k], strict=True))}
+        if str(token_id) not in entry:
+            entry[str(token_id)] = {"logprob": lp.logprob, "rank": None,
+                                    "decoded_token": tokenizer.token_text(token_id)}
+        out.append(entry)
+    return out

@@ -17,7 +17,7 @@ from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
-from .logprobs_format import chat_logprobs
+from .logprobs_format import chat_logprobs, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
 from .serving_common import (
     check_prompt_text,
@@ -147,6 +147,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                "usage": usage(gen)}
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt.token_ids
+        if body.prompt_logprobs is not None:  # vLLM: once per response, the prompt's
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, prompt.token_ids, gen.choices[0].prompt_logprobs or [],
+                body.prompt_logprobs)
         return out
 
     if not body.stream:

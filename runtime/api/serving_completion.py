@@ -1,20 +1,28 @@
 """POST /v1/completions: prompts as text or token ids, n choices each, streamed or not.
 
 ``echo`` prepends each choice's prompt (its text, or the decoded token ids) to the choice's
-text: in the first chunk of that choice when streaming. Echo with logprobs would need the
-prompt tokens' logprobs, which the engine does not compute, so that combination is a 400.
+text: in the first chunk of that choice when streaming. With ``logprobs`` the prompt's
+tokens come first in the logprobs too (OpenAI's legacy shape: the first one ``None``), as
+the engine computed them (``prompt_logprobs``; such prompts bypass the prefix cache).
+vLLM's ``prompt_logprobs`` field gives them in vLLM's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
-from .logprobs_format import completion_logprobs
+from .logprobs_format import (
+    completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+    vllm_prompt_logprobs,
+)
 from .protocol import CompletionRequest
 from .serving_common import (
     check_prompt_text,
@@ -64,9 +72,10 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, state, CompletionRequest)
     grammar = grammar_for(body)
     params = sampling_params(body, state, body.max_tokens, body.logprobs, grammar)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
-                          "server does not compute; use echo without logprobs", "echo")
+    echo_scores = body.echo and body.logprobs is not None
+    if echo_scores:  # the echoed prompt's tokens get logprobs too: the engine computes them
+        params = msgspec.structs.replace(
+            params, prompt_logprobs=max(body.logprobs or 0, body.prompt_logprobs or 0))
     prompts = [truncated(p, body.truncate_prompt_tokens, state)
                for p in await asyncio.to_thread(prompts_of, body, state)]
     generation = start_generation(request, state, "cmpl", prompts, params, body)
@@ -77,13 +86,24 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         return prompt.text if prompt.text is not None else state.tokenizer.decode(
             prompt.token_ids)
 
+    def prompt_part(choice: Choice) -> dict:
+        return echo_logprobs(state.tokenizer, choice.prompt.token_ids,
+                             choice.prompt_logprobs or [], top_k)
+
     def choice_json(choice: Choice) -> dict:
         text = echoed(choice.prompt) + choice.text if body.echo else choice.text
-        out = {"index": choice.index, "text": text,
-               "logprobs": completion_logprobs(state.tokenizer, choice.token_ids,
-                                               choice.logprobs, top_k)
-               if body.logprobs is not None else None,
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(state.tokenizer, choice.token_ids, choice.logprobs,
+                                           top_k)
+            if echo_scores:
+                logprobs = joined_logprobs(prompt_part(choice), logprobs)
+        out = {"index": choice.index, "text": text, "logprobs": logprobs,
                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, choice.prompt.token_ids, choice.prompt_logprobs or [],
+                body.prompt_logprobs)
         if body.return_token_ids:
             out["prompt_token_ids"] = choice.prompt.token_ids
             out["token_ids"] = choice.token_ids
@@ -98,22 +118,36 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         return await run_to_completion(request, state, generation, respond)
 
     offsets: dict[int, int] = {}
+    prompt_sent: set[int] = set()
     pending_echo = set(range(len(generation.choices))) if body.echo else set()
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
         if not delta.text and delta.finish_reason is None:
             return []  # held back (partial character or possible stop string)
         text = delta.text
-        if delta.index in pending_echo:
+        echo_now = delta.index in pending_echo
+        if echo_now:
             pending_echo.discard(delta.index)
             text = echoed(generation.choices[delta.index].prompt) + text
         choice: dict = {"index": delta.index, "text": text, "logprobs": None,
                         "finish_reason": delta.finish_reason,
                         "stop_reason": delta.stop_reason}
+        first_choice = generation.choices[delta.index]
+        if echo_now and echo_scores:
+            head = prompt_part(first_choice)
+            offsets[delta.index] = head["text_offset"][-1] + len(head["tokens"][-1])
+            choice["logprobs"] = head
         if body.logprobs is not None and delta.logprobs:
-            choice["logprobs"] = completion_logprobs(
-                state.tokenizer, delta.token_ids, delta.logprobs, top_k,
-                offsets.get(delta.index, 0))
+            part = completion_logprobs(state.tokenizer, delta.token_ids, delta.logprobs,
+                                       top_k, offsets.get(delta.index, 0))
+            choice["logprobs"] = joined_logprobs(choice["logprobs"], part) \
+                if choice["logprobs"] else part
+        if body.prompt_logprobs is not None and first_choice.prompt_logprobs is not None \
+                and delta.index not in prompt_sent:
+            prompt_sent.add(delta.index)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, first_choice.prompt.token_ids, first_choice.prompt_logprobs,
+                body.prompt_logprobs)
         offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
         if body.return_token_ids:
             choice["token_ids"] = delta.token_ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-from shoal.runtime.plan import StepPlan, StepResult
+from shoal.runtime.plan import PromptLogprobsChunk, StepPlan, StepResult
 
 
 class ResultWire(msgspec.Struct, array_like=True):
@@ -19,6 +19,7 @@ class ResultWire(msgspec.Struct, array_like=True):
     top_k: int
     top_token_ids: bytes | None  # int64 [S, K]
     top_logprobs: bytes | None  # float32 [S, K]
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
 
 def sampled_req_ids(plan: StepPlan) -> list[str]:
@@ -40,6 +41,7 @@ def encode_result(result: StepResult, plan: StepPlan) -> bytes:
         top_k=0 if top is None else int(top.shape[1]),
         top_token_ids=_opt(top, np.int64),
         top_logprobs=_opt(result.top_logprobs, np.float32),
+        prompt_logprobs=result.prompt_logprobs,
     ))
 
 
@@ -63,4 +65,5 @@ def decode_result(data: bytes, plan: StepPlan) -> StepResult:
         else np.frombuffer(wire.logprobs, dtype=np.float32).copy(),
         top_token_ids=matrix(wire.top_token_ids, np.int64),
         top_logprobs=matrix(wire.top_logprobs, np.float32),
+        prompt_logprobs=wire.prompt_logprobs,
     )

@@ -50,6 +50,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     version: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # on a request's first output when it asked for prompt_logprobs: prompt tokens 1..n-1
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

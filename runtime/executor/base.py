@@ -35,9 +35,8 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     @abstractmethod
-    def check_health(self, timeout_s: float | None = None) -> None:
-        """Raise if a rank is dead, stopped or does not answer within ``timeout_s``
-        (default: the config's rank_timeout)."""
+    def check_health(self) -> None:
+        """Raise if a rank is dead or hung."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
 
 DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
@@ -46,13 +45,11 @@ class PromptTokenizer:
     text prompts with the special tokens HF adds (unless the body says
     ``add_special_tokens: false``), chats rendered with the message objects as sent."""
 
-    def __init__(self, tokenizer: Tokenizer | str | Path) -> None:
-        """``tokenizer``: a model dir, or a ``Tokenizer`` (say, fetched from an engine)."""
+    def __init__(self, tokenizer_dir: str | Path) -> None:
         from shoal.runtime.frontend.prompts import PromptRenderer
+        from shoal.runtime.frontend.tokenizer import Tokenizer
 
-        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) \
-            else Tokenizer.from_dir(tokenizer)
-        self._renderer = PromptRenderer(self.tokenizer)
+        self._renderer = PromptRenderer(Tokenizer.from_dir(tokenizer_dir))
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._renderer.encode_text(prompt, add_special_tokens).token_ids

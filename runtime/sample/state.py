@@ -27,6 +27,8 @@ class RequestSamplingState:
     prompt_mask: torch.Tensor | None = None  # bool [V]
     output_counts: torch.Tensor | None = None  # float [V]
     banned_on_min: list[int] = field(default_factory=list)  # EOS + stop ids while < min_tokens
+    # the prompt, while its tokens' logprobs are still to be computed (prompt_logprobs)
+    prompt_for_logprobs: list[int] | None = None
     grammar: GrammarMatcher | None = None
 
     @property
@@ -51,6 +53,8 @@ def new_request_state(params: SamplingParams, prompt_token_ids: Sequence[int],
                       device: torch.device,
                       grammars: GrammarBackend | None = None) -> RequestSamplingState:
     state = RequestSamplingState(params, list(output_token_ids))
+    if params.prompt_logprobs is not None and not output_token_ids:
+        state.prompt_for_logprobs = list(prompt_token_ids)
     if params.structured is not None:
         if grammars is None:
             raise ValueError("a request with structured output needs a grammar backend")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from shoal.runtime.engine.messages import EngineCoreRequest
+from shoal.runtime.engine.messages import EngineCoreRequest, TokenLogprobs
 from shoal.runtime.kv.block_hash import ExtraKeys
 
 
@@ -22,7 +22,7 @@ class Request:
         "arrival_time", "priority", "arrival_seq", "all_token_ids", "output_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "status", "version",
         "block_hashes", "extra_digest", "max_tokens", "seen_by_worker", "ever_admitted",
-        "maybe_stop_ids", "logprobs_k", "queued_time", "scheduled_time",
+        "maybe_stop_ids", "logprobs_k", "queued_time", "scheduled_time", "prompt_logprobs",
     )
 
     def __init__(self, request: EngineCoreRequest, arrival_seq: int, max_model_len: int,
@@ -54,6 +54,11 @@ class Request:
         self.maybe_stop_ids = self.stop_token_ids | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
         self.logprobs_k = params.logprobs
+        # prompt_logprobs: filled chunk by chunk (index i: prompt token i + 1), sent with the
+        # first output; such a request is never served from the prefix cache
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * (self.num_prompt_tokens - 1) if params.prompt_logprobs is not None
+            else None)
         self.queued_time = time.monotonic()  # engine-side arrival, for the queue-time metric
         self.scheduled_time = 0.0  # set when first scheduled
 

@@ -1,9 +1,15 @@
-"""One row's logprobs out of a step result, as the row asked for them."""
+"""One row's logprobs out of a step result, as the row asked for them (sampled tokens, and
+the prompt tokens a step scored)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shoal.runtime.engine.messages import TokenLogprobs
-from shoal.runtime.plan import StepResult
+from shoal.runtime.plan import PromptLogprobsChunk, StepResult
+
+if TYPE_CHECKING:
+    from shoal.runtime.scheduler.request import Request
 
 
 def row_logprobs(result: StepResult, index: int, top_k: int | None
@@ -18,3 +24,12 @@ def row_logprobs(result: StepResult, index: int, top_k: int | None
         top_ids = result.top_token_ids[index, :top_k].tolist()
         top_lps = result.top_logprobs[index, :top_k].tolist()
     return [TokenLogprobs(float(result.logprobs[index]), top_ids, top_lps)]
+
+
+def store_prompt_logprobs(req: Request, chunk: PromptLogprobsChunk) -> None:
+    """Keep a step's prompt logprobs by prompt position (a recomputed chunk overwrites)."""
+    if req.prompt_logprobs is None:
+        return
+    for i, lp in enumerate(chunk.logprobs):
+        req.prompt_logprobs[chunk.start - 1 + i] = TokenLogprobs(
+            lp, chunk.top_token_ids[i], chunk.top_logprobs[i])

@@ -25,13 +25,14 @@ from shoal.runtime.engine.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     SchedulerStats,
+    TokenLogprobs,
 )
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.decode_batch import DecodeBatch
 from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
-from shoal.runtime.scheduler.row_logprobs import row_logprobs
+from shoal.runtime.scheduler.row_logprobs import row_logprobs, store_prompt_logprobs
 from shoal.runtime.scheduler.stops import check_stop
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
 
@@ -216,7 +217,9 @@ class Scheduler:
         kv, waiting = self.kv, self.waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = waiting.peek()
-            hits = kv.find_cached_prefix(req)
+            # prompt logprobs need every prompt position computed: no prefix-cache reads
+            hits = kv.find_cached_prefix(req) if req.prompt_logprobs is None \
+                or req.output_token_ids else []
             computed = len(hits) * self.config.block_size
             count = min(req.num_tokens - computed, budget)
             if not kv.allocate_slots(req, computed, count, hits):
@@ -335,6 +338,7 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
                              f"the plan's sampled rows {expected}")
         sampled = result.sampled_token_ids.tolist()
+        prompt_chunks = result.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         kv = self.kv
         block_size = self.config.block_size
@@ -352,6 +356,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             if count > 1 or computed % block_size == 0:  # a block may have become full
                 kv.cache_full_blocks(req, computed)
+            if prompt_chunks and req.req_id in prompt_chunks:
+                store_prompt_logprobs(req, prompt_chunks[req.req_id])
             if not sample:
                 continue
             token = sampled[index]
@@ -370,6 +376,9 @@ class Scheduler:
             if len(req.output_token_ids) == 1:  # its first output carries the phase stamps
                 output.queued_time = req.queued_time
                 output.scheduled_time = req.scheduled_time
+                if req.prompt_logprobs is not None:
+                    output.prompt_logprobs = [lp or TokenLogprobs(float("nan"), [], [])
+                                              for lp in req.prompt_logprobs]
             outputs.append(output)
             if finish is not None:
                 output.finish_reason = finish

@@ -89,6 +89,12 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [S, vocab] for the sampling rows, in row order."""
+        return self.forward_with_extra_rows(plan, None)[0]
+
+    def forward_with_extra_rows(self, plan: StepPlan, extra_token_indices: np.ndarray | None
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling rows' logits, and the logits at ``extra_token_indices`` (flat token
+        positions of this step: prompt logprobs) when given."""
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache must run before the first step")
         inputs = self.prepare(plan)
@@ -99,7 +105,11 @@ class ModelRunner:
             rows = hidden  # every token samples (pure decode): no gather
         else:
             rows = hidden.index_select(0, inputs.logits_indices)
-        return self.model.compute_logits(rows)
+        extra = None
+        if extra_token_indices is not None and len(extra_token_indices):
+            extra = self.model.compute_logits(hidden.index_select(
+                0, _to(extra_token_indices, torch.int64, self.device)))
+        return self.model.compute_logits(rows), extra
 
 
 def _to(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

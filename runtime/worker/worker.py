@@ -14,6 +14,7 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
+from shoal.runtime.sample.prompt_logprobs import prompt_rows, score_prompt_rows
 from shoal.runtime.sample.sampler import Sampler, SamplerOutput
 from shoal.runtime.sample.state import (
     RequestSamplingState,
@@ -55,6 +56,7 @@ class Worker:
         self._model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
         self.states: dict[str, RequestSamplingState] = {}
+        self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are pending
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
         self._grammars: GrammarBackend | None = None  # made by the first structured request
@@ -158,6 +160,7 @@ class Worker:
         runner = self._runner()
         for req_id in plan.finished_req_ids:
             self.states.pop(req_id, None)
+            self._scoring_prompts.discard(req_id)
         vocab = self.model_config().vocab_size
         eos = self.model_config().eos_token_ids
         for new in plan.new_requests:
@@ -165,6 +168,8 @@ class Worker:
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids,
                 new.generator_offset, eos, vocab, self.device,
                 self.grammars() if new.sampling_params.structured is not None else None)
+            if self.states[new.req_id].prompt_for_logprobs is not None:
+                self._scoring_prompts.add(new.req_id)
         sample_rows = np.asarray(plan.sample_rows, dtype=bool)
         sampled_ids = [rid for rid, s in zip(plan.req_ids, sample_rows, strict=True) if s]
         try:
@@ -172,13 +177,27 @@ class Worker:
         except KeyError as exc:
             raise RuntimeError(f"request {exc.args[0]!r} was never sent to the worker "
                                "in new_requests") from None
+        scored, extra_indices = [], None
+        if self._scoring_prompts:  # rare: the per-row look is paid only while one exists
+            wanted = {rid: (prompt, self.states[rid].params.prompt_logprobs or 0)
+                      for rid in self._scoring_prompts
+                      if (prompt := self.states[rid].prompt_for_logprobs) is not None}
+            scored, extra_indices = prompt_rows(plan, wanted)
         with torch.inference_mode():
-            logits = runner.forward(plan)
+            logits, extra = runner.forward_with_extra_rows(plan, extra_indices)
+            prompt_lps = score_prompt_rows(extra, scored) if extra is not None else None
             if not states:
-                return StepResult(plan.step_id, [], np.zeros(0, dtype=np.int64))
+                return StepResult(plan.step_id, [], np.zeros(0, dtype=np.int64),
+                                  prompt_logprobs=prompt_lps)
             meta = build_sampling_metadata(states, vocab, self.device)
             out = self.sampler(logits, meta)
-        return self._result(plan.step_id, sampled_ids, states, out)
+        if self._scoring_prompts:
+            for rid, state in zip(sampled_ids, states, strict=True):
+                state.prompt_for_logprobs = None  # the prompt is complete: nothing to score
+                self._scoring_prompts.discard(rid)
+        result = self._result(plan.step_id, sampled_ids, states, out)
+        result.prompt_logprobs = prompt_lps
+        return result
 
     def _result(self, step_id: int, req_ids: list[str], states: list[RequestSamplingState],
                 out: SamplerOutput) -> StepResult:

@@ -174,3 +174,59 @@ def test_openapi_describes_the_request_models_in_use(llama_server):
     message = spec["components"]["schemas"]["ChatMessageIn"]["properties"]
     assert {"tool_calls", "tool_call_id"} <= set(message)
     assert httpx.get(llama_server.base_url + "/docs").status_code == 200
+
+
+def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does_even_when_cached(client, hf):
+    tokenizer, model = hf
+    prompt = "import os\nimport sys\n\ndef main(argv):\n    return len(argv) + 1  # count"
+    ids = tokenizer.encode(prompt)
+    reference = hf_prompt_logprobs(model, ids)
+    for _ in range(2):  # the second time its blocks are in the prefix cache
+        out = client.completions.create(model="shoal-test", prompt=prompt, max_tokens=1,
+                                        temperature=0, echo=True, logprobs=2)
+        lp = out.choices[0].logprobs
+        assert out.choices[0].text.startswith(prompt)
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        for i in range(1, len(ids)):
+            assert abs(lp.token_logprobs[i] - reference[i - 1, ids[i]].item()) < 1e-4
+            best = reference[i - 1].topk(2)
+            # keyed by token text, as OpenAI does (tokens with the same text collapse)
+            want = {tokenizer.decode([t]): v for t, v in
+                    zip(best.indices.tolist(), best.values.tolist(), strict=True)}
+            assert lp.top_logprobs[i] == pytest.approx(want, abs=1e-4)
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_vllm_prompt_logprobs_streaming_and_not(client, hf, llama_server):
+    tokenizer, model = hf
+    prompt = "class Foo:\n    pass"
+    ids = tokenizer.encode(prompt)
+    reference = hf_prompt_logprobs(model, ids)
+    body = {"model": "shoal-test", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}
+    plain = httpx.post(llama_server.v1 + "/completions", headers=llama_server.headers(),
+                       json=body).json()["choices"][0]["prompt_logprobs"]
+    assert plain[0] is None and len(plain) == len(ids)
+    for i in range(1, len(ids)):
+        entry = plain[i][str(ids[i])]
+        assert abs(entry["logprob"] - reference[i - 1, ids[i]].item()) < 1e-4
+        top = int(reference[i - 1].argmax())
+        assert plain[i][str(top)]["rank"] == 1
+    with httpx.stream("POST", llama_server.v1 + "/completions", headers=llama_server.headers(),
+                      json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    import json
+
+    streamed = [json.loads(e)["choices"][0].get("prompt_logprobs") for e in events]
+    assert [s for s in streamed if s is not None] == [plain]
+    chat = client.chat.completions.create(
+        model="shoal-test", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    chat_lps = chat.model_extra["prompt_logprobs"]
+    assert chat_lps[0] is None and len(chat_lps) == len(chat.model_extra["prompt_token_ids"])

@@ -143,13 +143,6 @@ def test_echo_of_token_id_prompts_decodes_them_for_every_choice(client, server, 
         assert choice.text == tokenizer.decode(ids[choice.index // 2]) + without.text
 
 
-def test_echo_with_logprobs_is_a_bad_request_naming_echo(client, server):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=server.model, prompt="x", echo=True, logprobs=2)
-    assert err.value.body["param"] == "echo"
-    assert "logprobs" in err.value.body["message"]
-
-
 def test_vllm_extensions_ignore_eos_and_min_tokens(client, server):
     out = client.completions.create(
         model=server.model, prompt="a", max_tokens=6, temperature=0,

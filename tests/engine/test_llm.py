@@ -104,3 +104,26 @@ def test_one_bad_prompt_rejects_the_whole_call_before_the_engine_sees_it(llm):
 def test_unknown_engine_argument_is_an_error(tiny_qwen3):
     with pytest.raises(TypeError, match="bogus_flag"):
         LLM(tiny_qwen3, bogus_flag=1)
+
+
+def test_prompt_logprobs_over_chunked_prefill_equal_hfs_log_softmax(tiny_llama):
+    """A prompt longer than the step budget is scored chunk by chunk; a cached copy of it
+    is still computed in full (no prefix-cache reads for such a request)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_llama, max_num_batched_tokens=16, num_kv_blocks=64)
+    text = "def main():\n    return some_value + other_value * 2  # and a longer line"
+    llm.generate(text, greedy(2))  # its full blocks are now cached
+    (out,) = llm.generate(text, greedy(2, prompt_logprobs=2))
+    ids = out.prompt_token_ids
+    assert len(ids) > 16 and out.num_cached_tokens == 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for i in range(1, len(ids)):
+        entry = out.prompt_logprobs[i]
+        assert entry is not None
+        assert abs(entry.logprob - reference[i - 1, ids[i]].item()) < 1e-4
+        assert entry.top_token_ids == reference[i - 1].topk(2).indices.tolist()
