@@ -17,7 +17,7 @@ from shoal.runtime.log_limits import RateLimitedLog
 from shoal import __version__
 
 from .auth import Authenticator
-from .errors import APIError, bad_request, internal_error
+from .errors import APIError, bad_request, internal_error, public_reason
 from .openapi import REQUEST_BODIES, document_request_bodies
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .serving_chat import chat_prompt, create_chat_completion, render_chat
@@ -150,7 +150,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> JSONResponse:
         """Liveness: the engine process answers heartbeats (checked in the background)."""
         if state.client.is_dead:
-            return JSONResponse({"status": "dead", "reason": state.client.dead_reason},
+            return JSONResponse({"status": "dead",
+                                 "reason": public_reason(state.client.dead_reason or "")},
                                 status_code=503)
         return JSONResponse({"status": "ok", "phase": state.phase})
 

@@ -46,4 +46,11 @@ def internal_error(request_id: str) -> APIError:
 
 
 def engine_unavailable(message: str) -> APIError:
-    return APIError(503, message, None, "engine_unavailable")
+    return APIError(503, public_reason(message), None, "engine_unavailable")
+
+
+def public_reason(reason: str) -> str:
+    """What a client may read of an engine failure: its first line. A core that crashed
+    reports its traceback (server paths, code) after it; that stays in the server log."""
+    first, _, rest = reason.partition("\n")
+    return first.rstrip(":") + " (details in the server log)" if rest.strip() else first

@@ -44,3 +44,13 @@ def test_the_log_allows_a_burst_per_cause_then_counts(caplog):
     for cause in "cdefg":  # the table stays bounded
         log.allow(cause, now=12)
     assert len(log._causes) == 3
+
+
+def test_an_engine_traceback_never_reaches_a_client():
+    from shoal.runtime.api.errors import engine_unavailable, public_reason
+
+    crashed = 'the engine core failed:\nTraceback (most recent call last):\n  File "/srv/x.py"'
+    assert public_reason(crashed) == "the engine core failed (details in the server log)"
+    assert "Traceback" not in engine_unavailable(crashed).message
+    assert public_reason("the engine core process exited with code 1") \
+        == "the engine core process exited with code 1"
