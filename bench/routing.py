@@ -1,18 +1,19 @@
-"""Routing benchmark: one loopback fleet, four routers side by side, one shared-prefix workload.
+"""Routing benchmark: round-robin vs cache affinity, each router started with exactly the
+flags the operator renders (``operator/render_router.py``), on one loopback fleet.
 
-4 engines (`shoal serve`, small model, KV events on) and four routers over the same engines:
-round-robin, least-load, cache-affinity approximate (text prefixes) and cache-affinity
-precise (engine tokenizer + KV events). Each router gets the same workload shape with its
-own fresh system prompts (so nothing cached by an earlier run helps a later one):
+N engines (`shoal serve`, small model, KV events on as the operator deploys them) and two
+routers over the same engines: round-robin and cache-affinity (the operator's default
+routing: precise mode, the tokenizer fetched from an engine, KV events followed). The
+machine is shared and noisy, so the policies run interleaved, round by round (RR, affinity,
+RR, affinity, ...), each run with fresh system prompts (nothing cached by an earlier run
+helps a later one); the load average is printed before each run. Workload per run:
 S long system prompts x U users, T turns each (each turn carries the conversation so far),
-C requests in flight. Per router it reports the fleet's prefix-cache hit rate (token
-counters from the engines' /metrics, delta over the run), TTFT p50/p99, throughput, and
+C requests in flight. Per policy, over all its rounds: the fleet's prefix-cache hit rate
+(token counters from the engines' /metrics, delta over its runs), TTFT p50/p99, throughput,
 in-flight balance (time-averaged in-flight per replica from the router's /metrics:
-max/mean), then the router's overhead: p50 latency of tiny requests via router minus direct.
+max/mean); then the router's overhead: p50 latency of tiny requests via router minus direct.
 
-Numbers on a 2-core machine with 4 engines sharing it are noisy: compare within one run.
-
-    .venv/bin/python bench/routing.py [--replicas 4] [--systems 8] [--users 24] [--turns 3]
+    .venv/bin/python bench/routing.py [--replicas 3] [--systems 12] [--users 36] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -29,8 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from shoal.operator.meta import Owner
+from shoal.operator.render_router import router_args
+from shoal.operator.spec import parse_spec
 from shoal.runtime.router.engine_metrics import parse_engine_metrics, parse_samples
-from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet, engine_host
+from shoal.runtime.router.local_fleet import (
+    FleetConfig,
+    LocalFleet,
+    engine_host,
+    loopback_router_args,
+)
 
 WORDS = ("ship harbor cargo tide anchor route crane berth manifest pilot ledger customs "
          "freight vessel dock weather schedule container invoice captain").split()
@@ -44,9 +54,20 @@ class RunResult:
     output_tokens: int = 0
     errors: int = 0
     wall: float = 0.0
-    hit_rate: float = 0.0
-    balance: float = 0.0
+    queries: float = 0.0  # prefix-cache token counters of the fleet, summed over runs
+    hits: float = 0.0
+    in_flight: dict[str, float] = field(default_factory=dict)  # summed samples per replica
     affinity_hits: float = 0.0
+    load: list[float] = field(default_factory=list)  # 1-min load average before each run
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def balance(self) -> float:
+        values = list(self.in_flight.values())
+        return max(values) / statistics.mean(values) if values and sum(values) else 1.0
 
 
 def system_prompt(run: str, index: int, words: int, rng: random.Random) -> str:
@@ -110,10 +131,18 @@ async def sample_in_flight(client: httpx.AsyncClient, router: str, engines: list
         await asyncio.sleep(0.05)
 
 
-async def run_workload(name: str, router: str, engines: list[str], args: argparse.Namespace,
-                       seed: int) -> RunResult:
+def operator_flags(policy: str, block_size: int) -> tuple[list[str], bool]:
+    """The router flags the operator renders for this policy, as a loopback fleet's."""
+    spec = parse_spec({"model": {"uri": "/opt/model"}, "runtime": {"blockSize": block_size},
+                       "routing": {"policy": policy}})
+    return loopback_router_args(router_args(Owner("bench", "default", "uid-bench"), spec))
+
+
+async def run_workload(result: RunResult, router: str, engines: list[str],
+                       args: argparse.Namespace, seed: int) -> None:
     rng = random.Random(seed)
-    result = RunResult(name)
+    name = f"{result.name} {seed}"
+    result.load.append(os.getloadavg()[0])
     systems = [system_prompt(name, i, args.system_words, rng) for i in range(args.systems)]
     users = [(rng.randrange(args.systems), u) for u in range(args.users)]
     limits = httpx.Limits(max_connections=args.concurrency + 8)
@@ -137,17 +166,17 @@ async def run_workload(name: str, router: str, engines: list[str], args: argpars
 
         start = time.perf_counter()
         await asyncio.gather(*(conversation(s, u) for s, u in users))
-        result.wall = time.perf_counter() - start
+        result.wall += time.perf_counter() - start
         stop.set()
         await sampler
         await asyncio.sleep(1.5)  # engines' counters are final; let a scrape see them
         q1, h1 = await fleet_prefix_counters(client, engines)
-        result.hit_rate = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
-        averages = [totals.get(url, 0.0) for url in engines]
-        result.balance = max(averages) / statistics.mean(averages) if sum(averages) else 1.0
+        result.queries += q1 - q0
+        result.hits += h1 - h0
+        for url in engines:
+            result.in_flight[url] = result.in_flight.get(url, 0.0) + totals.get(url, 0.0)
         samples = parse_samples((await client.get(f"{router}/metrics")).text)
         result.affinity_hits = samples.get("shoal:router_affinity_hits_total", 0.0)
-    return result
 
 
 async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[float, float,
@@ -180,80 +209,82 @@ async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
-    parser.add_argument("--systems", type=int, default=8)
+    parser.add_argument("--systems", type=int, default=12)
     parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--users", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--users", type=int, default=36)
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per policy, interleaved (RR, affinity, RR, ...)")
     parser.add_argument("--arrival-gap", type=float, default=0.25,
                         help="seconds between users' first requests")
-    parser.add_argument("--num-kv-blocks", type=int, default=96,
-                        help="per engine: room for a share of the system prompts, not all")
-    parser.add_argument("--approx-capacity", type=int, default=0,
-                        help="the approximate router's --approx-capacity (0: its default)")
+    parser.add_argument("--num-kv-blocks", type=int, default=160,
+                        help="per engine: room for its share of the system prompts and the "
+                             "requests in flight, not for all of them")
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-args", default="")
-    parser.add_argument("--only", action="append", default=[],
-                        help="run only this policy row (repeatable; the first is the baseline)")
     args = parser.parse_args()
+    if args.systems <= args.replicas or args.concurrency < 2 * args.replicas:
+        parser.error("the workload needs more system prompts than replicas and "
+                     "concurrency >= 2 x replicas")
 
     from shoal.runtime.model.make_model import cached_model
 
     model = args.model or str(cached_model("qwen3", "small"))
     logs = Path(tempfile.mkdtemp(prefix="shoal-bench-routing-"))
-    engine_args = ["--num-kv-blocks", str(args.num_kv_blocks), *args.engine_args.split()]
+    engine_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--block-size",
+                   str(args.block_size), *args.engine_args.split()]
+    affinity_flags, kv_events = operator_flags("cache-affinity", args.block_size)
+    rr_flags, _ = operator_flags("round-robin", args.block_size)
+    print(f"operator-rendered router flags: cache-affinity {affinity_flags} "
+          f"(KV events: {kv_events}); round-robin {rr_flags}", flush=True)
     config = FleetConfig(replicas=args.replicas, model=model, port=args.base_port,
                          engine_port=args.base_port + 1, engine_args=engine_args,
-                         kv_events=True, kv_events_port=args.base_port + 2,
-                         router_args=["--policy", "cache-affinity", "--tokenizer", model,
-                                      "--scrape-interval", "0.5"],
-                         log_dir=logs, ready_timeout=900)
+                         kv_events=kv_events, kv_events_port=args.base_port + 2,
+                         router_args=affinity_flags, log_dir=logs, ready_timeout=900)
     engines = config.engine_urls()
     print(f"starting {args.replicas} engines ({engines[0]} ...), logs in {logs}", flush=True)
     with LocalFleet(config) as fleet:
-        routers = {"cache-affinity precise": config.router_url}
-        approx_flags = (["--approx-capacity", str(args.approx_capacity)]
-                        if args.approx_capacity else [])
-        for offset, (name, flags) in enumerate([
-                ("round-robin", ["--policy", "round-robin"]),
-                ("least-load", ["--policy", "least-load"]),
-                ("cache-affinity approx", ["--policy", "cache-affinity", *approx_flags])]):
-            routers[name] = fleet.add_router(args.base_port + 10 + offset,
-                                             [*flags, "--scrape-interval", "0.5"])
-        order = [n for n in ("round-robin", "least-load", "cache-affinity approx",
-                             "cache-affinity precise") if not args.only or n in args.only]
-        results = []
-        for i, name in enumerate(order):
-            print(f"running {name} ...", flush=True)
-            results.append(asyncio.run(run_workload(name, routers[name], engines, args, i)))
+        routers = {"cache-affinity": config.router_url,
+                   "round-robin": fleet.add_router(args.base_port + 10, rr_flags)}
+        results = {name: RunResult(name) for name in ("round-robin", "cache-affinity")}
+        for round_ in range(args.rounds):
+            for name, result in results.items():
+                print(f"round {round_ + 1}: {name} (load average "
+                      f"{os.getloadavg()[0]:.1f}) ...", flush=True)
+                asyncio.run(run_workload(result, routers[name], engines, args,
+                                         seed=1000 * round_ + len(result.load)))
         # a router in front of engine 0 alone: direct and routed hit the same engine
-        single = fleet.add_router(args.base_port + 20, ["--policy", "cache-affinity"],
+        single = fleet.add_router(args.base_port + 20, affinity_flags, kv_events=kv_events,
                                   backends=engines[:1])
         direct_p50, routed_p50, router_cpu = asyncio.run(
             overhead(single, engines[0], args.overhead_requests, fleet.extra_routers[-1].pid))
 
-    base = results[0]
+    base = results["round-robin"]
     n_req = args.users * args.turns
-    print(f"\nworkload: {args.systems} system prompts (~{args.system_words} words) x "
+    print(f"\nworkload per run: {args.systems} system prompts (~{args.system_words} words) x "
           f"{args.users} users x {args.turns} turns = {n_req} chat requests, "
           f"max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"a user every {args.arrival_gap}s, "
+          f"a user every {args.arrival_gap}s, {args.rounds} runs per policy interleaved, "
           f"{args.replicas} engines x {args.num_kv_blocks} KV blocks ({engine_host(0)}..)")
-    header = (f"{'policy':<24}{'hit rate':>9}{'x RR':>6}{'TTFT p50':>10}{'x RR':>6}"
-              f"{'TTFT p99':>10}{'req/s':>8}{'max/mean':>10}{'aff.hits':>9}{'errors':>7}")
+    header = (f"{'policy':<16}{'hit rate':>9}{'x RR':>6}{'TTFT p50':>10}{'x RR':>6}"
+              f"{'TTFT p99':>10}{'req/s':>8}{'max/mean':>10}{'aff.hits':>9}{'errors':>7}"
+              f"  load avg per run")
     print(header)
     print("-" * len(header))
-    for r in results:
+    for r in results.values():
         p50 = percentile(r.ttft, 0.5)
-        print(f"{r.name:<24}{r.hit_rate:>9.3f}"
+        print(f"{r.name:<16}{r.hit_rate:>9.3f}"
               f"{(r.hit_rate / base.hit_rate if base.hit_rate else float('nan')):>6.2f}"
               f"{p50 * 1000:>8.0f}ms{p50 / percentile(base.ttft, 0.5):>6.2f}"
               f"{percentile(r.ttft, 0.99) * 1000:>8.0f}ms{len(r.e2e) / r.wall:>8.2f}"
-              f"{r.balance:>10.2f}{r.affinity_hits:>9.0f}{r.errors:>7}")
+              f"{r.balance:>10.2f}{r.affinity_hits:>9.0f}{r.errors:>7}  "
+              f"{' '.join(f'{x:.1f}' for x in r.load)}")
     print(f"\nrouter overhead (cache-affinity router over engine 0 vs engine 0 direct, tiny "
           f"completion, sequential, alternating, {args.overhead_requests} each): "
           f"direct p50 {direct_p50 * 1000:.2f} ms, via router p50 {routed_p50 * 1000:.2f} ms, "

@@ -29,6 +29,7 @@ ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
+KV_EVENTS_PORT = 5557  # engines publish KV-cache events here; the router subscribes
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "fetch-weights"  # init container that downloads hf:// weights
 FIELD_MANAGER = MANAGER

@@ -13,6 +13,7 @@ from shoal.operator.constants import (
     ENGINE_PORT,
     ENGINE_READY_CONDITION,
     FETCH_CONTAINER,
+    KV_EVENTS_PORT,
 )
 from shoal.operator.meta import (
     Owner,
@@ -93,7 +94,17 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     args += ["--shutdown-timeout", str(rt.shutdown_timeout_seconds)]
     if spec.routing.gateway.inference_pool:  # the metric names inference-gateway pickers read
         args += ["--metrics-compat", "vllm"]
+    if publishes_kv_events(spec):  # the router follows the engines' real caches
+        args += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
     return args + list(rt.extra_args)
+
+
+def publishes_kv_events(spec: ServiceSpec) -> bool:
+    """Precise cache affinity: the engines publish KV events and the router (render_router)
+    follows them, hashing prompts with the engines' own tokenizer. Without prefix caching
+    there is nothing to follow."""
+    return spec.routing.enabled and spec.routing.policy == "cache-affinity" \
+        and spec.runtime.prefix_caching
 
 
 def _resources(spec: ServiceSpec) -> dict[str, Any]:
@@ -207,7 +218,9 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["shoal"],
         "args": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
+            [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+            if publishes_kv_events(spec) else []),
         "env": _env(spec),
         "resources": _resources(spec),
         "startupProbe": startup_probe(spec.startup_timeout_seconds),

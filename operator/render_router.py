@@ -13,6 +13,7 @@ from shoal.operator.constants import (
     COMPONENT_ROUTER,
     ENGINE_PORT,
     GROUP,
+    KV_EVENTS_PORT,
     PLURAL,
     ROUTER_PORT,
 )
@@ -24,13 +25,21 @@ from shoal.operator.meta import (
     router_name,
     selector_labels,
 )
-from shoal.operator.render_engine import container_security_context, pod_security_context
+from shoal.operator.render_engine import (
+    container_security_context,
+    pod_security_context,
+    publishes_kv_events,
+)
 from shoal.operator.spec import ServiceSpec
 
 SERVICE_PORT = 80
 
 
 def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
+    # Precise mode: the router subscribes to every discovered engine's KV events and takes
+    # the tokenizer from the first ready engine (GET /tokenizer), so it needs no model files.
+    precise = ["--kv-events", "--kv-events-port", str(KV_EVENTS_PORT),
+               "--tokenizer-from-engine"] if publishes_kv_events(spec) else []
     return [
         "route", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
         "--policy", spec.routing.policy,
@@ -42,7 +51,7 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),
     ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else []
-         ) + scale_from_zero_args(owner, spec)
+         ) + scale_from_zero_args(owner, spec) + precise
 
 
 def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:

@@ -5,6 +5,7 @@ probes and metrics. Any exception a handler did not turn into an ``APIError`` is
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import traceback
 import uuid
@@ -145,6 +146,18 @@ def build_app(state: ServerState) -> FastAPI:
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    tokenizer_body: list[bytes] = []  # built on first use, then the same bytes every time
+
+    @app.get("/tokenizer")
+    async def tokenizer() -> Response:
+        """The tokenizer and chat template this engine encodes with, for a router in
+        token-precise mode (`shoal route --tokenizer-from-engine`). Open like /metrics (a
+        router may hold no key): it takes no input and reveals the vocabulary and template
+        only, never weights, requests or tenants."""
+        if not tokenizer_body:
+            tokenizer_body.append(json.dumps(state.tokenizer.to_wire()).encode())
+        return Response(tokenizer_body[0], media_type="application/json")
 
     @app.get("/health")
     async def health() -> JSONResponse:

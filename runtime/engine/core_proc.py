@@ -4,7 +4,9 @@ Started by the API process (``AsyncEngineClient``) as ``python -m`` of this modu
 reports its startup phases, then loops: take every waiting input without blocking while
 there is work (block briefly when idle), run one step, send that step's outputs. Heartbeats
 are answered between steps, so a busy engine still proves it is alive and a hung one
-(stopped, deadlocked) is noticed by the API. A request's own failure (rejected on arrival,
+(stopped, deadlocked) is noticed by the API. While idle, the loop probes every
+tensor-parallel rank each second, so a rank that dies or stops between requests is fatal
+within about a second, not at the next step. A request's own failure (rejected on arrival,
 or isolated by the core after a step raised) is sent as a ``RequestError`` for that request
 alone; any other exception is fatal: it is reported on the output socket and the process
 exits non-zero. It never outlives the API process.
@@ -42,6 +44,11 @@ from shoal.runtime.log_limits import RateLimitedLog
 logger = logging.getLogger("shoal.engine.core_proc")
 IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 0.1
+# While idle, every rank is probed this often (a dead or stopped rank would otherwise go
+# unnoticed until the next request's step); a healthy idle rank answers a ping in
+# milliseconds, the timeout only bounds a rank that is alive but hung.
+RANK_PROBE_INTERVAL_S = 1.0
+RANK_PROBE_TIMEOUT_S = 3.0
 
 
 class _Startup:
@@ -84,8 +91,8 @@ def _phase_reporting(executor, startup: _Startup):
         def execute(self, plan):
             return executor.execute(plan)
 
-        def check_health(self) -> None:
-            executor.check_health()
+        def check_health(self, timeout_s: float | None = None) -> None:
+            executor.check_health(timeout_s)
 
         def shutdown(self) -> None:
             executor.shutdown()
@@ -202,13 +209,18 @@ class EngineLoop:
         self._stats_dirty = True
         self._last_stats = 0.0
         self._arrival_log = RateLimitedLog(logger)
+        self._last_rank_probe = time.monotonic()
 
     def run(self) -> None:
         while True:
             busy = self.core.has_unfinished_requests()
             if self.inputs.poll(0 if busy else IDLE_POLL_MS):
                 self._take_inputs()
-            outputs = self._step() if self.core.has_unfinished_requests() else []
+            if self.core.has_unfinished_requests():
+                outputs = self._step()
+            else:
+                outputs = []
+                self._probe_ranks_if_due()
             for failure in self.core.take_failures():
                 self._stats_dirty = True
                 self.send(CoreMessageType.REQUEST_ERROR, RequestError(
@@ -216,6 +228,14 @@ class EngineLoop:
             if self.publisher is not None:
                 self.publisher.publish(self.core.drain_kv_events())
             self._send_outputs(outputs)
+
+    def _probe_ranks_if_due(self) -> None:
+        """Idle liveness: a failed rank raises here, which is fatal like a failed step."""
+        now = time.monotonic()
+        if now - self._last_rank_probe < RANK_PROBE_INTERVAL_S:
+            return
+        self.core.executor.check_health(RANK_PROBE_TIMEOUT_S)
+        self._last_rank_probe = time.monotonic()
 
     def _step(self) -> list:
         self.progress.step_started = time.monotonic()

@@ -35,8 +35,9 @@ class Executor(ABC):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     @abstractmethod
-    def check_health(self) -> None:
-        """Raise if a rank is dead or hung."""
+    def check_health(self, timeout_s: float | None = None) -> None:
+        """Raise if a rank is dead, stopped or does not answer within ``timeout_s``
+        (default: the config's rank_timeout)."""
 
     @abstractmethod
     def shutdown(self) -> None:

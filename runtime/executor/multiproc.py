@@ -80,19 +80,25 @@ def _kill_ranks(ranks: list[_Rank], rendezvous_dir: str) -> None:
     shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
-def _likely_culprit(stalled: list[_Rank]) -> int:
-    """Of ranks that all stopped answering, the one to blame: a stopped (SIGSTOP, traced)
-    process over ranks that merely wait for it inside a collective."""
+def _stopped_rank(ranks: list[_Rank]) -> int | None:
+    """The first rank whose process is stopped (SIGSTOP, traced) or already gone."""
     import psutil
 
-    for r in stalled:
+    for r in ranks:
         try:
             if psutil.Process(r.proc.pid).status() in (psutil.STATUS_STOPPED,
                                                        psutil.STATUS_TRACING_STOP):
                 return r.rank
         except psutil.NoSuchProcess:
             return r.rank
-    return stalled[0].rank
+    return None
+
+
+def _likely_culprit(stalled: list[_Rank]) -> int:
+    """Of ranks that all stopped answering, the one to blame: a stopped (SIGSTOP, traced)
+    process over ranks that merely wait for it inside a collective."""
+    stopped = _stopped_rank(stalled)
+    return stalled[0].rank if stopped is None else stopped
 
 
 class _Rank:
@@ -283,15 +289,22 @@ class MultiprocExecutor(Executor):
                                 f"finish step {plan.step_id}")
         return decode_result(replies[0], plan)
 
-    def check_health(self) -> None:
-        """Raise RankFailure if a rank is dead or does not answer within ``rank_timeout``."""
+    def check_health(self, timeout_s: float | None = None) -> None:
+        """Raise RankFailure if a rank has exited, is stopped (SIGSTOP, traced), or does not
+        answer a ping within ``timeout_s`` (default ``rank_timeout``). The engine loop calls
+        this while idle, so a rank that dies between requests is fatal at once, not at the
+        next step."""
         if self._failure is not None:
             raise self._failure
         for r in self._ranks:
             if r.proc.poll() is not None:
                 raise self._fail(r.rank, _exit_description(r.proc))
+        stopped = _stopped_rank(self._ranks)
+        if stopped is not None:  # it would never answer: no need to wait for the timeout
+            raise self._fail(stopped, "is stopped (SIGSTOP or traced) and cannot make progress")
+        limit = self.rank_timeout if timeout_s is None else min(timeout_s, self.rank_timeout)
         self._broadcast(wp.PING)
-        self._collect(wp.PONG, time.monotonic() + self.rank_timeout, "answer a health check")
+        self._collect(wp.PONG, time.monotonic() + limit, "answer a health check")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -35,7 +35,7 @@ class UniProcExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)
 
-    def check_health(self) -> None:
+    def check_health(self, timeout_s: float | None = None) -> None:
         """In-process: a dead worker would already have raised from ``execute``."""
 
     def shutdown(self) -> None:

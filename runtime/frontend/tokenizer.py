@@ -90,6 +90,38 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self.chat_templates.get(DEFAULT_TEMPLATE)
 
+    def to_wire(self) -> dict[str, object]:
+        """Everything this tokenizer is, as JSON-able data (the engine's ``GET /tokenizer``):
+        a router rebuilds exactly the engine's tokenizer with ``from_wire``."""
+        return {"tokenizer_json": self.backend.to_str(), "chat_templates": self.chat_templates,
+                "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "unk_token": self.unk_token, "pad_token": self.pad_token,
+                "special_token_ids": sorted(self.special_token_ids)}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, object]) -> Tokenizer:
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return value if isinstance(value, str) else None
+
+        source = data.get("tokenizer_json")
+        ids = data.get("special_token_ids") or []
+        templates = data.get("chat_templates") or {}
+        if not isinstance(source, str) or not isinstance(ids, list) \
+                or not isinstance(templates, dict):
+            raise ValueError("not a tokenizer: needs tokenizer_json (str), chat_templates "
+                             "(object) and special_token_ids (list)")
+        backends = []
+        for plain in (False, True):
+            backend = HFTokenizer.from_str(source)
+            backend.encode_special_tokens = plain
+            backends.append(backend)
+        return cls(backend=backends[0], plain_backend=backends[1],
+                   chat_templates={str(k): str(v) for k, v in templates.items()},
+                   bos_token=text("bos_token"), eos_token=text("eos_token"),
+                   unk_token=text("unk_token"), pad_token=text("pad_token"),
+                   special_token_ids=frozenset(int(i) for i in ids))
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -1,7 +1,8 @@
 """Cache affinity: send a request where its prefix is cached, within a load bound.
 
 Decision, in order:
-1. bounded load: only replicas whose in-flight count is within 1.25 x the mean qualify;
+1. bounded load: only replicas that stay within the load cap with this request qualify
+   (``bounded_load.py``: 1.25 x the mean, but never less than the mean + 2 requests);
 2. the qualifying replica believed to hold the longest leading run of the request's
    blocks wins;
 3. ties, including "nobody holds any of it" for a new prefix, go to the lowest pressure
@@ -16,7 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from shoal.runtime.router.block_index import DEFAULT_APPROX_CAPACITY, BlockIndex
-from shoal.runtime.router.bounded_load import DEFAULT_LOAD_FACTOR, within_bound
+from shoal.runtime.router.bounded_load import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_HEADROOM,
+    within_bound,
+)
 from shoal.runtime.router.hash_ring import HashRing
 from shoal.runtime.router.policy import Decision, ReplicaSnapshot, require_replicas
 from shoal.runtime.router.request_keys import RequestKeys
@@ -38,9 +43,11 @@ class CacheAffinityPolicy:
     uses_prefix = True
 
     def __init__(self, precise: bool = False, load_factor: float = DEFAULT_LOAD_FACTOR,
-                 approx_capacity: int | None = None) -> None:
+                 approx_capacity: int | None = None,
+                 load_headroom: float = DEFAULT_LOAD_HEADROOM) -> None:
         self.precise = precise
         self.load_factor = load_factor
+        self.load_headroom = load_headroom
         self.approx_capacity = approx_capacity or DEFAULT_APPROX_CAPACITY
         self.ring = HashRing()
         self.indexes: dict[str, BlockIndex] = {}
@@ -64,7 +71,8 @@ class CacheAffinityPolicy:
         require_replicas(replicas)
         for replica in replicas:
             self.index(replica.url)
-        allowed = within_bound({r.url: r.in_flight for r in replicas}, self.load_factor)
+        allowed = within_bound({r.url: r.in_flight for r in replicas}, self.load_factor,
+                               self.load_headroom)
         pressure = {r.url: r.pressure for r in replicas}
         if keys is None:  # nothing to match on: least pressure among the allowed
             url = min(sorted(allowed), key=lambda u: pressure[u])

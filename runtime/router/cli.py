@@ -28,6 +28,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="model dir with the engines' tokenizer: token-precise affinity "
                              "(engine block hashes) instead of the text-prefix approximation")
+    parser.add_argument("--tokenizer-from-engine", action="store_true",
+                        help="token-precise affinity with the tokenizer and chat template "
+                             "fetched from the first ready engine (GET /tokenizer): exactly "
+                             "what the engines encode with, no model files in the router")
     parser.add_argument("--block-size", type=int, default=16,
                         help="the engines' KV block size in tokens (default 16)")
     parser.add_argument("--model-revision", default="",
@@ -44,8 +48,11 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between /ready polls of each engine (default 1)")
     parser.add_argument("--load-factor", type=float, default=1.25,
-                        help="bounded load: no replica takes a request while its in-flight "
-                             "count exceeds this x the mean (default 1.25)")
+                        help="bounded load: no replica takes a request that puts its "
+                             "in-flight count above this x the mean (default 1.25) ...")
+    parser.add_argument("--load-headroom", type=float, default=2.0, metavar="REQUESTS",
+                        help="... or above the mean + this many requests, whichever is "
+                             "larger: moderate concurrency keeps its affinity (default 2)")
     parser.add_argument("--approx-capacity", type=int, default=50_000, metavar="BLOCKS",
                         help="approximate mode: prefix blocks remembered per replica (LRU); "
                              "near the engines' cache size, the router forgets what they "
@@ -105,10 +112,12 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         policy=args.policy, backends=list(args.backend), discovery=args.discovery,
         namespace=args.namespace or _default_namespace(), service=args.service,
         engine_port=args.engine_port, kube_api=args.kube_api, tokenizer=args.tokenizer,
+        tokenizer_from_engine=args.tokenizer_from_engine,
         block_size=args.block_size, model_revision=args.model_revision,
         chars_per_block=args.chars_per_block, kv_events=args.kv_events,
         kv_events_port=args.kv_events_port, health_interval=args.health_interval,
         scrape_interval=args.scrape_interval, load_factor=args.load_factor,
+        load_headroom=args.load_headroom,
         max_attempts=args.max_attempts, approx_capacity=args.approx_capacity,
         hold_timeout=args.hold_timeout, hold_queue=args.hold_queue,
         capacity_request=args.capacity_request)

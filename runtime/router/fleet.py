@@ -48,13 +48,17 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
                    "--scrape-interval", str(args.scrape_interval),
                    "--health-interval", str(args.health_interval),
                    "--load-factor", str(args.load_factor),
+                   "--load-headroom", str(args.load_headroom),
                    "--max-attempts", str(args.max_attempts),
                    "--approx-capacity", str(args.approx_capacity)]
     if args.model_revision:
         router_args += ["--model-revision", args.model_revision]
-    tokenizer = args.tokenizer or (args.model if args.kv_events else None)
+    tokenizer = args.tokenizer or (args.model if args.kv_events and args.model
+                                   and not args.tokenizer_from_engine else None)
     if tokenizer:
         router_args += ["--tokenizer", tokenizer]
+    elif args.tokenizer_from_engine or args.kv_events:
+        router_args.append("--tokenizer-from-engine")
     return FleetConfig(
         replicas=args.replicas, model=args.model, host=args.host, port=args.port,
         engine_port=args.engine_port, engine_args=shlex.split(args.engine_args),

@@ -21,6 +21,11 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 READY_POLL_S = 0.25
+# `shoal route` flags that say where things are in a cluster (each takes a value); a loopback
+# fleet supplies its own (--host/--port, --backend per engine, its --kv-events-port)
+DEPLOYMENT_FLAGS = frozenset({"--host", "--port", "--discovery", "--namespace", "--service",
+                              "--engine-port", "--kube-api", "--kv-events-port",
+                              "--capacity-request"})
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -76,6 +81,24 @@ def router_argv(config: FleetConfig, backends: list[str] | None = None) -> list[
     if config.kv_events:
         argv += ["--kv-events", "--kv-events-port", str(config.kv_events_port)]
     return argv + list(config.router_args)
+
+
+def loopback_router_args(rendered: list[str]) -> tuple[list[str], bool]:
+    """The router args a cluster deployment renders (``route ...``) as the same routing
+    over a loopback fleet: (the routing flags, whether the router follows KV events). So
+    benchmarks and tests run exactly the flags the operator deploys."""
+    args = rendered[1:] if rendered[:1] == ["route"] else list(rendered)
+    kept: list[str] = []
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in DEPLOYMENT_FLAGS:
+            i += 1 if "=" in args[i] else 2
+            continue
+        kept.append(args[i])
+        i += 1
+    kv_events = "--kv-events" in kept
+    return [a for a in kept if a != "--kv-events"], kv_events
 
 
 class LocalFleet:

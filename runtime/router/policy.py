@@ -51,12 +51,14 @@ class RoutingPolicy(Protocol):
 
 
 def make_policy(name: str, *, precise: bool = False, load_factor: float = 1.25,
-                approx_capacity: int | None = None) -> RoutingPolicy:
+                approx_capacity: int | None = None, load_headroom: float = 2.0
+                ) -> RoutingPolicy:
     if name == "cache-affinity":
         from shoal.runtime.router.cache_affinity import CacheAffinityPolicy
 
         return CacheAffinityPolicy(precise=precise, load_factor=load_factor,
-                                   approx_capacity=approx_capacity)
+                                   approx_capacity=approx_capacity,
+                                   load_headroom=load_headroom)
     if name == "least-load":
         from shoal.runtime.router.least_load import LeastLoadPolicy
 

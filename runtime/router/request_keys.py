@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
 
 DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
@@ -45,11 +46,13 @@ class PromptTokenizer:
     text prompts with the special tokens HF adds (unless the body says
     ``add_special_tokens: false``), chats rendered with the message objects as sent."""
 
-    def __init__(self, tokenizer_dir: str | Path) -> None:
+    def __init__(self, tokenizer: Tokenizer | str | Path) -> None:
+        """``tokenizer``: a model dir, or a ``Tokenizer`` (say, fetched from an engine)."""
         from shoal.runtime.frontend.prompts import PromptRenderer
-        from shoal.runtime.frontend.tokenizer import Tokenizer
 
-        self._renderer = PromptRenderer(Tokenizer.from_dir(tokenizer_dir))
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) \
+            else Tokenizer.from_dir(tokenizer)
+        self._renderer = PromptRenderer(self.tokenizer)
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self._renderer.encode_text(prompt, add_special_tokens).token_ids

@@ -27,6 +27,7 @@ class RouterConfig:
     engine_port: int | None = None
     kube_api: str | None = None  # out-of-cluster API server (tests, kubectl proxy)
     tokenizer: str | None = None
+    tokenizer_from_engine: bool = False  # fetch the tokenizer from the first ready engine
     block_size: int = 16
     model_revision: str = ""
     chars_per_block: int = 64
@@ -35,6 +36,7 @@ class RouterConfig:
     health_interval: float = 1.0
     scrape_interval: float = 1.0
     load_factor: float = 1.25
+    load_headroom: float = 2.0  # requests above the mean a replica may always hold
     approx_capacity: int = 50_000  # prefix blocks remembered per replica (approximate mode)
     max_attempts: int = 3
     hold_timeout: float = 0.0  # scale from zero: seconds a request waits for a ready replica
@@ -50,10 +52,14 @@ class RouterConfig:
             raise ValueError(f"unknown discovery {self.discovery!r}")
         if self.approx_capacity < 1:
             raise ValueError("--approx-capacity must be >= 1")
+        if self.load_headroom < 1:
+            raise ValueError("--load-headroom must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be >= 1")
         if self.capacity_request and self.discovery != "kubernetes":
             raise ValueError("--capacity-request needs --discovery kubernetes")
+        if self.tokenizer and self.tokenizer_from_engine:
+            raise ValueError("give --tokenizer DIR or --tokenizer-from-engine, not both")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")
 
@@ -61,12 +67,13 @@ class RouterConfig:
 def build_router(config: RouterConfig) -> RouterApp:
     config.validate()
     tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
-    if config.kv_events and tokenizer is None:
-        log.warning("--kv-events without --tokenizer: only token-id prompts can match the "
-                    "engines' block hashes")
+    if config.kv_events and tokenizer is None and not config.tokenizer_from_engine:
+        log.warning("--kv-events without --tokenizer or --tokenizer-from-engine: only "
+                    "token-id prompts can match the engines' block hashes")
     policy = make_policy(config.policy, precise=config.kv_events,
                          load_factor=config.load_factor,
-                         approx_capacity=config.approx_capacity)
+                         approx_capacity=config.approx_capacity,
+                         load_headroom=config.load_headroom)
     pool = ReplicaPool(config.health_interval, config.scrape_interval)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
@@ -88,6 +95,14 @@ def build_router(config: RouterConfig) -> RouterApp:
             subscriber.sync(set(pool.replicas))
             app.metrics.watch_kv_events(subscriber.states)
         background.append(asyncio.create_task(discovery.run(pool.sync), name="discovery"))
+        if config.tokenizer_from_engine and app.tokenizer is None:
+            from shoal.runtime.router.engine_tokenizer import load_from_engines
+
+            def install(fetched: PromptTokenizer) -> None:
+                app.tokenizer = fetched
+
+            background.append(asyncio.create_task(load_from_engines(
+                pool, install, config.health_interval), name="tokenizer"))
         pool.start()
         await pool.wait_first_check(timeout=config.health_interval * 2)
 

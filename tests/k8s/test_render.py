@@ -183,6 +183,31 @@ def test_router_args_parse_with_the_real_shoal_route() -> None:
         "32", "v2")
 
 
+def route_parser() -> argparse.ArgumentParser:
+    route_cli = pytest.importorskip("shoal.runtime.router.cli")
+    parser = argparse.ArgumentParser()
+    route_cli.register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_cache_affinity_deploys_the_precise_mode() -> None:
+    """The default routing is the best one: the engines publish KV events on the port the
+    router subscribes to, and the router takes the engines' tokenizer from them."""
+    spec = {"model": {"uri": "hf://org/m"}}
+    parsed = route_parser().parse_args(router_args(OWNER, parse_spec(spec)))
+    assert (parsed.policy, parsed.kv_events, parsed.tokenizer_from_engine, parsed.tokenizer) \
+        == ("cache-affinity", True, True, None)
+    container = engine_container(engine(spec))
+    assert flag(container["args"], "--kv-events-endpoint") == f"tcp://*:{parsed.kv_events_port}"
+    assert {"name": "kv-events", "containerPort": parsed.kv_events_port,
+            "protocol": "TCP"} in container["ports"]
+    for off in ({"routing": {"policy": "least-load"}}, {"routing": {"enabled": False}},
+                {"runtime": {"prefixCaching": False}}):
+        other = {**spec, **off}
+        assert "--kv-events-endpoint" not in engine_container(engine(other))["args"]
+        assert "--kv-events" not in router_args(OWNER, parse_spec(other))
+
+
 def test_routing_off_points_the_service_at_the_engines() -> None:
     spec = parse_spec({"model": {"uri": "hf://org/m"}, "routing": {"enabled": False}})
     children = render_children(OWNER, spec, 1)

@@ -119,18 +119,23 @@ def wait_for():
 
 @pytest.fixture(scope="module")
 def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
-    """engine_fleet_factory(replicas, engine_args, kv_events) -> a started LocalFleet of real
-    `shoal serve` engines (tiny qwen3) and a router; all stopped when the module ends."""
+    """engine_fleet_factory(replicas, engine_args, kv_events, router_flags=None, model=None)
+    -> a started LocalFleet of real `shoal serve` engines (tiny qwen3, or ``model``) and a
+    router (``router_flags`` verbatim when given); all stopped when the module ends."""
     from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet
 
     fleets: list[LocalFleet] = []
 
     def build(replicas: int = 2, engine_args: list[str] | None = None,
-              kv_events: bool = False) -> LocalFleet:
-        router_args = ["--health-interval", "0.2", "--scrape-interval", "0.2"]
-        if kv_events:
-            router_args += ["--tokenizer", str(tiny_qwen3)]
-        config = FleetConfig(replicas=replicas, model=str(tiny_qwen3),
+              kv_events: bool = False, router_flags: list[str] | None = None,
+              model: Path | None = None) -> LocalFleet:
+        if router_flags is not None:
+            router_args = list(router_flags)
+        else:
+            router_args = ["--health-interval", "0.2", "--scrape-interval", "0.2"]
+            if kv_events:
+                router_args += ["--tokenizer", str(tiny_qwen3)]
+        config = FleetConfig(replicas=replicas, model=str(model or tiny_qwen3),
                              port=_free_port("127.0.0.1"), engine_port=_free_port("127.0.0.2"),
                              engine_args=engine_args or [], router_args=router_args,
                              kv_events=kv_events, kv_events_port=_free_port("127.0.0.2"),
@@ -143,3 +148,30 @@ def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
     yield build
     for fleet in fleets:
         fleet.stop()
+
+
+ALTERNATION_CHECK = (  # the classic check of Llama-2 / Mistral templates
+    "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def alternating_qwen3(tiny_qwen3, tmp_path_factory) -> Path:
+    """tiny qwen3 whose chat template raises unless user and assistant turns alternate."""
+    import json
+
+    root = tmp_path_factory.mktemp("alternating-qwen3")
+    for item in tiny_qwen3.iterdir():
+        (root / item.name).symlink_to(item)
+    (root / "tokenizer_config.json").unlink()
+    config = json.loads((tiny_qwen3 / "tokenizer_config.json").read_text())
+    templates = config["chat_template"]  # a string, or the named-templates list
+    if isinstance(templates, str):
+        config["chat_template"] = ALTERNATION_CHECK + templates
+    else:
+        for named in templates:
+            named["template"] = ALTERNATION_CHECK + named["template"]
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root

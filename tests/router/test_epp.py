@@ -190,9 +190,9 @@ def test_bodyless_request_is_picked_on_its_headers(epp, engines):
 def test_shedding_answers_429_once_every_endpoint_is_full(engines, spawn, free_port):
     channel = start_epp(spawn, free_port, engines, "--epp-shed-limit", "2")
     open_streams = []
-    for i in range(4):  # picks held open: 2 per endpoint under the load bound
+    for i in range(4):  # picks held open, new prefixes go to the least loaded: 2 each
         answer, stream = pick_buffered(channel, "/v1/completions",
-                                       {"prompt": "same prefix " * 20, "max_tokens": 1},
+                                       {"prompt": f"prefix {i} " * 20, "max_tokens": 1},
                                        keep_open=True)
         assert answer.HasField("request_body"), (i, answer)
         open_streams.append(stream)

@@ -1,5 +1,8 @@
-"""End to end through `shoal fleet` machinery with real `shoal serve` engines (tiny qwen3):
-streaming pass-through, disconnect freeing engine blocks, a killed replica, precise mode."""
+"""End to end through `shoal fleet` machinery with real `shoal serve` engines (tiny qwen3)
+and a router started with exactly the flags the operator renders (precise mode: KV events,
+the tokenizer fetched from an engine): streaming pass-through, disconnect freeing engine
+blocks, the router's view equal to the engines' caches, template errors answered as the
+engine answers them, a killed replica."""
 
 from __future__ import annotations
 
@@ -27,10 +30,23 @@ def engine_metrics(url: str):
     return parse_engine_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
 
 
+def operator_router_flags() -> tuple[list[str], bool]:
+    """Exactly the routing flags the operator deploys, over this loopback fleet."""
+    from shoal.operator.meta import Owner
+    from shoal.operator.render_router import router_args
+    from shoal.operator.spec import parse_spec
+    from shoal.runtime.router.local_fleet import loopback_router_args
+
+    spec = parse_spec({"model": {"uri": "/opt/model"}, "runtime": {"blockSize": BLOCK}})
+    return loopback_router_args(router_args(Owner("demo", "ml", "uid-1"), spec))
+
+
 @pytest.fixture(scope="module")
-def fleet(engine_fleet_factory):
+def fleet(engine_fleet_factory, alternating_qwen3):
+    flags, kv_events = operator_router_flags()
+    assert kv_events and "--tokenizer-from-engine" in flags  # precise mode, deployed as is
     return engine_fleet_factory(2, ["--num-kv-blocks", "40", "--max-model-len", "512"],
-                                kv_events=True)
+                                kv_events=kv_events, router_flags=flags, model=alternating_qwen3)
 
 
 def test_streaming_through_the_router_is_byte_identical(fleet):
@@ -50,20 +66,21 @@ def test_streaming_through_the_router_is_byte_identical(fleet):
 
 
 def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
-    router = fleet.config.router_url
+    """The client hangs up after two chunks: the engine aborts the request (it generates far
+    fewer than max_tokens) and frees its blocks. The tiny model makes 400 tokens in well
+    under a second, so the check is on what was generated, not on catching it running."""
+    router, engines = fleet.config.router_url, fleet.config.engine_urls()
+    before = generated_tokens(engines)
     body = {"prompt": "The longest voyage began " * 4, "max_tokens": 400, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
         chunks = r.iter_raw()
         next(chunks)
         next(chunks)
-        busy = wait_for(lambda: [e for e in fleet.config.engine_urls()
-                                 if engine_metrics(e).num_running == 1], timeout=10,
-                        what="the request running on an engine")
-        assert engine_metrics(busy[0]).kv_usage > 0
-    wait_for(lambda: engine_metrics(busy[0]).num_running == 0
-             and engine_metrics(busy[0]).kv_usage == 0.0, timeout=15,
-             what="blocks freed after the disconnect")
+    wait_for(lambda: all(engine_metrics(e).num_running == 0 and engine_metrics(e).kv_usage == 0
+                         for e in engines), timeout=15, what="blocks freed after the disconnect")
+    wait_for(lambda: generated_tokens(engines) > before, timeout=5, what="token counters")
+    assert generated_tokens(engines) - before < 390  # aborted, not run to max_tokens
 
 
 def generated_tokens(engines: list[str]) -> float:
@@ -152,19 +169,27 @@ def test_precise_view_matches_the_engines_caches_through_eviction(fleet, wait_fo
                              metrics)
 
 
+def affinity_hits(router: str, engine: str) -> float:
+    text = httpx.get(f"{router}/metrics", timeout=5).text
+    found = re.search(rf'^shoal:router_affinity_hits_total\{{replica="{re.escape(engine)}"\}} '
+                      r'(\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_router_key_hashes_match_engine_events_for_chat(fleet, wait_for):
-    """Token-precise affinity: the router's own hashes of a chat request (template +
-    tokenizer) are the block hashes the engine reported storing for it."""
-    router = fleet.config.router_url
+    """Token-precise affinity with the tokenizer the router fetched from an engine: a chat
+    sent straight to engine 1 (the router never saw it) is found there by the router's own
+    hashes of the same chat (template + tokenizer), matched against engine 1's KV events."""
+    router, engine = fleet.config.router_url, fleet.config.engine_urls()[1]
     body = {"messages": [{"role": "system", "content": "Unique crew manifest check. " * 8},
                          {"role": "user", "content": "List the crew."}], "max_tokens": 1}
-    before = router_view(router)
-    httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60).raise_for_status()
-    wait_for(lambda: any(router_view(router)[e] - before.get(e, set())
-                         for e in fleet.config.engine_urls()), timeout=5, what="new blocks")
+    before = router_view(router)[engine]
+    httpx.post(f"{engine}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    wait_for(lambda: len(router_view(router)[engine] - before) >= 4, timeout=5,
+             what="engine 1's new blocks in the router's view")
+    hits = affinity_hits(router, engine)
     r1 = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=60).json()
-    metrics = httpx.get(f"{router}/metrics").text
-    assert re.search(r'shoal:router_affinity_hits_total\{replica="[^"]+"\} [1-9]', metrics)
+    assert affinity_hits(router, engine) == hits + 1  # routed to engine 1 on a prefix match
     assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4 * BLOCK
 
 
@@ -184,3 +209,19 @@ def test_killed_replica_is_ejected_and_later_requests_succeed(engine_fleet_facto
     assert ok == 6
     wait_for(lambda: f'shoal:router_replica_ready{{replica="{victim_url}"}} 0.0'
              in httpx.get(f"{router}/metrics").text, timeout=10, what="ejection")
+
+
+def test_a_chat_template_error_through_the_router_is_the_engines_4xx(fleet):
+    """The router renders the template to key the request; when the template raises
+    (roles must alternate) the client gets the engine's own 400 and body, never a 5xx."""
+    body = {"messages": [{"role": "user", "content": "first"},
+                         {"role": "user", "content": "second, out of turn"}], "max_tokens": 1}
+    routed = httpx.post(f"{fleet.config.router_url}/v1/chat/completions", json=body, timeout=60)
+    direct = httpx.post(f"{fleet.config.engine_urls()[0]}/v1/chat/completions", json=body,
+                        timeout=60)
+    assert direct.status_code == 400
+    assert (routed.status_code, routed.json()) == (400, direct.json())
+    assert "alternate" in routed.json()["error"]["message"]
+    fine = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert httpx.post(f"{fleet.config.router_url}/v1/chat/completions", json=fine,
+                      timeout=60).status_code == 200

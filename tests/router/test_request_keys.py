@@ -100,3 +100,28 @@ def test_block_index_matches_leading_run_and_follows_events():
     assert precise.match_length([1, 2, 3], now=10) == 1
     precise.cleared()
     assert len(precise) == 0
+
+
+def test_the_engines_tokenizer_over_the_wire_encodes_the_same(tiny_qwen3):
+    """`GET /tokenizer` (Tokenizer.to_wire) rebuilt in the router encodes like the engine."""
+    import json
+
+    from shoal.runtime.frontend.tokenizer import Tokenizer
+
+    local = Tokenizer.from_dir(tiny_qwen3)
+    fetched = PromptTokenizer(Tokenizer.from_wire(json.loads(json.dumps(local.to_wire()))))
+    messages = [{"role": "user", "content": "Where is the harbor master?"}]
+    assert fetched.encode_chat(messages) == PromptTokenizer(tiny_qwen3).encode_chat(messages)
+    assert fetched.tokenizer.special_token_ids == local.special_token_ids
+    with pytest.raises(ValueError):
+        Tokenizer.from_wire({"chat_template": "x"})
+
+
+def test_a_template_that_raises_is_a_request_key_error(alternating_qwen3):
+    """The router then forwards the request and the engine answers its own 400."""
+    tokenizer = PromptTokenizer(alternating_qwen3)
+    body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    with pytest.raises(RequestKeyError, match="alternate"):
+        request_keys("/v1/chat/completions", body, KeyConfig(), tokenizer)
+    ok = {"messages": [{"role": "user", "content": "a"}]}
+    assert request_keys("/v1/chat/completions", ok, KeyConfig(), tokenizer).precise

@@ -75,7 +75,9 @@ def test_an_idle_stopped_rank_fails_the_health_check(tiny_llama, make_engine, al
     pids = core.executor.pids
     os.kill(pids[0], signal.SIGSTOP)
     try:
-        with pytest.raises(RankFailure, match="rank 0.*no progress.*health check"):
+        # seen stopped at once; the ping's timeout is the fallback if the probe raced the signal
+        with pytest.raises(RankFailure,
+                           match="rank 0: (is stopped|made no progress.*health check)"):
             core.executor.check_health()
     finally:
         for pid in pids:

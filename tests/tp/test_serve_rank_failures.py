@@ -115,3 +115,28 @@ def test_a_rank_that_cannot_load_its_shard_fails_the_server_startup(tp_server):
     assert "rank 1" in log and "failed to load its shard" in log
     assert "injected load fault on rank 1" in log
     assert server.health() is None  # the port is closed: nothing left serving
+
+
+def hurt_an_idle_rank(server, sig: int) -> tuple[list[int], float]:
+    """One request completes (the engine really served), then nothing runs: the rank is
+    hurt while the engine core is idle, so only the idle liveness probe can notice."""
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60.0,
+                   json={"model": "tp-test", "prompt": "idle ranks", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert server.health() == 200
+    ranks = server.rank_pids()
+    assert len(ranks) == 2, f"expected 2 rank processes, found {ranks}"
+    everything = [p.pid for p in server.descendants()]
+    os.kill(ranks[1], sig)
+    return everything, time.monotonic()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_an_idle_rank_that_dies_or_stops_brings_the_server_down(tp_server, alive_after, sig):
+    server = tp_server()  # default --rank-timeout (30 s): the idle probe must not wait for it
+    pids, hurt_at = hurt_an_idle_rank(server, sig)
+    assert_engine_went_down(server, [], pids, hurt_at, alive_after, health_within_s=5)
+    log = server.log()
+    assert "rank 1" in log, log
+    if sig == signal.SIGSTOP:
+        assert "is stopped" in log, log
