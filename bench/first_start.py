@@ -10,6 +10,10 @@ one after another:
   model is still written on this start;
 - ``started before``: the same cache again (model and kernels there).
 
+Each row also shows the engine core's startup phases from ``/ready`` (the kernels are built
+in "loading", where the attention backend is chosen with the model); the rest of the time is the API
+process (imports, writing the model on a fresh cache) and the engine's imports.
+
 The machine is shared: the compile in particular stretches with the load, which is printed.
 
     .venv/bin/python bench/first_start.py [--skip-no-prebuild]
@@ -18,19 +22,21 @@ The machine is shared: the compile in particular stretches with the load, which 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package)
 
 
-def time_to_ready(cache: Path) -> float:
+def time_to_ready(cache: Path) -> tuple[float, dict]:
     env = {**os.environ, "SHOAL_CACHE_DIR": str(cache)}
     port = peers.free_port()
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--host", "127.0.0.1", "--port",
@@ -38,7 +44,9 @@ def time_to_ready(cache: Path) -> float:
     server = peers.ServerProcess("shoal", cmd, port, env, "/ready")
     try:
         server.wait_up(timeout=900)
-        return server.startup_seconds
+        with urllib.request.urlopen(server.url + "/ready", timeout=10) as response:
+            phases = json.loads(response.read()).get("phase_durations", {})
+        return server.startup_seconds, phases
     finally:
         server.stop()
 
@@ -60,20 +68,20 @@ def main() -> int:
     try:
         if not args.skip_no_prebuild:
             load = peers.load_average()
-            rows.append(("fresh, no prebuild", time_to_ready(root / "bare"), load))
+            rows.append(("fresh, no prebuild", *time_to_ready(root / "bare"), load))
         cache = root / "setup"
         load = peers.load_average()
         print(f"prebuild (the make setup step): {prebuild(cache):.1f} s (load {load})",
               flush=True)
         load = peers.load_average()
-        rows.append(("fresh after make setup", time_to_ready(cache), load))
+        rows.append(("fresh after make setup", *time_to_ready(cache), load))
         load = peers.load_average()
-        rows.append(("started before", time_to_ready(cache), load))
+        rows.append(("started before", *time_to_ready(cache), load))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{'start':<26}{'/ready after':>13}  load 1/5/15")
-    for name, seconds, load in rows:
-        print(f"{name:<26}{seconds:>11.1f} s  {load}")
+    print(f"\n{'start':<26}{'/ready after':>13}  {'load 1/5/15':<16}engine phases (s)")
+    for name, seconds, phases, load in rows:
+        print(f"{name:<26}{seconds:>11.1f} s  {load:<16}{phases}")
     print("(targets: started before <= 15 s, fresh after make setup <= 60 s)")
     return 0
 

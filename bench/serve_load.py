@@ -203,8 +203,9 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
     results, start = asyncio.run(drive(server.url, workload))
     result = summarise(server.name, workload, results, start, load)
     errors = [r.error for r in results if r.error]
-    print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p99 "
-          f"{result.ttft_p99:7.3f} s  load {load}" + (f"  errors: {errors[:2]}" if errors else ""),
+    print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p50/p99 "
+          f"{result.ttft_p50:.3f}/{result.ttft_p99:.3f} s  ITL p50/p99 {result.itl_p50:.3f}/"
+          f"{result.itl_p99:.3f} s  load {load}" + (f"  errors: {errors[:2]}" if errors else ""),
           flush=True)
     return result
 
