@@ -191,7 +191,10 @@ def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num
 
 def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
                        max_num_batched_tokens: int, max_model_len: int,
-                       threads: int = 0) -> ServerProcess:
+                       threads: int = 0, pin_cores: str = "") -> ServerProcess:
+    """``threads``: OMP_NUM_THREADS (0: unset, every core); ``pin_cores``: bind the engine's
+    OpenMP threads to these cores (GOMP_CPU_AFFINITY, e.g. "0"), like vLLM's ``auto`` binding,
+    which leaves the other core to the API process (it runs no OpenMP)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(model_dir), "--host",
            "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
@@ -205,6 +208,9 @@ def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         name = f"shoal[threads={threads}]"
+    if pin_cores:
+        env.update(GOMP_CPU_AFFINITY=pin_cores, OMP_PROC_BIND="true")
+        name = name[:-1] + f",pin={pin_cores}]" if threads else f"shoal[pin={pin_cores}]"
     return ServerProcess(name, cmd, port, env, "/ready")
 
 

@@ -156,6 +156,9 @@ async def one_request(http: httpx.AsyncClient, url: str, request: Request) -> Re
                     last = now
     except httpx.HTTPError as exc:
         result.error = type(exc).__name__
+    if result.error is None and result.output_tokens != request.max_tokens:
+        # a server whose engine died mid-stream may end the stream cleanly, without usage
+        result.error = f"{result.output_tokens} of {request.max_tokens} tokens reported"
     result.end = time.perf_counter()
     return result
 
@@ -272,7 +275,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", default="1,2",
                         help="OMP thread counts to run shoal at, one server each (the better "
-                        "is our figure, like the peer's bindings)")
+                        "is our figure, like the peer's bindings); N@CORES also pins the "
+                        "engine's threads to CORES (1@0: like vLLM's auto binding)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.model is None:
@@ -301,8 +305,10 @@ def main() -> int:
     limits = (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
     servers: list[peers.ServerProcess] = []
     try:
-        for threads in parse_ints(args.threads):
-            servers.append(peers.start_shoal_server(model_dir, SERVED_NAME, *limits, threads))
+        for setting in args.threads.split(","):
+            threads, _, cores = setting.strip().partition("@")
+            servers.append(peers.start_shoal_server(model_dir, SERVED_NAME, *limits,
+                                                    int(threads), cores))
         if args.peer == "vllm":
             for peer in peers.vllm_peers(args.vllm_venv, args.vllm_bind, kv_cache_gib=2):
                 servers.append(peers.start_vllm_server(peer, model_dir, SERVED_NAME, *limits))
