@@ -129,7 +129,10 @@ def decide_replicas(policy: AutoscalingSpec, current: int, ready: int, kv_usage:
                     waiting: int, history: tuple[Recommendation, ...], activity: Activity,
                     capacity_requested: bool, now: float) -> tuple[ScaleDecision, Activity]:
     """The round's decision: to or from zero first (minReplicas 0), else the load-based one,
-    which with minReplicas 0 never goes below 1 on its own: only the idle window reaches 0."""
+    which with minReplicas 0 never goes below 1 on its own: only the idle window reaches 0.
+    The idle window runs only while an engine is ready: one still loading is not idle."""
+    if current > 0 and ready == 0:
+        activity = Activity(now, activity.requests_seen)
     zero = decide_zero(policy, current, activity, capacity_requested, now)
     if zero is not None:
         return ScaleDecision(zero.replicas, zero.replicas, history, zero.reason), zero.activity

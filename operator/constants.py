@@ -23,6 +23,10 @@ COMPONENT_EPP = "epp"  # `shoal route --epp`, the gateway's Endpoint Picker
 # Annotation on engine pods: when the operator last recycled a crash-looping pod (and how often).
 ANNOTATION_RECYCLES = f"{GROUP}/recycles"
 
+# Annotation on the InferenceService, written by its router: a request waits for a replica
+# (scale from zero). The router's side: runtime/router/capacity_request.py (same string).
+ANNOTATION_CAPACITY_REQUEST = f"{GROUP}/capacity-requested-at"
+
 # Annotation on the engine pod template: hash of the pod spec, so status can count updated pods.
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 

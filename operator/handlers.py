@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import kopf
 from shoal.operator import metrics as operator_metrics
-from shoal.operator.constants import GROUP, PLURAL, VERSION
+from shoal.operator.constants import ANNOTATION_CAPACITY_REQUEST, GROUP, PLURAL, VERSION
 from shoal.operator.credentials import Credentials
 from shoal.operator.kube_api import API_ERRORS, ISVC, KubeApi
 from shoal.operator.login import login_handler
@@ -88,8 +88,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def on_change(body: kopf.Body, type: str | None, **_: Any) -> None:
-        # Only spec changes (generation ahead of what status saw) need an immediate round;
-        # status-only updates (our own writes) wait for the timer.
+        # Only spec changes (generation ahead of what status saw) and a router's new capacity
+        # request need an immediate round; status-only updates (our own writes) wait.
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         if type == "DELETED" or meta.get("deletionTimestamp"):
             locks.pop(str(meta.get("uid")), None)
@@ -97,6 +97,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             return  # children go with their owner (garbage collection); nothing to converge
         if meta.get("generation") != status.get("observedGeneration") or not status:
             await run_round(body, "spec change")
+        elif (meta.get("annotations") or {}).get(ANNOTATION_CAPACITY_REQUEST) not in (
+                None, (status.get("autoscaler") or {}).get("capacityRequestSeen")):
+            await run_round(body, "capacity request")  # the router holds a request: now
 
     return registry
 

@@ -114,6 +114,19 @@ class KubeApi:
         result: dict[str, Any] = json.loads(raw) if raw else {}
         return result
 
+    async def served_resources(self, group_version: str) -> set[str] | None:
+        """Discovery: the resource names the API server serves in a group/version (None
+        when it serves none, e.g. the CRDs are not installed)."""
+        group, _, version = group_version.rpartition("/")
+        api = client.CustomObjectsApi(self.api_client)
+        try:
+            listing = await self._call(api.get_api_resources, group=group, version=version)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {str(r.get("name")) for r in listing.get("resources") or []}
+
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         method, extra = self._method(resource, "read")
         try:

@@ -15,11 +15,22 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from shoal.operator.autoscale import Recommendation, ScaleDecision, decide_scale
+from shoal.operator.autoscale import (
+    Activity,
+    Recommendation,
+    ScaleDecision,
+    decide_replicas,
+    observe_activity,
+)
 from shoal.operator.backoff import RecycleState, after_recycle, after_round, may_recycle
-from shoal.operator.constants import ENGINE_PORT, ENGINE_READY_CONDITION
+from shoal.operator.constants import (
+    ANNOTATION_CAPACITY_REQUEST,
+    ENGINE_PORT,
+    ENGINE_READY_CONDITION,
+)
 from shoal.operator.engine_probe import probe_engine
 from shoal.operator.events import render_event
+from shoal.operator.gateway_round import reconcile_gateway
 from shoal.operator.kube_api import API_ERRORS, ISVC, POD, KubeApi, Resource
 from shoal.operator.meta import (
     Owner,
@@ -124,22 +135,40 @@ async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec
     return template_hash(engine["spec"]["template"]["spec"])
 
 
+@dataclass(frozen=True)
+class AutoscaleOutcome:
+    decision: ScaleDecision
+    activity: Activity
+    capacity_seen: str | None
+
+
 async def _autoscale(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
-                     status: dict[str, Any], ready: int, kv: float | None, waiting: int
-                     ) -> ScaleDecision | None:
+                     body: dict[str, Any], status: dict[str, Any], ready: int,
+                     kv: float | None, waiting: int, running: int, finished: float | None
+                     ) -> AutoscaleOutcome | None:
     if spec.autoscaling is None:
         return None
+    saved = status.get("autoscaler") or {}
     history = tuple(Recommendation(float(r["at"]), int(r["replicas"]))
-                    for r in (status.get("autoscaler") or {}).get("recommendations") or [])
+                    for r in saved.get("recommendations") or [])
+    now = time.time()
+    previous = (Activity(float(saved["lastActiveAt"]), float(saved.get("requestsSeen") or 0))
+                if saved.get("lastActiveAt") is not None else None)
+    activity = observe_activity(previous, running, waiting, finished, now)
+    # the router's ask for capacity: an annotation newer than the last one acted on
+    asked = ((body.get("metadata") or {}).get("annotations") or {}).get(
+        ANNOTATION_CAPACITY_REQUEST)
+    capacity_requested = bool(asked) and asked != saved.get("capacityRequestSeen")
     current = spec.replicas
-    decision = decide_scale(spec.autoscaling, current, ready, kv, waiting, history, time.time())
+    decision, activity = decide_replicas(spec.autoscaling, current, ready, kv, waiting, history,
+                                         activity, capacity_requested, now)
     if decision.replicas != current:
         # The same field the scale subresource (HPA/KEDA) writes: one knob for desired replicas.
         await ctx.kube.merge_patch(ISVC, owner.namespace, owner.name,
                                    {"spec": {"replicas": decision.replicas}})
         await _event(ctx, owner, "Normal", "Scaled",
                      f"replicas {current} -> {decision.replicas}: {decision.reason}")
-    return decision
+    return AutoscaleOutcome(decision, activity, asked)
 
 
 async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +191,10 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
 
     desired = spec.replicas
     current_hash = await _apply_children(ctx, owner, spec, desired)
+    gateway = await reconcile_gateway(ctx.kube, owner, spec, previous.get("conditions") or [],
+                                      _now(), generation)
+    if gateway.event is not None:
+        await _event(ctx, owner, *gateway.event)
 
     pods = await ctx.kube.list(POD, owner.namespace, engine_selector(owner))
     probes = await _probe_all(ctx, pods)
@@ -192,12 +225,22 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
     recycle = after_round(recycle, status["readyReplicas"] >= desired and desired > 0)
     status["recycle"] = {"count": recycle.count, "lastAt": recycle.last_at}
 
-    decision = await _autoscale(ctx, owner, spec, previous, status["readyReplicas"],
-                                status["kvCacheUsage"], status["waitingRequests"])
-    if decision is not None:
+    if gateway.condition is not None:
+        status["conditions"].append(gateway.condition)
+        status["gateway"] = gateway.status
+    scraped = [r.metrics for r in replicas if r.ready and r.metrics is not None]
+    finished = sum(m.finished for m in scraped) if scraped else None
+    outcome = await _autoscale(ctx, owner, spec, body, previous, status["readyReplicas"],
+                               status["kvCacheUsage"], status["waitingRequests"],
+                               status["runningRequests"], finished)
+    if outcome is not None:
+        decision = outcome.decision
         status["autoscaler"] = {
             "recommendation": decision.recommendation,
             "recommendations": [{"at": r.at, "replicas": r.replicas} for r in decision.history],
+            "lastActiveAt": outcome.activity.last_active_at,
+            "requestsSeen": outcome.activity.requests_seen,
+            "capacityRequestSeen": outcome.capacity_seen,
         }
         if decision.replicas != desired:
             await ctx.kube.apply(next(c for c in render_children(owner, spec, decision.replicas)
@@ -205,6 +248,8 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
                                       and c["metadata"]["name"] == engine_name(owner)))
             status["desiredReplicas"] = decision.replicas
             status["ready"] = f"{status['readyReplicas']}/{decision.replicas}"
+            if decision.replicas == 0:
+                status["phase"] = "Idle"
 
     if previous.get("phase") != status["phase"]:
         level = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"

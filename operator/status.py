@@ -1,7 +1,8 @@
 """InferenceService status from the replicas' states (pure): counts, phase, aggregates, conditions.
 
 Phases: Pending (nothing started), Loading (starting, none ready), Ready (ready == desired),
-Degraded (below desired with some ready, or a replica failing), Failed (none ready and failing).
+Degraded (below desired with some ready, or a replica failing), Failed (none ready and failing),
+Idle (scaled to zero: no engine runs; the router holds a request and asks for one).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def decide_phase(replicas: list[ReplicaState], desired: int) -> tuple[str, str]:
     """(phase, reason)."""
     ready = sum(r.ready for r in replicas)
     failing = [r for r in replicas if r.failure is not None]
+    if desired == 0:
+        return "Idle", "ScaledToZero"
     if ready >= desired:
-        return "Ready", "ScaledToZero" if desired == 0 else "AllReplicasReady"
+        return "Ready", "AllReplicasReady"
     if failing:
         reason = failing[0].failure.reason if failing[0].failure else "ReplicaFailed"
         return ("Degraded" if ready > 0 else "Failed"), reason
@@ -81,7 +84,7 @@ def build_conditions(replicas: list[ReplicaState], desired: int, updated: int, p
     progressing = updated < desired or len(replicas) != desired or (
         ready < desired and not failing)
     return [
-        _condition("Ready", phase == "Ready", reason, f"{ready}/{desired} replicas ready",
+        _condition("Ready", phase in ("Ready", "Idle"), reason, f"{ready}/{desired} replicas ready",
                    prev, now, generation),
         _condition("Progressing", progressing,
                    "RollingOut" if updated < desired else

@@ -166,6 +166,7 @@ RESOURCES = {
     "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True),
     "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),
     "v1/events": dict(kind="Event", namespaced=True),
+    "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", namespaced=True),
     "v1/namespaces": dict(kind="Namespace", namespaced=False),
     "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True),

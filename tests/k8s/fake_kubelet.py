@@ -65,6 +65,12 @@ class FakeKubelet:
     # pod name -> the engine's last log lines (FallbackToLogsOnError: the termination message)
     termination_message: Callable[[str], str] = lambda name: ""
     pods: dict[str, FakePod] = field(default_factory=dict)
+    # Also play the EndpointSlice controller for this Service (None: not), on this port: a
+    # pod's endpoint is ready when its Ready condition would be, i.e. its readiness gate
+    # (serving.shoal.dev/engine-ready, set by the operator) is True.
+    endpoints_service: str | None = None
+    endpoints_port: int = 0
+    _slice_body: list[dict[str, Any]] | None = None
     _free_ips: list[str] = field(default_factory=lambda: [f"127.0.0.{n}" for n in range(2, 40)])
     _serial: int = 0
 
@@ -100,6 +106,39 @@ class FakeKubelet:
             if pod.process is not None and pod.process.poll() is not None \
                     and not pod.reported_dead:
                 await self._report_exit(pod)
+        if self.endpoints_service:
+            await self._publish_endpoints(dep["spec"]["selector"]["matchLabels"])
+
+    async def _publish_endpoints(self, selector: dict[str, str]) -> None:
+        pods = (await self.api.get(self._path("pods"), params={"labelSelector": ",".join(
+            f"{k}={v}" for k, v in selector.items())})).json()["items"]
+        endpoints = []
+        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            fake = self.pods.get(pod["metadata"]["name"])
+            gated = any(c.get("type") == "serving.shoal.dev/engine-ready"
+                        and c.get("status") == "True"
+                        for c in (pod.get("status") or {}).get("conditions") or [])
+            alive = fake is not None and fake.process is not None and fake.process.poll() is None
+            endpoints.append({"addresses": [pod["status"]["podIP"]],
+                              "conditions": {"ready": gated and alive},
+                              "targetRef": {"kind": "Pod", "name": pod["metadata"]["name"]}})
+        if endpoints == self._slice_body:
+            return
+        name = f"{self.endpoints_service}-fake"
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": name, "namespace": self.namespace,
+                             "labels": {"kubernetes.io/service-name": self.endpoints_service}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": self.endpoints_port, "protocol": "TCP"}],
+                "endpoints": endpoints}
+        path = self._path("endpointslices", group="discovery.k8s.io/v1")
+        if self._slice_body is None:
+            (await self.api.post(path, json=body)).raise_for_status()
+        else:
+            (await self.api.patch(f"{path}/{name}", json={"endpoints": endpoints},
+                                  headers={"Content-Type": "application/merge-patch+json"})
+             ).raise_for_status()
+        self._slice_body = endpoints
 
     async def _create_pod(self, template: dict[str, Any], template_hash: str) -> None:
         self._serial += 1

@@ -47,6 +47,9 @@ def test_the_load_based_autoscaler_alone_never_reaches_zero() -> None:
     assert decision.replicas >= 1  # an empty KV cache is no reason to drop the last engine
     decision, _ = decide_replicas(ZERO, 0, 0, None, 0, (), recent, False, now=1010.0)
     assert decision.replicas == 0  # at zero, no request: stays
+    # an engine still loading (none ready) is not idle, however long it takes
+    decision, activity = decide_replicas(ZERO, 1, 0, None, 0, (), recent, False, now=5000.0)
+    assert decision.replicas == 1 and activity.last_active_at == 5000.0
 
 
 def test_router_of_a_scale_to_zero_service_holds_and_may_annotate_only_its_own_object() -> None:
@@ -68,3 +71,10 @@ def test_router_of_a_scale_to_zero_service_holds_and_may_annotate_only_its_own_o
 def test_router_annotation_stamps_parse() -> None:
     assert parse_stamp("2026-12-01T15:00:00.250000Z") == 1796137200.25
     assert parse_stamp(None) is None and parse_stamp("yesterday") is None
+
+
+def test_router_and_operator_agree_on_the_capacity_annotation() -> None:
+    from shoal.operator.constants import ANNOTATION_CAPACITY_REQUEST
+    from shoal.runtime.router.capacity_request import CAPACITY_ANNOTATION
+
+    assert CAPACITY_ANNOTATION == ANNOTATION_CAPACITY_REQUEST

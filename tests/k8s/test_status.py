@@ -124,7 +124,7 @@ def test_aggregates_use_ready_replicas_only() -> None:
 
 @pytest.mark.parametrize("probes, desired, phase, reason", [
     ([READY, READY], 2, "Ready", "AllReplicasReady"),
-    ([], 0, "Ready", "ScaledToZero"),
+    ([], 0, "Idle", "ScaledToZero"),
     ([], 2, "Pending", "WaitingForPods"),
     ([LOADING, LOADING], 2, "Loading", "EnginesLoading"),
     ([READY, LOADING], 2, "Degraded", "ReplicasStarting"),
