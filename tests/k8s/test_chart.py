@@ -69,6 +69,44 @@ def test_rbac_is_least_privilege(k8s_tools: SimpleNamespace) -> None:
     assert "create" not in pods["verbs"]  # the Deployment controller makes pods, not us
 
 
+def test_the_operator_may_write_every_kind_it_renders(k8s_tools: SimpleNamespace) -> None:
+    """Including the gateway children, and what it grants its routers (RBAC lets it grant
+    only what it holds: EndpointSlice reads, the capacity-request patch)."""
+    from shoal.operator.meta import Owner
+    from shoal.operator.render import render_children
+    from shoal.operator.render_gateway import render_gateway_children
+    from shoal.operator.spec import parse_spec
+
+    spec = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                       "autoscaling": {"minReplicas": 0, "maxReplicas": 2},
+                       "monitoring": {"serviceMonitor": True}, "storage": {"size": "1Gi"},
+                       "routing": {"gateway": {"inferencePool": True,
+                                               "gatewayRef": {"name": "gw"}}}})
+    owner = Owner("m", "ml", "u")
+    children = render_children(owner, spec, 1) + render_gateway_children(owner, spec)
+    rules = _rules(render(k8s_tools), "ClusterRole")
+
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+                   for r in rules)
+
+    plurals = {"Deployment": "deployments", "Service": "services",
+               "ServiceAccount": "serviceaccounts", "PersistentVolumeClaim":
+               "persistentvolumeclaims", "PodDisruptionBudget": "poddisruptionbudgets",
+               "Role": "roles", "RoleBinding": "rolebindings",
+               "ServiceMonitor": "servicemonitors", "InferencePool": "inferencepools",
+               "HTTPRoute": "httproutes"}
+    for child in children:
+        group = child["apiVersion"].rpartition("/")[0]
+        assert allowed(group, plurals[child["kind"]], "patch"), child["kind"]
+    for child in children:
+        for rule in child.get("rules") or []:  # what a rendered Role grants
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert allowed(group, resource, verb), (group, resource, verb)
+
+
 def test_watch_namespaces_get_roles_not_cluster_roles(k8s_tools: SimpleNamespace) -> None:
     docs = render(k8s_tools, "watchNamespaces={ml,research}")
     roles = [d for d in docs if d["kind"] == "Role"]

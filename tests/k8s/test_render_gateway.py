@@ -142,7 +142,8 @@ def test_external_picker_and_the_engines_metric_names() -> None:
     assert children[0]["spec"]["endpointPickerRef"]["name"] == "llm-d-epp"
     assert children[0]["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
     assert admitted(children[0], schema("inferencepool.v1.schema.yaml")) == []
-    assert engine_args(external)[-2:] == ["--metrics-compat", "vllm"]
+    args = engine_args(external)
+    assert args[args.index("--metrics-compat") + 1] == "vllm"
     with pytest.raises(SpecError, match="endpointPickerRef.name"):
         spec(inferencePool=True, endpointPicker="external")
 

@@ -64,4 +64,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
   verbs: [get, list, watch, create, patch, delete]
+# spec.routing.gateway: the InferencePool and the HTTPRoute (only where those CRDs exist)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
