@@ -21,9 +21,11 @@ from .auth import Authenticator
 from .errors import APIError, bad_request, internal_error, public_reason
 from .openapi import REQUEST_BODIES, document_request_bodies
 from .protocol import DetokenizeRequest, TokenizeRequest
+from .responses_store import ResponseStore
 from .serving_chat import chat_prompt, create_chat_completion, render_chat
 from .serving_common import check_prompt_text, parse_body
 from .serving_completion import create_completion
+from .serving_responses import create_response
 from .state import ServerState
 
 logger = logging.getLogger("shoal.api")
@@ -107,6 +109,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    responses = ResponseStore()
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_responses(request: Request) -> Response:
+        return await create_response(request, state, responses)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:

@@ -21,10 +21,12 @@ from .protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .responses_protocol import ResponsesRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

@@ -180,7 +180,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         fields = tools.feed(delta.text)
         finish = delta.finish_reason
         if finish is not None:
-            fields = _merge(fields, tools.finish())
+            fields = merge_fields(fields, tools.finish())
             finish = tool_finish(policy, finish, tools.num_calls > 0)
         if not fields and finish is None and not (body.return_token_ids or body.logprobs):
             return out
@@ -203,7 +203,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                            first)
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def merge_fields(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     if "content" in b:
         out["content"] = out.get("content", "") + b["content"]

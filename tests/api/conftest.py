@@ -154,3 +154,11 @@ def tokenizer(small_qwen3):
 @pytest.fixture
 def free_tcp_port() -> int:
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_server(start_server, tiny_qwen2) -> Server:
+    """One server on the tiny qwen2 checkpoint (ChatML template in tokenizer_config.json),
+    no API key, shared by the third-party-client modules (structured outputs, tools,
+    Responses, LangChain, LiteLLM): one start for all of them."""
+    return start_server(model_dir=tiny_qwen2)

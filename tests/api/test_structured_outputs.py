@@ -31,13 +31,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_qwen2):
-    return start_server(model_dir=tiny_qwen2)
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+def client(tiny_chat_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_chat_server.v1, api_key="unused", max_retries=0)
 
 
 def test_parse_with_a_pydantic_model_returns_a_validated_object(client) -> None:
