@@ -11,7 +11,6 @@ reads a bounded in-memory store of conversations (``ResponseStore``).
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -28,12 +27,20 @@ from .protocol import (
     NamedToolChoice,
     ResponseFormat,
     SamplingFields,
+    ToolCall,
+    ToolCallFunction,
     ToolChoiceFunction,
 )
 from .responses_events import ResponseEvents, message_item, response_object
 from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
 from .responses_store import ResponseStore
-from .serving_chat import assistant_message, merge_fields, output_grammar, render_chat
+from .serving_chat import (
+    assistant_message,
+    chat_prompt,
+    merge_fields,
+    output_grammar,
+    render_chat,
+)
 from .serving_common import (
     first_delta,
     now_s,
@@ -63,22 +70,20 @@ def conversation(body: ResponsesRequest, store: ResponseStore) -> list[ChatMessa
         return messages
     for item in body.input:
         if isinstance(item, FunctionCallItem):
-            messages.append(ChatMessageIn(role="assistant", content=call_text(
-                item.name, item.arguments)))
+            call = ToolCall(id=item.call_id, function=ToolCallFunction(
+                name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append(ChatMessageIn(role="assistant", content=None,
+                                              tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ChatMessageIn(role="tool", content=item.output))
+            messages.append(ChatMessageIn(role="tool", content=item.output,
+                                          tool_call_id=item.call_id))
         else:
             messages.append(ChatMessageIn(role=item.role, content=item.text()))
     return messages
-
-
-def call_text(name: str, arguments: str) -> str:
-    """A past call as the assistant wrote it (hermes form, what our parser reads back)."""
-    try:
-        args: Any = json.loads(arguments)
-    except json.JSONDecodeError:
-        args = arguments
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 def as_chat_request(body: ResponsesRequest, messages: list[ChatMessageIn]) -> ChatCompletionRequest:
@@ -115,7 +120,9 @@ async def create_response(request: Request, state: ServerState,
     params = sampling_params(chat, state, chat.max_tokens, None, grammar)
     if params.n != 1:
         raise bad_request("the Responses API makes one output; n must be 1", "n")
-    prompt = render_chat(state, chat.messages, True)
+    template_tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools \
+        else None
+    prompt = await render_chat(state, chat_prompt(chat.messages, tools=template_tools))
     generation = start_generation(request, state, "resp", [prompt], params, chat)
     response_id = f"resp_{uuid.uuid4().hex}"
     created, model = now_s(), state.settings.model_name
@@ -157,12 +164,13 @@ async def create_response(request: Request, state: ServerState,
 
 
 def assistant_turn(output: list[dict[str, Any]]) -> ChatMessageIn:
-    """The response as the next turn's template sees it: its text, then its calls."""
-    parts = [part["text"] for item in output if item["type"] == "message"
-             for part in item["content"]]
-    parts += [call_text(item["name"], item["arguments"]) for item in output
-              if item["type"] == "function_call"]
-    return ChatMessageIn(role="assistant", content="\n".join(parts))
+    """The response as the next turn's template sees it: its text and its calls."""
+    text = "".join(part["text"] for item in output if item["type"] == "message"
+                   for part in item["content"])
+    calls = [ToolCall(id=item["call_id"], function=ToolCallFunction(
+        name=item["name"], arguments=item["arguments"]))
+        for item in output if item["type"] == "function_call"]
+    return ChatMessageIn(role="assistant", content=text or None, tool_calls=calls or None)
 
 
 def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ def test_langchain_json_mode_returns_a_json_object(chat_model) -> None:
 def litellm_kwargs(tiny_chat_server) -> dict:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the net
     return {"model": "openai/shoal-test", "api_base": tiny_chat_server.v1,
-            "api_key": "unused", "max_tokens": 40, "temperature": 0, "num_retries": 0}
+            "api_key": "unused", "max_tokens": 80, "temperature": 0, "num_retries": 0}
 
 
 def test_litellm_completion_and_streaming(litellm_kwargs) -> None:
@@ -78,7 +78,7 @@ def test_litellm_completion_and_streaming(litellm_kwargs) -> None:
 
     response = litellm.completion(messages=MESSAGES, **litellm_kwargs)
     text = response.choices[0].message.content
-    assert text and response.usage.completion_tokens == 40
+    assert text and response.usage.completion_tokens == 80
     stream = litellm.completion(messages=MESSAGES, stream=True, **litellm_kwargs)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == text
 
@@ -89,6 +89,7 @@ def test_litellm_tools_and_response_format(litellm_kwargs) -> None:
     response = litellm.completion(messages=MESSAGES, tools=[WEATHER_TOOL],
                                   tool_choice="required", parallel_tool_calls=False,
                                   **litellm_kwargs)
+    assert response.choices[0].message.tool_calls, response.choices[0]
     call = response.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)

@@ -67,6 +67,7 @@ def test_function_tools_return_calls_and_their_outputs_continue_the_conversation
     jsonschema.validate(json.loads(call.arguments), CITY)
     follow = client.responses.create(
         model="shoal-test", previous_response_id=response.id, max_output_tokens=4,
+        tools=TOOLS, tool_choice="none",  # same tools: the prompt grows by the turns only
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert follow.usage.input_tokens > response.usage.input_tokens
     assert follow.previous_response_id == response.id
