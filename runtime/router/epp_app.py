@@ -1,5 +1,6 @@
-"""Wiring for ``shoal route --epp``: discovery -> replica pool -> the proxy's policy -> picker
--> gRPC server, in one asyncio loop until SIGTERM/SIGINT.
+"""Wiring for ``shoal route --epp``: discovery -> replica pool -> the proxy's policy (+ KV-event
+subscriber, + the tokenizer fetched from an engine) -> picker -> gRPC server, in one asyncio
+loop until SIGTERM/SIGINT.
 
 The same RouterConfig as the proxy (so every routing flag means the same in both modes);
 the proxy-only parts (retries over HTTP, the ASGI app) are not built.
@@ -26,12 +27,11 @@ log = logging.getLogger("shoal.router.epp")
 def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[
         EndpointPicker, StaticDiscovery | KubernetesDiscovery]:
     config.validate()
-    if config.kv_events:
-        raise ValueError("--kv-events is not supported with --epp yet (approximate or "
-                         "--tokenizer affinity only)")
     tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
-    policy = make_policy(config.policy, load_factor=config.load_factor,
-                         approx_capacity=config.approx_capacity)
+    policy = make_policy(config.policy, precise=config.kv_events,
+                         load_factor=config.load_factor,
+                         approx_capacity=config.approx_capacity,
+                         load_headroom=config.load_headroom)
     pool = ReplicaPool(config.health_interval, config.scrape_interval)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
@@ -51,7 +51,23 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None) 
     pool = picker.pool
     await server.start()
     log.info("endpoint picker (ext_proc, protocol %s) on %s", PROTOCOL_VERSION, address)
-    discover = asyncio.create_task(discovery.run(pool.sync), name="discovery")
+    background = [asyncio.create_task(discovery.run(pool.sync), name="discovery")]
+    subscriber = None
+    if config.kv_events:  # precise mode, as the proxy runs it: the engines' KV events
+        from shoal.runtime.router.kv_events_subscriber import KVEventsSubscriber
+
+        subscriber = KVEventsSubscriber(config.kv_events_port,
+                                        picker.policy.indexes.get)  # type: ignore[attr-defined]
+        pool.on_change.append(subscriber.sync)
+        subscriber.sync(set(pool.replicas))
+    if config.tokenizer_from_engine and picker.tokenizer is None:
+        from shoal.runtime.router.engine_tokenizer import load_from_engines
+
+        def install(fetched: PromptTokenizer) -> None:
+            picker.tokenizer = fetched
+
+        background.append(asyncio.create_task(load_from_engines(
+            pool, install, config.health_interval), name="tokenizer"))
     pool.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -62,7 +78,10 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None) 
         await server.set_ready(True)
         await stop.wait()
     finally:
-        discover.cancel()
-        await asyncio.gather(discover, return_exceptions=True)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await server.stop()
         await pool.stop()
+        if subscriber is not None:
+            await subscriber.close()

@@ -128,6 +128,13 @@ def test_shoal_picker_runs_the_router_as_an_epp_with_its_own_account() -> None:
     assert (args.epp, args.port, args.discovery, args.service, args.engine_port) == (
         True, 9002, "kubernetes", "chat-engine", 8000)
     assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    # the picker builds from exactly these flags (precise mode, the engine's tokenizer ...)
+    from shoal.runtime.router.cli import config_from_args
+    from shoal.runtime.router.epp_app import build_picker
+
+    local = build_parser().parse_args([*container["args"], "--kube-api", "http://127.0.0.1:9"])
+    picker, _ = build_picker(config_from_args(local), None)
+    assert picker.policy.name == "cache-affinity"
     service = by_kind(children)["Service"]
     assert service["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
     assert by_kind(children)["Role"]["rules"][0]["resources"] == ["endpointslices"]

@@ -221,3 +221,12 @@ def test_no_ready_endpoint_is_a_503_immediate_response(spawn, free_port):
     stream.send(headers_message("/v1/models", end_of_stream=True))
     assert stream.recv().immediate_response.status.code == 503
     stream.close()
+
+
+def test_the_picker_runs_with_the_flags_the_operator_renders(engines, spawn, free_port):
+    """Precise mode as deployed: KV-event subscriptions and the engine's own tokenizer."""
+    channel = start_epp(spawn, free_port, engines, "--kv-events", "--kv-events-port",
+                        str(free_port("127.0.0.2")), "--tokenizer-from-engine")
+    answer, _ = pick_buffered(channel, "/v1/chat/completions", chat("Any cargo today?"))
+    header, meta = destination(answer)
+    assert header == meta and header.split(",")[0] in endpoints(engines)
