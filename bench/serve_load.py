@@ -277,6 +277,9 @@ def main() -> int:
                         help="OMP thread counts to run shoal at, one server each (the better "
                         "is our figure, like the peer's bindings); N@CORES also pins the "
                         "engine's threads to CORES (1@0: like vLLM's auto binding)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2,
+                        help="KV cache per server (ours and VLLM_CPU_KVCACHE_SPACE); 2 holds "
+                        "256 requests at once")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.model is None:
@@ -308,9 +311,9 @@ def main() -> int:
         for setting in args.threads.split(","):
             threads, _, cores = setting.strip().partition("@")
             servers.append(peers.start_shoal_server(model_dir, SERVED_NAME, *limits,
-                                                    int(threads), cores))
+                                                    int(threads), cores, args.kv_cache_gib))
         if args.peer == "vllm":
-            for peer in peers.vllm_peers(args.vllm_venv, args.vllm_bind, kv_cache_gib=2):
+            for peer in peers.vllm_peers(args.vllm_venv, args.vllm_bind, args.kv_cache_gib):
                 servers.append(peers.start_vllm_server(peer, model_dir, SERVED_NAME, *limits))
         for server in servers:
             print(f"{server.name}: starting ({server.log.name})", flush=True)
