@@ -167,6 +167,26 @@ class ServerProcess:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not up after {timeout} s; see {self.log.name}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of the server's whole process tree so far: on a shared
+        machine the CPU a workload costs is steadier than the wall time it takes. Children
+        that exited are not counted (none do while a server is healthy)."""
+        import psutil  # ours has it; the peer-side entry point never calls this
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return float("nan")
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

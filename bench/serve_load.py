@@ -17,8 +17,9 @@ streamed with usage. Workloads (sizes are flags, so a short run is possible):
   TTFT.
 
 Per server and workload: output tokens/s (from each stream's usage), TTFT and inter-token
-latency p50/p99 (client side: gaps between chunks that carry text) and the load average when it
-ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
+latency p50/p99 (client side: gaps between chunks that carry text), the CPU time the server's
+process tree spent per output token (steadier than wall time on a shared machine) and the load
+average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
 ``--threads`` (one server each, all up at once); the better of each is its figure (by tok/s)
 and the ratios compare those two. The machine is shared: figures are noisy.
 
@@ -81,6 +82,7 @@ class Result:
     itl_p99: float
     errors: int
     load_average: str
+    cpu_ms_per_token: float = float("nan")  # the server's process tree, all its processes
 
 
 def random_ids(rng: random.Random, vocab: int, count: int) -> list[int]:
@@ -203,12 +205,17 @@ def summarise(server: str, workload: Workload, results: list[RequestResult], sta
 
 def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
     load = peers.load_average()
+    cpu_before = server.cpu_seconds()
     results, start = asyncio.run(drive(server.url, workload))
     result = summarise(server.name, workload, results, start, load)
+    tokens = sum(r.output_tokens for r in results if r.error is None)
+    if tokens:
+        result.cpu_ms_per_token = 1000 * (server.cpu_seconds() - cpu_before) / tokens
     errors = [r.error for r in results if r.error]
     print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p50/p99 "
           f"{result.ttft_p50:.3f}/{result.ttft_p99:.3f} s  ITL p50/p99 {result.itl_p50:.3f}/"
-          f"{result.itl_p99:.3f} s  load {load}" + (f"  errors: {errors[:2]}" if errors else ""),
+          f"{result.itl_p99:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  load {load}"
+          + (f"  errors: {errors[:2]}" if errors else ""),
           flush=True)
     return result
 
@@ -217,14 +224,15 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
 
 def print_table(results: list[Result]) -> None:
     print(f"\n{'workload':<34}{'server':<17}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>9}"
-          f"{'TTFT p99':>9}{'ITL p50':>8}{'ITL p99':>8}{'err':>4}  {'load 1/5/15':<14}")
+          f"{'TTFT p99':>9}{'ITL p50':>8}{'ITL p99':>8}{'err':>4}{'CPU ms/tok':>11}  "
+          f"{'load 1/5/15':<14}")
     for r in results:
         print(f"{r.workload:<34}{r.server:<17}{r.tokens_per_s:>8.1f}{r.requests_per_s:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p99:>9.3f}{r.itl_p50:>8.3f}{r.itl_p99:>8.3f}"
-              f"{r.errors:>4}  {r.load_average:<14}")
+              f"{r.errors:>4}{r.cpu_ms_per_token:>11.2f}  {r.load_average:<14}")
     workloads = list(dict.fromkeys(r.workload for r in results))
     print(f"\n{'workload':<34}{'shoal (best)':<17}{'peer (best)':<17}{'tok/s ratio':>12}"
-          f"{'TTFT p99 ratio':>16}")
+          f"{'TTFT p99 ratio':>16}{'CPU/token ratio':>17}")
     for name in workloads:
         mine = [r for r in results if r.workload == name and r.server.startswith("shoal")]
         theirs = [r for r in results if r.workload == name and r.server.startswith("vllm")]
@@ -234,7 +242,8 @@ def print_table(results: list[Result]) -> None:
         best = max(theirs, key=lambda r: r.tokens_per_s)
         print(f"{name:<34}{ours.server:<17}{best.server:<17}"
               f"{ours.tokens_per_s / best.tokens_per_s:>11.2f}x"
-              f"{ours.ttft_p99 / best.ttft_p99:>15.2f}x")
+              f"{ours.ttft_p99 / best.ttft_p99:>15.2f}x"
+              f"{ours.cpu_ms_per_token / best.cpu_ms_per_token:>16.2f}x")
     print("(seconds; ratios are shoal / peer: targets tok/s >= 1.2x, TTFT p99 <= 1.0x; "
           "shared 2-core machine: noisy)")
 
