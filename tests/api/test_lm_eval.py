@@ -1,0 +1,102 @@
+"""lm-evaluation-harness (from PyPI) against ``shoal serve`` with its ``local-completions``
+model, on two small tasks written here (no hub): a multiple-choice task (loglikelihoods
+from ``echo`` + ``logprobs``) and a generate_until task. Every loglikelihood equals HF's
+log-softmax over the very ids lm-eval sent, within 1e-4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+QUESTIONS = [
+    {"question": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"],
+     "answer": 0},
+    {"question": "import os\nimport", "choices": [" sys", " os", " re"], "answer": 0},
+    {"question": "for i in range(10):\n   ", "choices": [" print(i)", " pass"], "answer": 1},
+]
+MC_TASK = """task: shoal_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+GEN_TASK = """task: shoal_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    (root / "shoal_mc.yaml").write_text(MC_TASK.format(data=data))
+    (root / "shoal_gen.yaml").write_text(GEN_TASK.format(data=data))
+    return root
+
+
+@pytest.fixture(scope="module")
+def keyless_llama(start_server, tiny_llama):
+    return start_server(model_dir=tiny_llama)
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihood_and_generate_until_tasks(keyless_llama, tiny_llama, tasks_dir,
+                                                       monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM
+
+    lm = LocalCompletionsAPI(
+        model="shoal-test", base_url=keyless_llama.v1 + "/completions",
+        tokenizer=str(tiny_llama), tokenizer_backend="huggingface", tokenized_requests=True,
+        num_concurrent=1, max_retries=1, batch_size=1)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["shoal_mc", "shoal_gen"], log_samples=True,
+        task_manager=TaskManager(include_path=str(tasks_dir)), random_seed=0)
+    assert set(results["results"]) == {"shoal_mc", "shoal_gen"}
+    assert 0.0 <= results["results"]["shoal_mc"]["acc,none"] <= 1.0
+    generated = [s["resps"][0][0] for s in results["samples"]["shoal_gen"]]
+    assert len(generated) == len(QUESTIONS) and all(isinstance(g, str) for g in generated)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    compared = 0
+    for sample in results["samples"]["shoal_mc"]:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"],
+                                                 strict=True):
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            ids = context_ids + continuation_ids
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+            want = sum(logprobs[i - 1, ids[i]].item() for i in range(len(context_ids), len(ids)))
+            assert abs(float(resp[0][0]) - want) < 1e-4, (context, continuation)
+            compared += 1
+    assert compared == sum(len(q["choices"]) for q in QUESTIONS)
