@@ -31,6 +31,7 @@ ANNOTATION_CAPACITY_REQUEST = f"{GROUP}/capacity-requested-at"
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 
 ENGINE_PORT = 8000
+ENGINE_METRICS_PORT = 8002  # /metrics (and probes) without the API key, for Prometheus
 ROUTER_PORT = 8080
 EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
 KV_EVENTS_PORT = 5557  # engines publish KV-cache events here; the router subscribes

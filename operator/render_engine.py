@@ -10,6 +10,7 @@ from shoal.operator.constants import (
     ANNOTATION_TEMPLATE_HASH,
     COMPONENT_ENGINE,
     ENGINE_CONTAINER,
+    ENGINE_METRICS_PORT,
     ENGINE_PORT,
     ENGINE_READY_CONDITION,
     FETCH_CONTAINER,
@@ -63,6 +64,7 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     """`shoal serve` flags (vLLM names) for one engine replica."""
     rt = spec.runtime
     args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+            "--metrics-port", str(ENGINE_METRICS_PORT),
             "--served-model-name", spec.model.served_name]
     model = engine_model_path(spec)
     if model is not None:
@@ -218,7 +220,9 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["shoal"],
         "args": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": ENGINE_METRICS_PORT,
+                   "protocol": "TCP"}] + (
             [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
             if publishes_kv_events(spec) else []),
         "env": _env(spec),
@@ -286,6 +290,8 @@ def render_engine_headless_service(owner: Owner) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": engine_selector(owner),
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http",
+                       "protocol": "TCP"},
+                      {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics",
                        "protocol": "TCP"}],
         },
     }

@@ -52,6 +52,7 @@ def render_service_monitor(owner: Owner) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": engine_selector(owner)},
             "namespaceSelector": {"matchNames": [owner.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            # the engines' --metrics-port: no API key needed there
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
     }

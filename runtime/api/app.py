@@ -184,7 +184,9 @@ def build_app(state: ServerState) -> FastAPI:
                 "phase_durations": state.client.phase_durations}
         return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 
-    @app.get("/metrics")
+    # --metrics-auth: prefix-cache counters are a cross-tenant oracle, so this one needs the
+    # API key (the router scrapes with its --upstream-api-key; Prometheus uses --metrics-port)
+    @app.get("/metrics", dependencies=guarded if state.settings.metrics_auth else [])
     async def metrics() -> Response:
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -68,6 +68,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the longest stop string, in characters")
     p.add_argument("--max-stop-token-ids", type=int, default=1024,
                    help="the most stop_token_ids per request")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="open connections past which new ones get a 503 (the probes still "
+                        "answer); 0: 80%% of the open-file limit")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                   help="largest request head (line + headers); larger ones are refused "
+                        "while reading")
+    p.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="seconds a stream's client may read nothing (its writes blocked) "
+                        "before the request is aborted and its KV blocks freed; 0: never")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics (and /health, /ready) on this port, without "
+                        "the API key: for Prometheus, on a port clients cannot reach")
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics on the main port requires the API key (its prefix-cache "
+                        "counters tell one tenant about another's prompts)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--kv-events-endpoint", default=None,
@@ -84,6 +99,7 @@ def _main(args: argparse.Namespace) -> int:
     import logging
 
     from shoal.runtime.config import EngineConfig
+    from shoal.runtime.http_listener import ListenerLimits
 
     from .server import serve
     from .state import ServerSettings
@@ -98,7 +114,10 @@ def _main(args: argparse.Namespace) -> int:
                                  ("--max-stop-strings", args.max_stop_strings, 0),
                                  ("--max-stop-string-chars", args.max_stop_string_chars, 1),
                                  ("--max-stop-token-ids", args.max_stop_token_ids, 0),
-                                 ("--port", args.port, 0)):
+                                 ("--port", args.port, 0),
+                                 ("--max-connections", args.max_connections, 0),
+                                 ("--max-header-bytes", args.max_header_bytes, 1024),
+                                 ("--stream-stall-timeout", args.stream_stall_timeout, 0)):
         if value < minimum:
             raise SystemExit(f"shoal serve: {flag} must be at least {minimum}, got {value}")
     from .auth import load_api_keys
@@ -134,6 +153,10 @@ def _main(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs, max_n=args.max_n,
         max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
         max_stop_token_ids=args.max_stop_token_ids, cache_sharing=args.cache_sharing,
-        tenant_header=args.tenant_header.lower() if args.tenant_header else None)
+        tenant_header=args.tenant_header.lower() if args.tenant_header else None,
+        stream_stall_timeout=args.stream_stall_timeout, metrics_auth=args.metrics_auth)
+    # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
+    limits = ListenerLimits(max_connections=args.max_connections,
+                            max_header_bytes=args.max_header_bytes, max_body_bytes=0)
     return asyncio.run(serve(config, settings, args.host, args.port, args.metrics_compat,
-                             args.log_level))
+                             args.log_level, limits, args.metrics_port))

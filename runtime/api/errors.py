@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+from shoal.runtime.http_listener import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -46,7 +47,16 @@ def internal_error(request_id: str) -> APIError:
 
 
 def engine_unavailable(message: str) -> APIError:
-    return APIError(503, public_reason(message), None, "engine_unavailable")
+    """503 before any work was done for the request (not ready, draining, already dead):
+    marked so the router may send it to another replica."""
+    return APIError(503, public_reason(message), None, "engine_unavailable",
+                    {RETRY_SAFE_HEADER: "1"})
+
+
+def engine_died(message: str) -> APIError:
+    """503 for a request that was running when the engine died: it may be what killed the
+    engine, so the router returns it to its client instead of replaying it elsewhere."""
+    return APIError(503, public_reason(message), None, ENGINE_DIED_CODE)
 
 
 def public_reason(reason: str) -> str:

@@ -22,6 +22,16 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.client import AsyncEngineClient, EngineStartupError
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.http_listener import (
+    PROBE_PATHS,
+    ASGIApp,
+    ListenerLimits,
+    Receive,
+    Scope,
+    Send,
+    send_json,
+    uvicorn_config,
+)
 
 from .app import build_app
 from .metrics import ServerMetrics
@@ -84,17 +94,52 @@ class ShoalServer(uvicorn.Server):
         self.should_exit = True
 
 
+class SideListener(uvicorn.Server):
+    """A second listener in the same loop (``--metrics-port``): the main server owns the
+    signals, this one stops when the main one does."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def metrics_app(app: ASGIApp, state: ServerState) -> ASGIApp:
+    """What the metrics port serves: /metrics without the API key (for Prometheus inside
+    the cluster), and the probes; nothing of /v1."""
+
+    async def call(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics":
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+            await send({"type": "http.response.body", "body": state.metrics.render()})
+        elif scope["path"] in PROBE_PATHS:
+            await app(scope, receive, send)
+        else:
+            await send_json(send, 404, b'{"error": {"message": "only /metrics, /health and '
+                            b'/ready here", "type": "NotFoundError", "param": null, '
+                            b'"code": 404}}')
+
+    return call
+
+
 async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str, port: int,
-                metrics_compat: list[str], log_level: str = "info") -> int:
+                metrics_compat: list[str], log_level: str = "info",
+                limits: ListenerLimits = ListenerLimits(), metrics_port: int | None = None) -> int:
     tokenizer = Tokenizer.from_dir(engine_config.model)
     renderer = PromptRenderer(tokenizer)
     metrics = ServerMetrics(settings.model_name, metrics_compat)
     client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)
     state = ServerState(settings, client, tokenizer, metrics, renderer)
     _ = state.max_token_bytes  # one pass over the vocabulary now, not in the first request
-    server = ShoalServer(uvicorn.Config(
-        build_app(state), host=host, port=port, log_level=log_level, access_log=False,
-        timeout_graceful_shutdown=5, lifespan="off"), state)
+    app = build_app(state)
+    server = ShoalServer(uvicorn_config(app, host, port, limits, log_level, lifespan="off"),
+                         state)
+    side = None
+    if metrics_port is not None:
+        side = SideListener(uvicorn_config(metrics_app(app, state), host, metrics_port,
+                                           limits, log_level, lifespan="off"))
     client.on_dead = server.engine_died
 
     async def follow_startup() -> None:
@@ -109,9 +154,13 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
 
     client.start()
     startup = asyncio.create_task(follow_startup())
+    side_task = asyncio.create_task(side.serve()) if side is not None else None
     try:
         await server.serve()
     finally:
         startup.cancel()
+        if side is not None and side_task is not None:
+            side.should_exit = True
+            await asyncio.gather(side_task, return_exceptions=True)
         await client.shutdown()
     return state.exit_code

@@ -21,13 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from shoal.runtime.engine.client import EngineDeadError, EngineRequestError, EngineRequestFailed
 from shoal.runtime.engine.validation import validate_request
+from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.kv.block_hash import effective_cache_salt
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 from shoal.runtime.structured.spec import GrammarSpec
 
 from .admission import kv_blocks_estimate
 from .body import decode_json, read_body
-from .errors import APIError, bad_request, engine_unavailable, internal_error
+from .errors import APIError, bad_request, engine_died, engine_unavailable, internal_error
 from .generation import ChoiceDelta, Generation, PromptInput
 from .protocol import SamplingFields
 from .state import ServerState
@@ -188,7 +189,7 @@ def engine_error(exc: BaseException, request_id: str) -> APIError:
         return bad_request(exc.message, exc.param)
     if isinstance(exc, EngineRequestFailed):  # logged by the engine core
         return internal_error(request_id)
-    return engine_unavailable(str(exc))
+    return engine_died(str(exc))
 
 
 async def run_to_completion(request: Request, state: ServerState, generation: Generation,
@@ -282,10 +283,37 @@ class GenerationStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, stalled_send_aborts(
+                send, self._state.settings.stream_stall_timeout))
+        except ClientStalled:
+            logger.warning("request %s: the client read nothing for %.0f s; aborted",
+                           self._generation.request_id, self._state.settings.stream_stall_timeout)
+            self._generation.abort_unfinished()
+            await abort_connection(scope)
         finally:
             self._generation.abort_unfinished()
             self._state.release(self._generation)
+
+
+class ClientStalled(Exception):
+    """A write to the client stayed blocked (its receive window full) past the stall limit."""
+
+
+def stalled_send_aborts(send, stall_timeout: float):
+    """``send`` that raises ``ClientStalled`` when one write blocks longer than the limit: the
+    transport pauses us once the client stops reading, and without this the engine would
+    keep generating into a buffer nobody drains (0 disables)."""
+    if not stall_timeout:
+        return send
+
+    async def limited(message) -> None:
+        try:
+            async with asyncio.timeout(stall_timeout):
+                await send(message)
+        except TimeoutError:
+            raise ClientStalled() from None
+
+    return limited
 
 
 def _sse(payload: dict) -> bytes:

@@ -13,6 +13,7 @@ from functools import cached_property
 from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.http_listener import RETRY_SAFE_HEADER
 from shoal.runtime.sampling_params import RequestLimits
 
 from .admission import CompletionRate, decide
@@ -39,6 +40,8 @@ class ServerSettings:
     max_cache_salt_chars: int = 256
     cache_sharing: str = "tenant"  # tenant | global
     tenant_header: str | None = None  # trusted header naming the tenant (set by the router)
+    stream_stall_timeout: float = 30.0  # seconds one SSE write may block before the abort
+    metrics_auth: bool = False  # /metrics on the main port requires the API key
 
     @property
     def model_name(self) -> str:
@@ -134,7 +137,8 @@ class ServerState:
             raise APIError(429, f"too many queued requests: {decision.queued_after} would "
                            f"wait beyond the batch of {decision.batch} that max_num_seqs and "
                            f"the KV cache allow (limit {limit}); retry later", None,
-                           "queue_full", headers={"Retry-After": str(decision.retry_after_s)})
+                           "queue_full", headers={"Retry-After": str(decision.retry_after_s),
+                                                  RETRY_SAFE_HEADER: "1"})
 
     def release(self, generation: Generation) -> None:
         """A generation leaves (finished, failed or aborted): its slots are free again."""

@@ -11,25 +11,18 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
 class ClientGone(Exception):
     """The client disconnected while the request was being forwarded."""
 
 
 async def read_body(receive: Receive) -> bytes:
+    """The whole body (its size is bounded by the listener's ``BodyLimit`` before this)."""
     chunks: list[bytes] = []
-    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ValueError(f"request body over {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+        chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
 

@@ -61,6 +61,43 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="replicas tried per request before its first byte (default 3)")
 
 
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """Edge authentication, exposure, timeouts and listener limits of ``shoal route``."""
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="a key clients must send as a Bearer token on /v1/* "
+                             "(repeatable); 401 otherwise. Each key is its own tenant, "
+                             "sent to the engines as x-shoal-tenant")
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="file with more keys, one per line (# comments)")
+    parser.add_argument("--upstream-api-key", default=None, metavar="KEY",
+                        help="the router's own Bearer key towards the engines (their "
+                             "--api-key); client Authorization headers are never forwarded "
+                             "when this or --api-key is set")
+    parser.add_argument("--enable-debug", action="store_true",
+                        help="serve /debug/blocks (the router's block view; behind "
+                             "--api-key); off by default: block hashes confirm prompts")
+    parser.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="seconds to connect to a replica (then the next one is tried)")
+    parser.add_argument("--first-byte-timeout", type=float, default=300.0,
+                        help="seconds a replica may take to send its response headers "
+                             "(a non-streaming answer sends them at its end); 504 after")
+    parser.add_argument("--idle-timeout", type=float, default=60.0,
+                        help="seconds a replica may send nothing in the middle of an answer")
+    parser.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                        help="seconds a client may read nothing before its connection is "
+                             "dropped; 0: never")
+    parser.add_argument("--quarantine-window", type=float, default=60.0,
+                        help="seconds a request that failed on a replica is held to that "
+                             "replica (never replayed on another); 0: off")
+    parser.add_argument("--max-connections", type=int, default=0,
+                        help="open connections past which new ones get a 503 (the probes "
+                             "still answer); 0: 80%% of the open-file limit")
+    parser.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                        help="largest request head; larger ones are refused while reading")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger bodies get 413 before they are read")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "route", help="cache-affinity router (OpenAI-compatible reverse proxy)",
@@ -102,6 +139,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     add_router_flags(parser)
+    add_security_flags(parser)
     parser.set_defaults(func=_main)
 
 
@@ -120,13 +158,19 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         load_headroom=args.load_headroom,
         max_attempts=args.max_attempts, approx_capacity=args.approx_capacity,
         hold_timeout=args.hold_timeout, hold_queue=args.hold_queue,
-        capacity_request=args.capacity_request)
+        capacity_request=args.capacity_request,
+        api_keys=list(args.api_key), api_key_file=args.api_key_file,
+        upstream_api_key=args.upstream_api_key, enable_debug=args.enable_debug,
+        connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
+        idle_timeout=args.idle_timeout, stream_stall_timeout=args.stream_stall_timeout,
+        quarantine_window=args.quarantine_window)
 
 
 def _main(args: argparse.Namespace) -> int:
     import logging
 
     import uvicorn
+    from shoal.runtime.http_listener import ListenerLimits, uvicorn_config
     from shoal.runtime.router.router_app import build_router
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -134,12 +178,16 @@ def _main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
     if args.epp:
         return _serve_epp(args)
+    limits = ListenerLimits(max_connections=args.max_connections,
+                            max_header_bytes=args.max_header_bytes,
+                            max_body_bytes=args.max_request_body_bytes)
     try:
+        limits.validate()
         app = build_router(config_from_args(args))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"shoal route: {exc}") from exc
-    uvicorn.run(app, host=args.host, port=args.port or 8000, log_level="warning", lifespan="on",
-                access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port or 8000, limits, "warning",
+                                  lifespan="on")).run()
     return 0
 
 

@@ -1,13 +1,21 @@
 """The router's HTTP face: an ASGI app that picks a replica and streams its answer through.
 
-Per request: read the body, compute its prefix keys (when the policy uses them), ask the
-policy for a replica among the ready ones, and forward. Until the replica's response
-headers arrive nothing has been sent to the client, so a refused connection, a reset, or a
-429/502/503 from that replica moves the request to another one; after that the bytes are
-relayed as they arrive (no re-encoding, no buffering), so SSE streams pass
-through byte for byte. A client disconnect, noticed by a watcher on the ASGI ``receive``
-channel, cancels the relay, which closes the upstream connection: the engine sees the
-disconnect and aborts the request, freeing its blocks.
+Per request: authenticate at the edge (``edge_auth``), read the body, compute its prefix
+keys (when the policy uses them), ask the policy for a replica among the ready ones, and
+forward with the router's own credential and the tenant header. A request moves to another
+replica only when the first did no work for it: the connection could not be made, or the
+engine answered 429/503 marked ``x-shoal-retry-safe`` (not ready, draining, queue full,
+connection cap). Anything else (an engine that died while serving it, an unmarked 5xx, a
+broken connection, a timeout) goes back to this client alone, and the request's
+fingerprint is pinned to that replica for a while (``poison``), so neither this router nor
+the client's own retries carry a poison request across the fleet.
+
+Once the replica's response headers arrive the bytes are relayed as they come (no
+re-encoding, no buffering), so SSE streams pass through byte for byte. Timeouts per
+upstream: connect, first byte (response headers) and idle (between chunks); a client that
+stops reading for the stall window has its connection dropped. A client disconnect,
+noticed by a watcher on the ASGI ``receive`` channel, cancels the relay, which closes the
+upstream connection: the engine sees the disconnect and aborts the request.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
+from shoal.runtime.http_listener import ENGINE_DIED_CODE, RETRY_SAFE_HEADER, abort_connection
 from shoal.runtime.router.asgi import (
     ClientGone,
     Receive,
@@ -32,7 +41,9 @@ from shoal.runtime.router.asgi import (
     respond,
     wait_disconnect,
 )
+from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.hold_queue import CapacityHold
+from shoal.runtime.router.poison import FailedRequests, fingerprint
 from shoal.runtime.router.policy import RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
@@ -47,7 +58,8 @@ from shoal.runtime.router.router_metrics import RouterMetrics
 log = logging.getLogger("shoal.router.proxy")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETRY_STATUSES = frozenset({429, 502, 503})
+RETRY_STATUSES = frozenset({429, 503})  # and only with the retry-safe mark
+ENGINE_DIED_EVENT = b'"code":"' + ENGINE_DIED_CODE.encode() + b'"'  # in a stream's last event
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-authenticate", "proxy-authorization"})
 # the client library sets these for the upstream request itself
@@ -58,14 +70,29 @@ REQUEST_HEADERS_DROPPED = HOP_BY_HOP | {"host", "content-length"}
 class ProxySettings:
     max_attempts: int = 3  # replicas tried per request before the first byte
     key_config: KeyConfig = KeyConfig()
+    auth: EdgeAuth = EdgeAuth()
+    debug_endpoints: bool = False
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 300.0  # a non-streaming answer's headers come at its end
+    idle_timeout: float = 60.0  # between two chunks of an answer
+    stream_stall_timeout: float = 30.0  # a client that reads nothing this long is dropped
+    quarantine_window: float = 60.0
 
 
-def make_upstream_session() -> aiohttp.ClientSession:
+class UpstreamFailed(Exception):
+    """The replica took the request and then failed it: not to be replayed elsewhere."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def make_upstream_session(connect_timeout: float = 5.0) -> aiohttp.ClientSession:
     """The proxy's client. aiohttp, not httpx: its C parser costs the router about a third
     of the CPU per request (measured: ~0.5 vs ~1.5 ms on this machine's cores)."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),  # < uvicorn's 5 s
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
         auto_decompress=False,  # relay the replica's bytes as they are
         skip_auto_headers=("User-Agent", "Accept-Encoding"))
 
@@ -84,6 +111,7 @@ class RouterApp:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics(pool)
+        self.failed = FailedRequests(settings.quarantine_window)
         self._on_startup = on_startup
         self._on_shutdown = on_shutdown
         pool.on_change.append(policy.sync)
@@ -106,20 +134,46 @@ class RouterApp:
         elif path == "/metrics" and method == "GET":
             await respond(send, 200, self.metrics.render(),
                            content_type=b"text/plain; version=0.0.4; charset=utf-8")
-        elif path in ROUTED_PATHS and method == "POST":
-            await self._proxy(scope, receive, send)
-        elif path == "/v1/models" and method == "GET":
-            await self._proxy(scope, receive, send)
-        elif path == "/debug/blocks" and method == "GET":
-            await self._blocks(send)
+        elif (path in ROUTED_PATHS and method == "POST") or \
+                (path == "/v1/models" and method == "GET"):
+            allowed, tenant = self._authenticate(scope)
+            if allowed:
+                await self._proxy(scope, receive, send, tenant)
+            else:
+                await self._unauthorized(send)
+        elif path == "/debug/blocks" and method == "GET" and self.settings.debug_endpoints:
+            if self._authenticate(scope)[0]:
+                await self._blocks(send)
+            else:
+                await self._unauthorized(send)
         else:
             await error_response(send, 404, f"no route for {method} {path}")
+
+    def _authenticate(self, scope: Scope) -> tuple[bool, str | None]:
+        """(allowed, tenant); no keys configured: allowed, no tenant."""
+        auth = self.settings.auth
+        if not auth.enabled:
+            return True, None
+        given = next((v.decode("latin-1") for k, v in scope["headers"]
+                      if k == b"authorization"), None)
+        tenant = auth.tenant(given)
+        return tenant is not None, tenant
+
+    async def _unauthorized(self, send: Send) -> None:
+        self.metrics.unauthorized.inc()
+        body = json.dumps({"error": {"message": "invalid or missing API key",
+                                     "type": "AuthenticationError", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.session = make_upstream_session()
+                self.session = make_upstream_session(self.settings.connect_timeout)
                 if self._on_startup is not None:
                     await self._on_startup()
                 await send({"type": "lifespan.startup.complete"})
@@ -142,16 +196,14 @@ class RouterApp:
         await respond(send, 200, json.dumps(view).encode())
 
     # -- proxying -------------------------------------------------------------------------
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send,
+                     tenant: str | None) -> None:
         received_at = time.perf_counter()
         try:
             body = await read_body(receive)
         except ClientGone:
             return
-        except ValueError as exc:
-            await error_response(send, 413, str(exc))
-            return
-        relay = asyncio.create_task(self._forward(scope, body, send, received_at))
+        relay = asyncio.create_task(self._forward(scope, body, send, received_at, tenant))
         watcher = asyncio.create_task(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -164,6 +216,8 @@ class RouterApp:
                 await relay
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if relay.done() and not relay.cancelled() and relay.result() is ClientStalled:
+            await abort_connection(scope)
 
     async def _keys(self, path: str, body: bytes) -> RequestKeys | None:
         if not self.policy.uses_prefix or path not in ROUTED_PATHS:
@@ -177,12 +231,14 @@ class RouterApp:
         except (ValueError, RequestKeyError, TypeError):
             return None  # not ours to validate: the engine answers with a proper 400
 
-    async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float) -> None:
+    async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float,
+                       tenant: str | None) -> object:
         path = scope["path"]
         keys = await self._keys(path, body)
-        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1"))
-                              for k, v in scope["headers"]
-                              if k.decode("latin-1").lower() not in REQUEST_HEADERS_DROPPED)
+        client_headers = [(k.decode("latin-1"), v.decode("latin-1"))
+                          for k, v in scope["headers"]
+                          if k.decode("latin-1").lower() not in REQUEST_HEADERS_DROPPED]
+        headers = CIMultiDict(self.settings.auth.upstream_headers(client_headers, tenant))
         if self.session is None:
             raise RuntimeError("the ASGI lifespan must run before requests")
         query = scope.get("query_string", b"").decode("latin-1")
@@ -191,8 +247,12 @@ class RouterApp:
             if refused is not None:
                 self.metrics.no_replica.inc()
                 await error_response(send, 503, refused.message, refused.retry_after_s)
-                return
+                return None
+        request_key = fingerprint(tenant, path, body)
+        quarantine = self.failed.lookup(request_key, time.monotonic())
         tried: set[str] = set()
+        if quarantine is not None:  # only the replica it already failed on may see it again
+            tried = {url for url in self.pool.replicas if url != quarantine.replica}
         last_error = "no ready replica"
         for attempt in range(self.settings.max_attempts):
             candidates = self.pool.available(exclude=tried)
@@ -209,50 +269,101 @@ class RouterApp:
                 self.metrics.retries.inc()
             url = f"{replica.url}{path}" + (f"?{query}" if query else "")
             replica.in_flight += 1
+            upstream: aiohttp.ClientResponse | None = None
             try:
                 self.metrics.decision_seconds.observe(time.perf_counter() - received_at)
                 try:
-                    upstream = await self.session.request(scope["method"], url, data=body,
-                                                          headers=headers,
-                                                          allow_redirects=False)
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    async with asyncio.timeout(self.settings.first_byte_timeout):
+                        upstream = await self.session.request(
+                            scope["method"], url, data=body, headers=headers,
+                            allow_redirects=False)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                    # never connected, nothing sent: another replica may take it; out of
+                    # rotation until /ready says otherwise
                     last_error = f"{replica.url}: {type(exc).__name__}"
-                    if isinstance(exc, aiohttp.ClientConnectorError | TimeoutError):
-                        # cannot connect: out of rotation until /ready says otherwise (a
-                        # dropped keep-alive connection is no reason to eject)
-                        self.pool.eject(replica.url, f"request failed: {exc!r}")
+                    self.pool.eject(replica.url, f"connect failed: {exc!r}")
                     continue
-                try:
-                    if upstream.status in RETRY_STATUSES and \
-                            attempt + 1 < self.settings.max_attempts:
-                        last_error = f"{replica.url} answered {upstream.status}"
-                        continue
-                    self.metrics.first_byte_seconds.observe(time.perf_counter() - received_at)
-                    replica.requests += 1
-                    if decision.matched_blocks:
-                        replica.affinity_hits += 1
-                    await self._relay(upstream, send)
-                    return
-                finally:
+                except TimeoutError as exc:
+                    raise UpstreamFailed(504, f"the replica sent no answer within "
+                                              f"{self.settings.first_byte_timeout:g} s") from exc
+                except aiohttp.ClientError as exc:
+                    raise UpstreamFailed(502, f"the replica failed the request "
+                                              f"({type(exc).__name__})") from exc
+                if upstream.status in RETRY_STATUSES and RETRY_SAFE_HEADER in upstream.headers \
+                        and attempt + 1 < self.settings.max_attempts:
+                    last_error = f"{replica.url} answered {upstream.status}"
+                    continue
+                self.metrics.first_byte_seconds.observe(time.perf_counter() - received_at)
+                replica.requests += 1
+                if decision.matched_blocks:
+                    replica.affinity_hits += 1
+                failed = upstream.status >= 500 and RETRY_SAFE_HEADER not in upstream.headers
+                outcome = await self._relay(upstream, send)
+                if outcome is ClientStalled:
+                    return outcome
+                if failed or outcome is not None:
+                    self._failed(request_key, replica.url, str(outcome or "5xx"))
+                return outcome
+            except UpstreamFailed as exc:
+                self._failed(request_key, replica.url, "timeout" if exc.status == 504
+                             else "connection")
+                await error_response(send, exc.status, str(exc))
+                return None
+            finally:
+                replica.in_flight -= 1
+                if upstream is not None:
                     if upstream.content.at_eof():
                         upstream.release()  # keep the connection for the next request
                     else:
                         upstream.close()  # unfinished (client left): the engine must see it
-            finally:
-                replica.in_flight -= 1
+        if quarantine is not None and quarantine.replica not in tried:
+            self.metrics.quarantined.inc()
+            retry_in = max(1, int(quarantine.until - time.monotonic()))
+            await error_response(send, 503, "this request failed on a replica that is out of "
+                                 f"rotation; it is not sent to others (retry in {retry_in} s)")
+            return None
         self.metrics.no_replica.inc()
         await error_response(send, 503, f"no replica could take the request ({last_error})")
+        return None
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, send: Send) -> None:
+    def _failed(self, request_key: bytes, replica: str, reason: str) -> None:
+        self.metrics.upstream_failures.labels(reason).inc()
+        self.failed.record(request_key, replica, time.monotonic())
+        log.warning("a request failed on %s (%s): not replayed, held to that replica for "
+                    "%.0f s", replica, reason, self.settings.quarantine_window)
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, send: Send) -> object:
+        """Relay the answer; returns None when it ended well, else why it did not (a
+        reason string, or ``ClientStalled`` when the client stopped reading)."""
         headers = [(k, v) for k, v in upstream.raw_headers
                    if k.decode("latin-1").lower() not in HOP_BY_HOP]
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": headers})
+        stall = self.settings.stream_stall_timeout or None
+        outcome: object = None
         try:
-            async for chunk in upstream.content.iter_any():
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:  # replica died mid-stream
-            log.warning("upstream broke mid-response: %r", exc)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            async with asyncio.timeout(stall):
+                await send({"type": "http.response.start", "status": upstream.status,
+                            "headers": headers})
+            while True:
+                try:
+                    async with asyncio.timeout(self.settings.idle_timeout):
+                        chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:  # replica died or hung
+                    log.warning("upstream broke mid-response: %r", exc)
+                    outcome = "idle timeout" if isinstance(exc, TimeoutError) else "broken"
+                    break
+                if not chunk:
+                    break
+                if ENGINE_DIED_EVENT in chunk:
+                    outcome = "engine died"
+                async with asyncio.timeout(stall):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with asyncio.timeout(stall):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:  # only the sends are left: the client stopped reading
+            self.metrics.client_stalls.inc()
+            return ClientStalled
+        return outcome
+
+
+class ClientStalled:
+    """Marker: the client read nothing for the stall window; its connection is dropped."""

@@ -47,13 +47,15 @@ def normalize_url(url: str) -> str:
 
 class ReplicaPool:
     def __init__(self, health_interval: float = 1.0, scrape_interval: float = 1.0,
-                 probe_timeout: float = 2.0) -> None:
+                 probe_timeout: float = 2.0,
+                 scrape_headers: dict[str, str] | None = None) -> None:
         if health_interval <= 0 or scrape_interval <= 0:
             raise ValueError("health and scrape intervals must be > 0")
         self._session: aiohttp.ClientSession | None = None  # made in start(), in the loop
         self.health_interval = health_interval
         self.scrape_interval = scrape_interval
         self.probe_timeout = probe_timeout
+        self.scrape_headers = scrape_headers or {}  # the router's credential for /metrics
         self.replicas: dict[str, Replica] = {}
         self.on_change: list[Callable[[set[str]], None]] = []
         self.on_ready: list[Callable[[str], None]] = []  # a replica just passed /ready
@@ -111,7 +113,8 @@ class ReplicaPool:
                 callback(replica.url)
         if ready and scrape:
             try:
-                async with session.get(f"{replica.url}/metrics") as response:
+                async with session.get(f"{replica.url}/metrics",
+                                       headers=self.scrape_headers) as response:
                     text = await response.text()
                     if response.status == 200:
                         replica.metrics = parse_engine_metrics(text)

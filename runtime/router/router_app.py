@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shoal.runtime.router.capacity_request import CapacityRequester
 from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
+from shoal.runtime.router.edge_auth import EdgeAuth, read_key_file
 from shoal.runtime.router.hold_queue import CapacityHold, HoldSettings
 from shoal.runtime.router.policy import make_policy
 from shoal.runtime.router.proxy import ProxySettings, RouterApp
@@ -42,6 +43,23 @@ class RouterConfig:
     hold_timeout: float = 0.0  # scale from zero: seconds a request waits for a ready replica
     hold_queue: int = 256
     capacity_request: str = ""  # InferenceService to annotate for capacity (kubernetes)
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
+    upstream_api_key: str | None = None
+    enable_debug: bool = False
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 300.0
+    idle_timeout: float = 60.0
+    stream_stall_timeout: float = 30.0
+    quarantine_window: float = 60.0
+
+    def edge_auth(self) -> EdgeAuth:
+        keys = list(self.api_keys)
+        if self.api_key_file:
+            keys += read_key_file(self.api_key_file)
+        if any(not key for key in keys):
+            raise ValueError("an --api-key is empty")
+        return EdgeAuth(tuple(keys), self.upstream_api_key or None)
 
     def validate(self) -> None:
         if self.discovery == "static" and not self.backends:
@@ -60,6 +78,13 @@ class RouterConfig:
             raise ValueError("--capacity-request needs --discovery kubernetes")
         if self.tokenizer and self.tokenizer_from_engine:
             raise ValueError("give --tokenizer DIR or --tokenizer-from-engine, not both")
+        for flag, value in (("--connect-timeout", self.connect_timeout),
+                            ("--first-byte-timeout", self.first_byte_timeout),
+                            ("--idle-timeout", self.idle_timeout)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be > 0")
+        if self.stream_stall_timeout < 0 or self.quarantine_window < 0:
+            raise ValueError("--stream-stall-timeout and --quarantine-window must be >= 0")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")
 
@@ -74,7 +99,9 @@ def build_router(config: RouterConfig) -> RouterApp:
                          load_factor=config.load_factor,
                          approx_capacity=config.approx_capacity,
                          load_headroom=config.load_headroom)
-    pool = ReplicaPool(config.health_interval, config.scrape_interval)
+    auth = config.edge_auth()
+    pool = ReplicaPool(config.health_interval, config.scrape_interval,
+                       scrape_headers=auth.scrape_headers())
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
         discovery = StaticDiscovery(config.backends)
@@ -114,8 +141,13 @@ def build_router(config: RouterConfig) -> RouterApp:
         if subscriber is not None:
             await subscriber.close()
 
-    settings = ProxySettings(max_attempts=config.max_attempts, key_config=KeyConfig(
-        config.block_size, config.chars_per_block, config.model_revision))
+    settings = ProxySettings(
+        max_attempts=config.max_attempts,
+        key_config=KeyConfig(config.block_size, config.chars_per_block, config.model_revision),
+        auth=auth, debug_endpoints=config.enable_debug, connect_timeout=config.connect_timeout,
+        first_byte_timeout=config.first_byte_timeout, idle_timeout=config.idle_timeout,
+        stream_stall_timeout=config.stream_stall_timeout,
+        quarantine_window=config.quarantine_window)
     ask = (CapacityRequester(discovery, config.capacity_request)
            if config.capacity_request and isinstance(discovery, KubernetesDiscovery) else None)
     hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue), ask)

@@ -89,6 +89,17 @@ class RouterMetrics:
         self.client_disconnects = Counter("shoal:router_client_disconnects",
                                           "Requests cancelled upstream because the client left",
                                           registry=self.registry)
+        self.unauthorized = Counter("shoal:router_unauthorized", "Requests refused with 401 "
+                                    "at the router's edge", registry=self.registry)
+        self.upstream_failures = Counter(
+            "shoal:router_upstream_failures", "Requests a replica took and then failed (not "
+            "replayed), by what failed", ["reason"], registry=self.registry)
+        self.quarantined = Counter(
+            "shoal:router_quarantined", "Repeats of a failed request refused because the "
+            "replica it failed on is out of rotation", registry=self.registry)
+        self.client_stalls = Counter("shoal:router_client_stalls", "Streams dropped because "
+                                     "their client read nothing for the stall window",
+                                     registry=self.registry)
 
     def watch_kv_events(self, states: Mapping[str, EventStreamState]) -> None:
         """Export the KV-event subscriber's per-replica stream counters (precise mode)."""

@@ -64,7 +64,7 @@ def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
 
 def test_router_shares_only_the_block_hash_and_tokenization_with_the_engine() -> None:
     found = violations(ROOT / "runtime" / "router", r"shoal\.",
-                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$|"
+                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|"
                                r"frontend\.(tokenizer|chat_template|prompts)$)")
     assert found == []
 

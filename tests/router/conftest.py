@@ -133,8 +133,8 @@ def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
             router_args = list(router_flags)
         else:
             router_args = ["--health-interval", "0.2", "--scrape-interval", "0.2"]
-            if kv_events:
-                router_args += ["--tokenizer", str(tiny_qwen3)]
+            if kv_events:  # the tests compare the router's block view with the engines'
+                router_args += ["--tokenizer", str(tiny_qwen3), "--enable-debug"]
         config = FleetConfig(replicas=replicas, model=str(model or tiny_qwen3),
                              port=_free_port("127.0.0.1"), engine_port=_free_port("127.0.0.2"),
                              engine_args=engine_args or [], router_args=router_args,

@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-STATE = {"open": 0, "aborted": 0, "served": 0, "prompts": [], "ready": True, "fail": 0}
+STATE = {"open": 0, "aborted": 0, "served": 0, "prompts": [], "ready": True, "fail": 0,
+         "fail_retry_safe": False}
 
 
 async def ready(_: Request) -> Response:
@@ -43,8 +44,11 @@ async def admin(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     body = await request.json()
-    if STATE["fail"]:
-        return JSONResponse({"error": "unavailable"}, status_code=STATE["fail"])
+    if STATE["fail"]:  # like shoal serve: the retry-safe mark only where no work was done
+        STATE["failed"] = STATE.get("failed", 0) + 1
+        headers = {"x-shoal-retry-safe": "1"} if STATE["fail_retry_safe"] else {}
+        return JSONResponse({"error": {"message": "unavailable", "code": "engine_died"}},
+                            status_code=STATE["fail"], headers=headers)
     STATE["prompts"].append(body.get("prompt") or body.get("messages"))
     name = request.app.state.name
     chunks = int(body.get("max_tokens", 5))

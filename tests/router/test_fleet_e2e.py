@@ -45,8 +45,10 @@ def operator_router_flags() -> tuple[list[str], bool]:
 def fleet(engine_fleet_factory, alternating_qwen3):
     flags, kv_events = operator_router_flags()
     assert kv_events and "--tokenizer-from-engine" in flags  # precise mode, deployed as is
+    # + --enable-debug: the tests compare the router's /debug/blocks view with the engines'
     return engine_fleet_factory(2, ["--num-kv-blocks", "40", "--max-model-len", "512"],
-                                kv_events=kv_events, router_flags=flags, model=alternating_qwen3)
+                                kv_events=kv_events, router_flags=[*flags, "--enable-debug"],
+                                model=alternating_qwen3)
 
 
 def test_streaming_through_the_router_is_byte_identical(fleet):

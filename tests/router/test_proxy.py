@@ -8,6 +8,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 LONG_PREFIX = "You are a helpful assistant for the shipping company. " * 6
 
@@ -88,10 +89,40 @@ def test_retry_on_another_replica_before_first_byte(fake_fleet):
     body = {"prompt": LONG_PREFIX, "max_tokens": 1}
     first = httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10).json()
     home = next(e for e in fleet.engines if e.endswith(first["replica"]))
-    fleet.admin(home, fail=503)  # its home now refuses: the router must try the other one
+    # its home refuses before doing any work (marked retry-safe): the router tries the other
+    fleet.admin(home, fail=503, fail_retry_safe=True)
     again = httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10)
     assert again.status_code == 200 and not home.endswith(again.json()["replica"])
     assert "shoal:router_retries_total 1.0" in httpx.get(f"{fleet.router}/metrics").text
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_failure_not_marked_retry_safe_is_not_replayed_and_stays_on_its_replica(
+        fake_fleet, status):
+    fleet = fake_fleet(2, "--policy", "round-robin")
+    a, b = fleet.engines
+    for engine in fleet.engines:  # the request may have killed it: only its client hears
+        fleet.admin(engine, fail=status)
+    body = {"prompt": "poison", "max_tokens": 1}
+    first = httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10)
+    assert first.status_code == status
+    failed = {e: fleet.admin(e).get("failed", 0) for e in fleet.engines}
+    assert sorted(failed.values()) == [0, 1]  # one replica saw it, not both
+    fleet.admin(a, fail=0)
+    fleet.admin(b, fail=0)
+    # the client's retries go to the replica it failed on only (round robin would alternate)
+    for _ in range(3):
+        httpx.post(f"{fleet.router}/v1/completions", json=body, timeout=10)
+    home = next(e for e, n in failed.items() if n)
+    other = next(e for e in fleet.engines if e != home)
+    assert fleet.admin(other)["served"] == 0 and fleet.admin(home)["served"] == 3
+    metrics = httpx.get(f"{fleet.router}/metrics").text
+    assert "shoal:router_retries_total 0.0" in metrics
+    # anything else still goes to both
+    for k in range(2):
+        assert httpx.post(f"{fleet.router}/v1/completions", timeout=10,
+                          json={"prompt": f"fine {k}", "max_tokens": 1}).status_code == 200
+    assert fleet.admin(other)["served"] >= 1
 
 
 def test_unready_replica_is_ejected_and_returns(fake_fleet, wait_for):

@@ -1,0 +1,60 @@
+"""Pure parts of the router's edge: key checks, upstream headers, the failed-request window,
+and the listener's rate-limited log (the processes are tested in test_containment.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from shoal.runtime.http_listener import RateLimitedLog
+from shoal.runtime.kv.block_hash import TENANT_HEADER, tenant_of_key
+from shoal.runtime.router.edge_auth import EdgeAuth, read_key_file
+from shoal.runtime.router.poison import FailedRequests, fingerprint
+
+
+def test_keys_authenticate_as_their_own_tenant_and_nothing_else_does():
+    auth = EdgeAuth(("sk-a", "sk-b"))
+    assert auth.tenant("Bearer sk-a") == tenant_of_key("sk-a") != auth.tenant("bearer sk-b")
+    for given in (None, "", "sk-a", "Bearer sk-c", "Bearer sk-a2", "Basic sk-a"):
+        assert auth.tenant(given) is None
+    assert "sk-a" not in tenant_of_key("sk-a")  # the key itself never goes upstream
+
+
+def test_upstream_headers_carry_the_routers_credential_and_tenant_only():
+    client = [("authorization", "Bearer sk-a"), (TENANT_HEADER, "someone-else"),
+              ("x-request-id", "r1")]
+    auth = EdgeAuth(("sk-a",), upstream_key="sk-engine")
+    assert auth.upstream_headers(client, "key-1") == [
+        ("x-request-id", "r1"), ("Authorization", "Bearer sk-engine"), (TENANT_HEADER, "key-1")]
+    # no router keys and no upstream key: the client's key passes through, a tenant never
+    assert EdgeAuth().upstream_headers(client, None) == [("authorization", "Bearer sk-a"),
+                                                         ("x-request-id", "r1")]
+
+
+def test_key_file_skips_comments_and_blanks(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# team a\nsk-1\n\n  sk-2  \n")
+    assert read_key_file(str(path)) == ["sk-1", "sk-2"]
+
+
+def test_a_failed_request_is_held_to_its_replica_for_the_window_only():
+    failed = FailedRequests(window=10.0, capacity=2)
+    key = fingerprint("t1", "/v1/completions", b'{"prompt": "x"}')
+    assert key != fingerprint("t2", "/v1/completions", b'{"prompt": "x"}')
+    failed.record(key, "http://a", now=100.0)
+    entry = failed.lookup(key, now=105.0)
+    assert entry is not None and entry.replica == "http://a"
+    assert failed.lookup(key, now=110.0) is None and len(failed) == 0
+    for i in range(3):  # bounded: the oldest is forgotten first
+        failed.record(bytes([i]), "http://a", now=0.0)
+    assert len(failed) == 2 and failed.lookup(bytes([0]), now=1.0) is None
+
+
+def test_log_lines_are_rate_limited_per_message():
+    limiter = RateLimitedLog(window=60.0, burst=3)
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)
+
+    passed = [limiter.filter(record("Invalid HTTP request received.")) for _ in range(1000)]
+    assert sum(passed) == 3
+    assert limiter.filter(record("another message"))
