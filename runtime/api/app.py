@@ -184,9 +184,14 @@ def build_app(state: ServerState) -> FastAPI:
                 "phase_durations": state.client.phase_durations}
         return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 
-    # --metrics-auth: prefix-cache counters are a cross-tenant oracle, so this one needs the
-    # API key (the router scrapes with its --upstream-api-key; Prometheus uses --metrics-port)
-    @app.get("/metrics", dependencies=guarded if state.settings.metrics_auth else [])
+    def require_metrics_key(request: Request) -> None:
+        """--metrics-auth: prefix-cache counters are a cross-tenant oracle, so /metrics here
+        needs the API key (the router scrapes with its --upstream-api-key; Prometheus uses
+        --metrics-port)."""
+        if state.settings.metrics_auth:
+            require_api_key(request)
+
+    @app.get("/metrics", dependencies=[Depends(require_metrics_key)])
     async def metrics() -> Response:
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -261,3 +261,19 @@ def test_scheduling_and_auth() -> None:
     assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "qwen-api-key",
                                                                   "key": "api-key"}
     assert flag(pod["containers"][0]["args"], "--api-key") == "$(SHOAL_API_KEY)"
+
+
+def test_engine_metrics_are_scraped_on_their_own_port() -> None:
+    """Prometheus needs no API key: it scrapes the engines' --metrics-port, named metrics."""
+    from shoal.operator.render_extras import render_service_monitor
+
+    container = engine_container(engine({"model": {"uri": "hf://org/m"}}))
+    port = flag(container["args"], "--metrics-port")
+    assert {"name": "metrics", "containerPort": int(port or 0), "protocol": "TCP"} \
+        in container["ports"]
+    children = render_children(OWNER, parse_spec({"model": {"uri": "hf://org/m"}}), 2)
+    headless = next(c for c in children if c["kind"] == "Service"
+                    and c["metadata"]["name"] == "qwen-engine")
+    assert "metrics" in [p["name"] for p in headless["spec"]["ports"]]
+    monitor = render_service_monitor(OWNER)
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"

@@ -17,6 +17,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.router.conftest import _free_port
+
 KEY, OTHER_KEY = "sk-router-edge-1", "sk-router-edge-2"
 
 
@@ -24,8 +26,11 @@ KEY, OTHER_KEY = "sk-router-edge-1", "sk-router-edge-2"
 def fleet(engine_fleet_factory, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# tenants\n{OTHER_KEY}\n")
+    metrics_port = _free_port("127.0.0.2")
     fleet = engine_fleet_factory(2, ["--max-model-len", "4096", "--num-kv-blocks", "512",
-                                     "--stream-stall-timeout", "2"])
+                                     "--stream-stall-timeout", "2",
+                                     "--metrics-port", str(metrics_port)])
+    fleet.metrics_port = metrics_port
     return fleet, key_file
 
 
@@ -68,6 +73,16 @@ def test_debug_endpoint_when_enabled_is_behind_the_key(fleet, free_port):
     assert httpx.get(f"{router}/debug/blocks", timeout=5).status_code == 401
     r = httpx.get(f"{router}/debug/blocks", headers=bearer(KEY), timeout=5)
     assert r.status_code == 200 and "replicas" in r.json()
+
+
+def test_engine_metrics_port_serves_metrics_and_probes_only(fleet):
+    fleet_, _ = fleet
+    host = fleet_.config.engine_urls()[0].removeprefix("http://").split(":")[0]
+    side = f"http://{host}:{fleet_.metrics_port}"
+    assert "shoal:num_requests_running" in httpx.get(f"{side}/metrics", timeout=5).text
+    assert httpx.get(f"{side}/health", timeout=5).status_code == 200
+    assert httpx.post(f"{side}/v1/completions", json={"prompt": "x"}, timeout=5).status_code \
+        == 404
 
 
 def open_stalled_stream(url: str, body: dict) -> socket.socket:
