@@ -74,8 +74,7 @@ def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
     router, engines = fleet.config.router_url, fleet.config.engine_urls()
     before = generated_tokens(engines)
     body = {"prompt": "The longest voyage began " * 4, "max_tokens": 400, "stream": True,
-            "temperature": 0, "ignore_eos": True, "n": 4}
-    aborted, generated = sum(aborts(e) for e in engines), generated_tokens(engines)
+            "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
         chunks = r.iter_raw()
         next(chunks)
