@@ -3,8 +3,27 @@ vLLM's ``prompt_logprobs`` list."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from shoal.runtime.engine.messages import TokenLogprobs
-from shoal.runtime.frontend.tokenizer import Tokenizer
+
+
+class Tokenizer(Protocol):
+    """What names a token in logprobs: the tokenizer's text, or vLLM's token-id names."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+class TokenIdNames:
+    """vLLM's ``return_tokens_as_token_ids``: each token named ``token_id:N``, so tokens whose
+    text is not valid UTF-8 on its own stay distinguishable."""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def token_names(tokenizer: Tokenizer, as_token_ids: bool) -> Tokenizer:
+    return TokenIdNames() if as_token_ids else tokenizer
 
 
 def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],

@@ -17,7 +17,7 @@ from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
-from .logprobs_format import chat_logprobs, vllm_prompt_logprobs
+from .logprobs_format import chat_logprobs, token_names, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
 from .serving_common import (
     check_prompt_text,
@@ -130,11 +130,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         body.truncate_prompt_tokens, state)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.settings.model_name
+    names = token_names(state.tokenizer, body.return_tokens_as_token_ids)
 
     def choice_json(choice: Choice) -> dict:
         message, finish = assistant_message(choice.text, policy, choice.finish_reason)
         out = {"index": choice.index, "message": message,
-               "logprobs": chat_logprobs(state.tokenizer, choice.token_ids, choice.logprobs,
+               "logprobs": chat_logprobs(names, choice.token_ids, choice.logprobs,
                                          top_k) if body.logprobs else None,
                "finish_reason": finish, "stop_reason": choice.stop_reason}
         if body.return_token_ids:
@@ -149,7 +150,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             out["prompt_token_ids"] = prompt.token_ids
         if body.prompt_logprobs is not None:  # vLLM: once per response, the prompt's
             out["prompt_logprobs"] = vllm_prompt_logprobs(
-                state.tokenizer, prompt.token_ids, gen.choices[0].prompt_logprobs or [],
+                names, prompt.token_ids, gen.choices[0].prompt_logprobs or [],
                 body.prompt_logprobs)
         return out
 
@@ -185,7 +186,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if not fields and finish is None and not (body.return_token_ids or body.logprobs):
             return out
         choice: dict = {"index": delta.index, "delta": fields,
-                        "logprobs": chat_logprobs(state.tokenizer, delta.token_ids,
+                        "logprobs": chat_logprobs(names, delta.token_ids,
                                                   delta.logprobs, top_k)
                         if body.logprobs and delta.logprobs else None,
                         "finish_reason": finish, "stop_reason": delta.stop_reason}

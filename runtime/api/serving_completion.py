@@ -21,6 +21,7 @@ from .logprobs_format import (
     completion_logprobs,
     echo_logprobs,
     joined_logprobs,
+    token_names,
     vllm_prompt_logprobs,
 )
 from .protocol import CompletionRequest
@@ -80,6 +81,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                for p in await asyncio.to_thread(prompts_of, body, state)]
     generation = start_generation(request, state, "cmpl", prompts, params, body)
     created, model = now_s(), state.settings.model_name
+    names = token_names(state.tokenizer, body.return_tokens_as_token_ids)
     top_k = body.logprobs or 0
 
     def echoed(prompt: PromptInput) -> str:
@@ -87,14 +89,14 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             prompt.token_ids)
 
     def prompt_part(choice: Choice) -> dict:
-        return echo_logprobs(state.tokenizer, choice.prompt.token_ids,
+        return echo_logprobs(names, choice.prompt.token_ids,
                              choice.prompt_logprobs or [], top_k)
 
     def choice_json(choice: Choice) -> dict:
         text = echoed(choice.prompt) + choice.text if body.echo else choice.text
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(state.tokenizer, choice.token_ids, choice.logprobs,
+            logprobs = completion_logprobs(names, choice.token_ids, choice.logprobs,
                                            top_k)
             if echo_scores:
                 logprobs = joined_logprobs(prompt_part(choice), logprobs)
@@ -102,7 +104,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
         if body.prompt_logprobs is not None:
             out["prompt_logprobs"] = vllm_prompt_logprobs(
-                state.tokenizer, choice.prompt.token_ids, choice.prompt_logprobs or [],
+                names, choice.prompt.token_ids, choice.prompt_logprobs or [],
                 body.prompt_logprobs)
         if body.return_token_ids:
             out["prompt_token_ids"] = choice.prompt.token_ids
@@ -138,7 +140,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             offsets[delta.index] = head["text_offset"][-1] + len(head["tokens"][-1])
             choice["logprobs"] = head
         if body.logprobs is not None and delta.logprobs:
-            part = completion_logprobs(state.tokenizer, delta.token_ids, delta.logprobs,
+            part = completion_logprobs(names, delta.token_ids, delta.logprobs,
                                        top_k, offsets.get(delta.index, 0))
             choice["logprobs"] = joined_logprobs(choice["logprobs"], part) \
                 if choice["logprobs"] else part
@@ -146,7 +148,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 and delta.index not in prompt_sent:
             prompt_sent.add(delta.index)
             choice["prompt_logprobs"] = vllm_prompt_logprobs(
-                state.tokenizer, first_choice.prompt.token_ids, first_choice.prompt_logprobs,
+                names, first_choice.prompt.token_ids, first_choice.prompt_logprobs,
                 body.prompt_logprobs)
         offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
         if body.return_token_ids:

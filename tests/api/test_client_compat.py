@@ -230,3 +230,12 @@ def test_vllm_prompt_logprobs_streaming_and_not(client, hf, llama_server):
         extra_body={"prompt_logprobs": 0, "return_token_ids": True})
     chat_lps = chat.model_extra["prompt_logprobs"]
     assert chat_lps[0] is None and len(chat_lps) == len(chat.model_extra["prompt_token_ids"])
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+    out = client.completions.create(
+        model="shoal-test", prompt="x = 1", max_tokens=3, temperature=0, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs for k in top)
