@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.shoal-setup
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint typecheck bench clean
+.PHONY: setup serve test test-fast lint typecheck bench clean images image-test
 
 setup: $(STAMP)
 
@@ -28,6 +28,23 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Images: `make images` builds both (VARIANT=cpu for the CPU runtime; IMAGE_BUILD_ARGS for
+# --build-arg BASE_IMAGE=... etc., see the Dockerfiles' headers). `make image-test` builds them
+# with podman on a locally made Debian base and runs them (minutes; not part of `make test`).
+IMAGE_TOOL ?= $(shell command -v podman 2>/dev/null || command -v docker 2>/dev/null || echo docker)
+IMAGE_TAG  ?= dev
+VARIANT    ?= cuda
+IMAGE_BUILD_ARGS ?=
+
+images:
+	$(IMAGE_TOOL) build -f Dockerfile.operator -t shoal-operator:$(IMAGE_TAG) $(IMAGE_BUILD_ARGS) .
+	$(IMAGE_TOOL) build -f Dockerfile.runtime --build-arg VARIANT=$(VARIANT) \
+	  -t shoal-runtime:$(IMAGE_TAG)-$(VARIANT) $(IMAGE_BUILD_ARGS) .
+
+image-test: setup
+	tools/images/setup.sh
+	$(PY) -m pytest tests/k8s/images_check.py -s -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
