@@ -1,24 +1,56 @@
 """An operator-only install, as the operator image has it: a fresh venv with the project
-(without its dependencies) and the operator's pinned requirements only. No torch, numpy or
-xxhash there; `shoal operator` must still start and reconcile against the emulator."""
+(without its dependencies) and the operator's pinned requirements and what they need, nothing
+else. No torch, numpy or xxhash there; `shoal operator` must still start and reconcile against
+the emulator."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
+from importlib.metadata import distribution
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def operator_closure() -> list[str]:
+    """requirements/operator.txt's pins and everything they need (at the versions installed
+    here, so pip resolves nothing and takes every wheel from its cache)."""
+    pins = {}
+    for line in (ROOT / "requirements" / "operator.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[_normal(name)] = version
+    found: dict[str, str] = {}
+    todo = list(pins)
+    while todo:
+        name = _normal(todo.pop())
+        if name in found:
+            continue
+        dist = distribution(name)
+        found[name] = pins.get(name, dist.version)
+        for spec in dist.requires or []:
+            requirement = Requirement(spec)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return [f"{name}=={version}" for name, version in sorted(found.items())]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +61,23 @@ def operator_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "-q", "-w", str(work), str(ROOT)], check=True, capture_output=True, cwd=work)
     (wheel,) = work.glob("shoal-*.whl")
     venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, cwd=work)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    # The same two steps as Dockerfile.operator (pip's cache makes the second quick here).
-    for step in (["-r", str(ROOT / "requirements" / "operator.txt")], ["--no-deps", str(wheel)]):
-        result = subprocess.run([*pip, *step], capture_output=True, text=True, timeout=300,
-                                cwd=work)
-        assert result.returncode == 0, result.stdout + result.stderr
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   cwd=work)
+    # This pip installs into the new venv: the project without its dependencies (as
+    # Dockerfile.operator does) and the operator's requirements, each --no-deps.
+    closure = operator_closure()
+    assert not {"torch", "numpy", "xxhash"} & {c.split("==")[0] for c in closure}
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "-q", "--no-deps", str(wheel), *closure],
+        capture_output=True, text=True, timeout=300, cwd=work)
+    assert result.returncode == 0, result.stdout + result.stderr
+    check = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                            "check"], capture_output=True, text=True, cwd=work)
+    # every installed distribution has what it requires (the shoal wheel aside: it declares
+    # the runtime's dependencies, which an operator-only install leaves out on purpose)
+    broken = [line for line in check.stdout.splitlines() if not line.startswith("shoal ")]
+    assert not broken, check.stdout
     return venv
 
 

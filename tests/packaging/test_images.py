@@ -130,7 +130,7 @@ def test_images_install_the_project_without_resolving_dependencies_again() -> No
     for name in ("Dockerfile.runtime", "Dockerfile.operator"):
         text = (ROOT / name).read_text()
         deps_at = text.index("requirements/")
-        project_at = text.index("pip install --no-deps .")
+        project_at = text.index("pip install --no-deps /src")
         # dependency layer first, so a code change does not reinstall dependencies
         assert deps_at < text.index("COPY runtime") < project_at
         assert "USER 10001" in text and "HEALTHCHECK" not in text.replace("No HEALTHCHECK", "")
