@@ -208,7 +208,8 @@ def test_cpu_runtime_image_serves_as_non_root_on_a_read_only_root(runtime_image:
 
 
 async def test_operator_image_reconciles_against_the_emulator(
-        operator_image: str, container: Any, apiserver: SimpleNamespace) -> None:
+        operator_image: str, apiserver: SimpleNamespace, container: Any) -> None:
+    # (apiserver first: the container is stopped before the emulator, whose watches it holds)
     api = apiserver.api
     (await api.post("/apis/serving.shoal.dev/v1alpha1/namespaces/serving/inferenceservices",
                     json={"apiVersion": "serving.shoal.dev/v1alpha1",
