@@ -38,6 +38,13 @@ def pick_by_affinity(ring_order: Sequence[str], allowed: set[str],
                                             rank[url]))
 
 
+def not_queueing(replicas: Sequence[ReplicaSnapshot], allowed: set[str]) -> set[str]:
+    """Of the allowed, those whose engine admits requests at once (no scraped waiting queue:
+    its KV cache or batch is full, so one more would wait or preempt), unless none does."""
+    admitting = {r.url for r in replicas if r.url in allowed and r.num_waiting == 0}
+    return admitting or allowed
+
+
 class CacheAffinityPolicy:
     name = "cache-affinity"
     uses_prefix = True
@@ -71,8 +78,8 @@ class CacheAffinityPolicy:
         require_replicas(replicas)
         for replica in replicas:
             self.index(replica.url)
-        allowed = within_bound({r.url: r.in_flight for r in replicas}, self.load_factor,
-                               self.load_headroom)
+        allowed = not_queueing(replicas, within_bound(
+            {r.url: r.in_flight for r in replicas}, self.load_factor, self.load_headroom))
         pressure = {r.url: r.pressure for r in replicas}
         if keys is None:  # nothing to match on: least pressure among the allowed
             url = min(sorted(allowed), key=lambda u: pressure[u])

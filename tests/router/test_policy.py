@@ -229,3 +229,19 @@ def test_affinity_never_picks_a_replica_over_the_bound(loads, matched):
     assert loads[urls.index(chosen)] + 1 <= load_cap(dict(zip(urls, loads, strict=True)))
     best = max(matched[urls.index(u)] for u in allowed)
     assert matched[urls.index(chosen)] == best
+
+
+def test_a_replica_whose_engine_queues_takes_no_more_while_another_admits():
+    """A scraped waiting queue means the engine's KV cache or batch is full: one more
+    request there waits or preempts, so it goes elsewhere even on a prefix match."""
+    from shoal.runtime.router.policy import ReplicaSnapshot
+
+    policy = CacheAffinityPolicy(precise=True)
+    policy.sync(URLS[:2])
+    keys = keys_for(chat(SYSTEM_PROMPTS[0], "queued"))
+    policy.index(URLS[0]).stored(keys.block_keys)
+    snaps = [ReplicaSnapshot(URLS[0], in_flight=1, num_waiting=2), ReplicaSnapshot(URLS[1])]
+    assert policy.choose(keys, snaps, now=0.0).url == URLS[1]
+    snaps = [ReplicaSnapshot(URLS[0], in_flight=1, num_waiting=2),
+             ReplicaSnapshot(URLS[1], num_waiting=1)]  # everyone queues: affinity decides
+    assert policy.choose(keys, snaps, now=0.0).url == URLS[0]
