@@ -20,7 +20,9 @@ def capped(body: object) -> object:
         if "messages" in body and "max_tokens" not in body \
                 and "max_completion_tokens" not in body:
             body["max_tokens"] = TOKEN_CAP  # chat's default: up to max_model_len
-        for field in ("max_tokens", "max_completion_tokens"):
+        if "input" in body and "max_output_tokens" not in body:
+            body["max_output_tokens"] = TOKEN_CAP  # /v1/responses: the same default
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(field), int) and not isinstance(body[field], bool) \
                     and body[field] > TOKEN_CAP:
                 body[field] = TOKEN_CAP
@@ -31,7 +33,8 @@ def test_no_request_built_from_the_schema_gets_a_5xx(server):
     schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+            "/detokenize"} <= paths
     seen: dict[str, set[int]] = {}
     for operation in operations:
 
