@@ -146,10 +146,15 @@ def test_ranks_die_with_an_engine_whose_construction_fails(tiny_llama):
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.engine.core import EngineCore
 
+    def is_live_rank(process: psutil.Process) -> bool:
+        try:  # a rank of an earlier test may turn zombie (or be reaped) while we look
+            return (process.status() != psutil.STATUS_ZOMBIE
+                    and "shoal.runtime.worker.worker_proc" in " ".join(process.cmdline()))
+        except psutil.Error:
+            return False
+
     def our_ranks() -> list[psutil.Process]:
-        return [p for p in psutil.Process().children()
-                if "shoal.runtime.worker.worker_proc" in " ".join(p.cmdline())
-                and p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in psutil.Process().children() if is_live_rank(p)]
 
     assert our_ranks() == []
     config = EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=64,
