@@ -36,6 +36,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="the engines' KV block size in tokens (default 16)")
     parser.add_argument("--model-revision", default="",
                         help="the engines' --model-revision (part of every block hash)")
+    parser.add_argument("--cache-sharing", default="tenant", choices=["tenant", "global"],
+                        help="the engines' --cache-sharing: with tenant (the default) the "
+                             "precise keys of an authenticated request are salted by its "
+                             "tenant, as the engines salt its blocks")
     parser.add_argument("--chars-per-block", type=int, default=64,
                         help="approximate mode: characters per prefix block (default 64)")
     parser.add_argument("--kv-events", action="store_true",
@@ -152,7 +156,8 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         engine_port=args.engine_port, kube_api=args.kube_api, tokenizer=args.tokenizer,
         tokenizer_from_engine=args.tokenizer_from_engine,
         block_size=args.block_size, model_revision=args.model_revision,
-        chars_per_block=args.chars_per_block, kv_events=args.kv_events,
+        chars_per_block=args.chars_per_block, cache_sharing=args.cache_sharing,
+        kv_events=args.kv_events,
         kv_events_port=args.kv_events_port, health_interval=args.health_interval,
         scrape_interval=args.scrape_interval, load_factor=args.load_factor,
         load_headroom=args.load_headroom,

@@ -57,7 +57,9 @@ from shoal.runtime.router.router_metrics import RouterMetrics
 
 log = logging.getLogger("shoal.router.proxy")
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # placed by their prompt's prefix
+# also forwarded, placed by load alone (a stored response lives in the replica that made it)
+FORWARDED_PATHS = ROUTED_PATHS + ("/v1/responses", "/tokenize", "/detokenize")
 RETRY_STATUSES = frozenset({429, 503})  # and only with the retry-safe mark
 ENGINE_DIED_EVENT = b'"code":"' + ENGINE_DIED_CODE.encode() + b'"'  # in a stream's last event
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
@@ -134,7 +136,7 @@ class RouterApp:
         elif path == "/metrics" and method == "GET":
             await respond(send, 200, self.metrics.render(),
                            content_type=b"text/plain; version=0.0.4; charset=utf-8")
-        elif (path in ROUTED_PATHS and method == "POST") or \
+        elif (path in FORWARDED_PATHS and method == "POST") or \
                 (path == "/v1/models" and method == "GET"):
             allowed, tenant = self._authenticate(scope)
             if allowed:
@@ -219,22 +221,22 @@ class RouterApp:
         if relay.done() and not relay.cancelled() and relay.result() is ClientStalled:
             await abort_connection(scope)
 
-    async def _keys(self, path: str, body: bytes) -> RequestKeys | None:
+    async def _keys(self, path: str, body: bytes, tenant: str | None) -> RequestKeys | None:
         if not self.policy.uses_prefix or path not in ROUTED_PATHS:
             return None
         try:
             parsed = json.loads(body)
             if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
                 return await asyncio.to_thread(request_keys, path, parsed,
-                                               self.settings.key_config, self.tokenizer)
-            return request_keys(path, parsed, self.settings.key_config)
+                                               self.settings.key_config, self.tokenizer, tenant)
+            return request_keys(path, parsed, self.settings.key_config, None, tenant)
         except (ValueError, RequestKeyError, TypeError):
             return None  # not ours to validate: the engine answers with a proper 400
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float,
                        tenant: str | None) -> object:
         path = scope["path"]
-        keys = await self._keys(path, body)
+        keys = await self._keys(path, body, tenant)
         client_headers = [(k.decode("latin-1"), v.decode("latin-1"))
                           for k, v in scope["headers"]
                           if k.decode("latin-1").lower() not in REQUEST_HEADERS_DROPPED]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import xxhash
 from shoal.runtime.frontend.tokenizer import Tokenizer
-from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
+from shoal.runtime.kv.block_hash import ExtraKeys, effective_cache_salt, hash_prefix_blocks
 
 DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
 MAX_PREFIX_BLOCKS = 4096  # longer prompts are keyed on their first 4096 blocks only
@@ -90,6 +90,8 @@ class KeyConfig:
     block_size: int = 16
     chars_per_block: int = DEFAULT_CHARS_PER_BLOCK
     model_revision: str = ""
+    # the engines' --cache-sharing: tenant salts a request's blocks by its tenant, as they do
+    per_tenant_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.chars_per_block < 1:
@@ -134,11 +136,15 @@ def _token_id_prompt(prompt: Any) -> list[int] | None:
 
 
 def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
-                 tokenizer: PromptTokenizer | None = None) -> RequestKeys:
-    """Block keys of the request's prompt. ``path`` picks chat vs completion semantics."""
+                 tokenizer: PromptTokenizer | None = None,
+                 tenant: str | None = None) -> RequestKeys:
+    """Block keys of the request's prompt. ``path`` picks chat vs completion semantics;
+    ``tenant`` is the identity the router forwards to the engines, which salt by it."""
     if not isinstance(body, dict):
         raise RequestKeyError("request body must be a JSON object")
-    extra = ExtraKeys(config.model_revision, None, body.get("cache_salt")).digest()
+    salt = effective_cache_salt(tenant if config.per_tenant_cache else None,
+                                body.get("cache_salt"))
+    extra = ExtraKeys(config.model_revision, None, salt).digest()
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):

@@ -32,6 +32,7 @@ class RouterConfig:
     block_size: int = 16
     model_revision: str = ""
     chars_per_block: int = 64
+    cache_sharing: str = "tenant"  # the engines' --cache-sharing
     kv_events: bool = False
     kv_events_port: int = 5557
     health_interval: float = 1.0
@@ -143,7 +144,8 @@ def build_router(config: RouterConfig) -> RouterApp:
 
     settings = ProxySettings(
         max_attempts=config.max_attempts,
-        key_config=KeyConfig(config.block_size, config.chars_per_block, config.model_revision),
+        key_config=KeyConfig(config.block_size, config.chars_per_block, config.model_revision,
+                             per_tenant_cache=config.cache_sharing == "tenant"),
         auth=auth, debug_endpoints=config.enable_debug, connect_timeout=config.connect_timeout,
         first_byte_timeout=config.first_byte_timeout, idle_timeout=config.idle_timeout,
         stream_stall_timeout=config.stream_stall_timeout,

@@ -227,3 +227,18 @@ def test_a_chat_template_error_through_the_router_is_the_engines_4xx(fleet):
     fine = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     assert httpx.post(f"{fleet.config.router_url}/v1/chat/completions", json=fine,
                       timeout=60).status_code == 200
+
+
+def test_responses_and_tokenize_pass_through_the_router(fleet):
+    router, engine = fleet.config.router_url, fleet.config.engine_urls()[0]
+    response = httpx.post(f"{router}/v1/responses", timeout=60,
+                          json={"input": "hello there", "max_output_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "response"
+    body = {"prompt": "the same text either way"}
+    routed = httpx.post(f"{router}/tokenize", json=body, timeout=60)
+    assert routed.status_code == 200
+    assert routed.json() == httpx.post(f"{engine}/tokenize", json=body, timeout=60).json()
+    ids = routed.json()["tokens"]
+    detok = httpx.post(f"{router}/detokenize", json={"tokens": ids}, timeout=60)
+    assert detok.status_code == 200 and "same text" in detok.json()["prompt"]

@@ -125,3 +125,19 @@ def test_a_template_that_raises_is_a_request_key_error(alternating_qwen3):
         request_keys("/v1/chat/completions", body, KeyConfig(), tokenizer)
     ok = {"messages": [{"role": "user", "content": "a"}]}
     assert request_keys("/v1/chat/completions", ok, KeyConfig(), tokenizer).precise
+
+
+def test_an_authenticated_tenants_keys_are_salted_as_the_engines_salt_its_blocks():
+    from shoal.runtime.kv.block_hash import effective_cache_salt, tenant_of_key
+
+    ids, tenant = list(range(100, 118)), tenant_of_key("key-of-a")
+    body = {"prompt": ids, "cache_salt": "s"}
+    per_tenant = KeyConfig(block_size=4, model_revision="r1")
+    keys = request_keys("/v1/completions", body, per_tenant, None, tenant)
+    engine_salt = effective_cache_salt(tenant, "s")  # what serving_common gives the engine
+    assert keys.block_keys == hash_prefix_blocks(ids, 4, ExtraKeys("r1", None, engine_salt).digest())
+    other = request_keys("/v1/completions", body, per_tenant, None, tenant_of_key("key-of-b"))
+    assert set(keys.block_keys).isdisjoint(other.block_keys)
+    shared = KeyConfig(block_size=4, model_revision="r1", per_tenant_cache=False)
+    assert (request_keys("/v1/completions", body, shared, None, tenant).block_keys
+            == request_keys("/v1/completions", body, shared).block_keys)
