@@ -22,8 +22,12 @@ from shoal.operator.meta import (
     epp_name,
     selector_labels,
 )
-from shoal.operator.render_engine import container_security_context, pod_security_context
-from shoal.operator.render_router import render_endpointslice_reader_rbac, router_args
+from shoal.operator.render_router import (
+    PROBE_TIMING,
+    render_endpointslice_reader_rbac,
+    router_args,
+    shoal_process_deployment,
+)
 from shoal.operator.spec import ServiceSpec
 
 POOL_API_VERSION = "inference.networking.k8s.io/v1"
@@ -100,43 +104,14 @@ def epp_args(owner: Owner, spec: ServiceSpec) -> list[str]:
 
 
 def render_epp_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
-    name = epp_name(owner)
-    metadata = child_metadata(owner, name, COMPONENT_EPP)
-    probe = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}
-    container = {
+    # one picker: the affinity index lives in its memory
+    return shoal_process_deployment(owner, spec, epp_name(owner), COMPONENT_EPP, 1, {
         "name": "epp",
-        "image": spec.runtime.image,
-        "imagePullPolicy": spec.runtime.image_pull_policy,
-        "command": ["shoal"],
         "args": epp_args(owner, spec),
         "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
-                      "limits": {"memory": "1Gi"}},
-        "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, **probe},
-        "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, **probe},
-        "securityContext": container_security_context(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-    }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata,
-        "spec": {
-            "replicas": 1,  # one picker: the affinity index lives in its memory
-            "selector": {"matchLabels": selector_labels(owner, COMPONENT_EPP)},
-            "template": {
-                "metadata": {"labels": dict(metadata["labels"])},
-                "spec": {
-                    "serviceAccountName": name,
-                    "securityContext": pod_security_context(),
-                    "enableServiceLinks": False,
-                    "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
-                },
-            },
-        },
-    }
+        "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, **PROBE_TIMING},
+        "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, **PROBE_TIMING},
+    })
 
 
 def render_epp_service(owner: Owner) -> dict[str, Any]:

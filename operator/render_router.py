@@ -63,32 +63,32 @@ def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:
             "--capacity-request", owner.name]
 
 
-def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
-    name = router_name(owner)
-    metadata = child_metadata(owner, name, COMPONENT_ROUTER)
-    probe = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}
+PROBE_TIMING = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}
+
+
+def shoal_process_deployment(owner: Owner, spec: ServiceSpec, name: str, component: str,
+                             replicas: int, container: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment of one non-GPU `shoal` process (the router, the endpoint picker): the
+    caller gives the container's name, args, ports and probes; the rest is shared."""
+    metadata = child_metadata(owner, name, component)
     container = {
-        "name": "router",
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["shoal"],
-        "args": router_args(owner, spec),
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, **probe},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, **probe},
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        **container,
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata,
         "spec": {
-            "replicas": spec.routing.replicas,
-            "selector": {"matchLabels": selector_labels(owner, COMPONENT_ROUTER)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(owner, component)},
             "template": {
                 "metadata": {"labels": dict(metadata["labels"])},
                 "spec": {
@@ -101,6 +101,17 @@ def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
             },
         },
     }
+
+
+def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
+    return shoal_process_deployment(owner, spec, router_name(owner), COMPONENT_ROUTER,
+                                    spec.routing.replicas, {
+        "name": "router",
+        "args": router_args(owner, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, **PROBE_TIMING},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, **PROBE_TIMING},
+    })
 
 
 def render_frontend_service(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:

@@ -100,6 +100,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.http_listener import ListenerLimits
+    from shoal.runtime.sampling_params import RequestLimits
 
     from .server import serve
     from .state import ServerSettings
@@ -150,9 +151,12 @@ def _main(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, max_num_seqs=args.max_num_seqs,
         shutdown_timeout=args.shutdown_timeout,
         max_request_body_bytes=args.max_request_body_bytes, max_json_depth=args.max_json_depth,
-        max_logprobs=args.max_logprobs, max_n=args.max_n,
-        max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
-        max_stop_token_ids=args.max_stop_token_ids, cache_sharing=args.cache_sharing,
+        limits=RequestLimits(
+            max_logprobs=args.max_logprobs, max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_stop_token_ids=args.max_stop_token_ids),
+        cache_sharing=args.cache_sharing,
         tenant_header=args.tenant_header.lower() if args.tenant_header else None,
         stream_stall_timeout=args.stream_stall_timeout, metrics_auth=args.metrics_auth)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)

@@ -53,7 +53,7 @@ def prompts_of(body: CompletionRequest, state: ServerState) -> list[PromptInput]
         raise bad_request("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [PromptInput(list(prompt))]  # type: ignore[arg-type]
-    max_n = state.settings.max_n
+    max_n = state.settings.limits.max_n
     if len(prompt) * body.n > max_n:
         raise bad_request(f"{len(prompt)} prompts x n = {body.n} would be "
                           f"{len(prompt) * body.n} choices; the limit is {max_n}", "prompt")

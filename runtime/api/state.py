@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from msgspec.structs import replace
 from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.http_listener import RETRY_SAFE_HEADER
-from shoal.runtime.sampling_params import RequestLimits
+from shoal.runtime.sampling_params import DEFAULT_LIMITS, RequestLimits
 
 from .admission import CompletionRate, decide
 from .errors import APIError, engine_unavailable
@@ -32,12 +33,7 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 64
-    max_logprobs: int = 20
-    max_n: int = 64
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 1024
-    max_cache_salt_chars: int = 256
+    limits: RequestLimits = DEFAULT_LIMITS  # the engine's vocabulary and length added when ready
     cache_sharing: str = "tenant"  # tenant | global
     tenant_header: str | None = None  # trusted header naming the tenant (set by the router)
     stream_stall_timeout: float = 30.0  # seconds one SSE write may block before the abort
@@ -85,14 +81,10 @@ class ServerState:
     @property
     def request_limits(self) -> RequestLimits:
         info = self.client.ready_info
-        s = self.settings
-        return RequestLimits(
-            max_logprobs=s.max_logprobs, max_n=s.max_n, max_stop_strings=s.max_stop_strings,
-            max_stop_string_chars=s.max_stop_string_chars,
-            max_stop_token_ids=s.max_stop_token_ids, max_cache_salt_chars=s.max_cache_salt_chars,
-            vocab_size=info.vocab_size if info is not None else 0,
-            max_model_len=info.max_model_len if info is not None else 0,
-            max_tokens_within_context=True)
+        return replace(self.settings.limits,
+                       vocab_size=info.vocab_size if info is not None else 0,
+                       max_model_len=info.max_model_len if info is not None else 0,
+                       max_tokens_within_context=True)
 
     @cached_property
     def max_token_bytes(self) -> int:
