@@ -11,9 +11,12 @@ S long system prompts x U users, T turns each (each turn carries the conversatio
 C requests in flight. Per policy, over all its rounds: the fleet's prefix-cache hit rate
 (token counters from the engines' /metrics, delta over its runs), TTFT p50/p99, throughput,
 in-flight balance (time-averaged in-flight per replica from the router's /metrics:
-max/mean); then the router's overhead: p50 latency of tiny requests via router minus direct.
+max/mean); where the prompt tokens missed, per request class (cold system prompt, first
+turn of a system prompt sent before, follow-up turn: the engines' usage.cached_tokens) and
+the router's spills (placements away from the replica believed to hold most of the prefix);
+then the router's overhead: p50 latency of tiny requests via router minus direct.
 
-    .venv/bin/python bench/routing.py [--replicas 3] [--systems 12] [--users 36] [--rounds 2]
+    .venv/bin/python bench/routing.py [--replicas 3] [--systems 24] [--users 48] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -238,9 +241,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
-    parser.add_argument("--systems", type=int, default=12)
+    parser.add_argument("--systems", type=int, default=24)
     parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--users", type=int, default=36)
+    parser.add_argument("--users", type=int, default=48)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=6)
@@ -248,9 +251,9 @@ def main() -> int:
                         help="runs per policy, interleaved (RR, affinity, RR, ...)")
     parser.add_argument("--arrival-gap", type=float, default=0.25,
                         help="seconds between users' first requests")
-    parser.add_argument("--num-kv-blocks", type=int, default=160,
-                        help="per engine: room for its share of the system prompts and the "
-                             "requests in flight, not for all of them")
+    parser.add_argument("--num-kv-blocks", type=int, default=320,
+                        help="per engine: room for its share of the system prompts (24 x ~27 "
+                             "blocks / 3) and their conversations, not for all the prompts")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
