@@ -31,16 +31,17 @@ from shoal.operator.constants import (
 from shoal.operator.engine_probe import probe_engine
 from shoal.operator.events import render_event
 from shoal.operator.gateway_round import reconcile_gateway
-from shoal.operator.kube_api import API_ERRORS, ISVC, POD, KubeApi, Resource
+from shoal.operator.kube_api import API_ERRORS, ISVC, POD, KubeApi
 from shoal.operator.meta import (
     Owner,
     engine_name,
     engine_selector,
     label_selector_string,
-    router_name,
 )
+from shoal.operator.prune import prune_children
 from shoal.operator.render import render_children
 from shoal.operator.render_engine import template_hash
+from shoal.operator.render_gateway import render_gateway_children
 from shoal.operator.render_router import service_url
 from shoal.operator.replica import (
     Failure,
@@ -124,12 +125,6 @@ async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec
     children = render_children(owner, spec, replicas)
     for child in children:
         await ctx.kube.apply(child)
-    if not spec.routing.enabled:  # a router turned off leaves nothing behind
-        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "ServiceAccount"),
-                                  ("rbac.authorization.k8s.io/v1", "Role"),
-                                  ("rbac.authorization.k8s.io/v1", "RoleBinding")):
-            await ctx.kube.delete(Resource(api_version, kind), owner.namespace,
-                                  router_name(owner))
     engine = next(c for c in children if c["kind"] == "Deployment"
                   and c["metadata"]["name"] == engine_name(owner))
     return template_hash(engine["spec"]["template"]["spec"])
@@ -195,6 +190,12 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
                                       _now(), generation)
     if gateway.event is not None:
         await _event(ctx, owner, *gateway.event)
+    # what the spec no longer renders (router off, gateway block gone, picker external)
+    pruned = await prune_children(ctx.kube, owner, render_children(owner, spec, desired)
+                                  + render_gateway_children(owner, spec))
+    if pruned:
+        await _event(ctx, owner, "Normal", "Pruned", "deleted, no longer rendered by the spec: "
+                     + ", ".join(f"{resource.kind}/{name}" for resource, name in pruned))
 
     pods = await ctx.kube.list(POD, owner.namespace, engine_selector(owner))
     probes = await _probe_all(ctx, pods)
@@ -228,6 +229,8 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
     if gateway.condition is not None:
         status["conditions"].append(gateway.condition)
         status["gateway"] = gateway.status
+    elif "gateway" in previous:
+        status["gateway"] = None  # the pool is gone: the merge patch removes the stale block
     scraped = [r.metrics for r in replicas if r.ready and r.metrics is not None]
     finished = sum(m.finished for m in scraped) if scraped else None
     outcome = await _autoscale(ctx, owner, spec, body, previous, status["readyReplicas"],

@@ -41,8 +41,6 @@ async def events(api: httpx.AsyncClient, reason: str) -> list[dict[str, Any]]:
 
 async def test_inference_pool_waits_for_its_crds_then_is_rendered_valid(
         apiserver: SimpleNamespace, operator_process: Any) -> None:
-    import kmock
-
     api = apiserver.api
     body = isvc("chat", replicas=1, routing={"gateway": {
         "inferencePool": True, "gatewayRef": {"name": "inference-gw", "namespace": "gateways"}}})
@@ -64,11 +62,7 @@ async def test_inference_pool_waits_for_its_crds_then_is_rendered_valid(
     assert operator_process.process.poll() is None  # no crash
 
     # The CRDs get installed: the next rounds render the pool, its picker and the route.
-    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    apiserver.emulator.resources["inference.networking.k8s.io/v1/inferencepools"] = \
-        kmock.ResourceInfo(kind="InferencePool", namespaced=True, verbs=verbs)
-    apiserver.emulator.resources["gateway.networking.k8s.io/v1/httproutes"] = \
-        kmock.ResourceInfo(kind="HTTPRoute", namespaced=True, verbs=verbs)
+    install_gateway_crds(apiserver.emulator)
     pool = await wait_for(lambda: get(
         api, f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/chat"),
         "InferencePool", timeout=60, operator=operator_process)
@@ -100,6 +94,77 @@ async def test_inference_pool_waits_for_its_crds_then_is_rendered_valid(
                                  "httpRoute": "chat"}
     ok = condition(status, "GatewayReady")
     assert (ok["status"], ok["reason"]) == ("True", "InferencePoolRendered")
+
+
+def install_gateway_crds(emulator: Any) -> None:
+    import kmock
+
+    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    emulator.resources["inference.networking.k8s.io/v1/inferencepools"] = \
+        kmock.ResourceInfo(kind="InferencePool", namespaced=True, verbs=verbs)
+    emulator.resources["gateway.networking.k8s.io/v1/httproutes"] = \
+        kmock.ResourceInfo(kind="HTTPRoute", namespaced=True, verbs=verbs)
+
+
+async def test_removing_the_gateway_block_prunes_pool_route_and_picker(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type) -> None:
+    api = apiserver.api
+    install_gateway_crds(apiserver.emulator)
+    pools = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+    routes = f"/apis/gateway.networking.k8s.io/v1/namespaces/{NS}/httproutes"
+    # an InferencePool someone else made, with our labels but no owner reference: not ours
+    stranger = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": "hand-made", "namespace": NS, "labels": {
+                    "serving.shoal.dev/inference-service": "gw",
+                    "app.kubernetes.io/managed-by": "shoal-operator"}},
+                "spec": {"selector": {"matchLabels": {"app": "x"}},
+                         "targetPorts": [{"number": 8000}]}}
+    (await api.post(pools, json=stranger)).raise_for_status()
+    body = isvc("gw", replicas=1, routing={"gateway": {
+        "inferencePool": True, "gatewayRef": {"name": "inference-gw"}}})
+    (await api.post(ISVC_PATH, json=body)).raise_for_status()
+    operator_process.start()
+    kubelet = fake_kubelet_cls(api=api, namespace=NS, deployment="gw-engine",
+                               start_engine=standin_engines)
+    kubelet_task = asyncio.create_task(kubelet.run())
+    try:
+        async def ready() -> dict[str, Any] | None:
+            status = ((await get(api, f"{ISVC_PATH}/gw")) or {}).get("status") or {}
+            return status if status.get("phase") == "Ready" else None
+
+        await wait_for(lambda: get(api, f"{routes}/gw"), "HTTPRoute", timeout=60,
+                       operator=operator_process)
+        assert await get(api, f"{pools}/gw") is not None
+        assert await get(api, f"{DEPLOYMENTS}/gw-epp") is not None
+        await wait_for(ready, "engine ready", timeout=60, operator=operator_process)
+
+        (await api.patch(f"{ISVC_PATH}/gw", json={"spec": {"routing": {"gateway": None}}},
+                         headers={"Content-Type": "application/merge-patch+json"})
+         ).raise_for_status()
+
+        async def pruned() -> bool:
+            return all([await get(api, f"{pools}/gw") is None,
+                        await get(api, f"{routes}/gw") is None,
+                        await get(api, f"{DEPLOYMENTS}/gw-epp") is None])
+
+        await wait_for(pruned, "pool, route and picker pruned", timeout=60,
+                       operator=operator_process)
+        assert await get(api, f"/api/v1/namespaces/{NS}/services/gw-epp") is None
+        assert await get(api, f"/api/v1/namespaces/{NS}/serviceaccounts/gw-epp") is None
+        assert await get(api, f"{pools}/hand-made") is not None  # never ours to delete
+        assert await get(api, f"{DEPLOYMENTS}/gw-engine") is not None
+        assert await get(api, f"{DEPLOYMENTS}/gw-router") is not None
+        (event,) = await events(api, "Pruned")
+        assert "InferencePool/gw" in event["message"] and "HTTPRoute/gw" in event["message"]
+        status = await wait_for(ready, "engine still serving", timeout=60,
+                                operator=operator_process)
+        assert "gateway" not in status  # nor a stale GatewayReady condition
+        assert [c for c in status["conditions"] if c["type"] == "GatewayReady"] == []
+    finally:
+        kubelet_task.cancel()
+        await asyncio.gather(kubelet_task, return_exceptions=True)
+        kubelet.stop_all()
 
 
 def _free_port() -> int:

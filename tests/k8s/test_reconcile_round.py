@@ -24,7 +24,11 @@ class MemoryApi:
 
     async def list(self, resource: Resource, namespace: str | None,
                    labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
-        return []
+        return [obj for (kind, _), obj in self.objects.items() if kind == resource.kind
+                and (labels or {}).items() <= (obj["metadata"].get("labels") or {}).items()]
+
+    async def served_resources(self, group_version: str) -> set[str] | None:
+        return None  # no Gateway API, no Prometheus Operator CRDs in this cluster
 
     async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((resource.kind, name))
@@ -45,7 +49,7 @@ class MemoryApi:
 
     async def delete(self, resource: Resource, namespace: str, name: str) -> bool:
         self.deleted.append((resource.kind, name))
-        return False
+        return self.objects.pop((resource.kind, name), None) is not None
 
 
 def service(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -79,15 +83,25 @@ async def test_an_unchanged_status_is_not_written_again() -> None:
     assert api.patches == []
 
 
-async def test_routing_off_removes_the_router() -> None:
+async def test_routing_off_prunes_the_router_and_only_what_the_service_owns() -> None:
     api = MemoryApi()
     async with httpx.AsyncClient() as http:
         ctx = ReconcileContext(kube=api, http=http)  # type: ignore[arg-type]
+        await reconcile(ctx, service({"model": {"uri": "hf://org/m"}}))
+        assert ("Deployment", "m-router") in api.objects
+        # same labels, but made by someone else (no owner reference): never ours to delete
+        stranger = {**api.objects[("Deployment", "m-router")]}
+        stranger["metadata"] = {**stranger["metadata"], "name": "m-other",
+                                "ownerReferences": []}
+        api.objects[("Deployment", "m-other")] = stranger
         await reconcile(ctx, service({"model": {"uri": "hf://org/m"},
                                       "routing": {"enabled": False}}))
-    assert ("Deployment", "m-router") not in api.objects
     assert sorted(api.deleted) == [("Deployment", "m-router"), ("Role", "m-router"),
                                    ("RoleBinding", "m-router"), ("ServiceAccount", "m-router")]
+    assert ("Deployment", "m-other") in api.objects and ("Deployment", "m-engine") in api.objects
+    assert [e["message"] for e in api.events if e["reason"] == "Pruned"] == [
+        "deleted, no longer rendered by the spec: Deployment/m-router, Role/m-router, "
+        "RoleBinding/m-router, ServiceAccount/m-router"]
 
 
 async def test_an_invalid_spec_is_reported_not_acted_on() -> None:
