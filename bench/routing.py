@@ -11,9 +11,12 @@ S long system prompts x U users, T turns each (each turn carries the conversatio
 C requests in flight. Per policy, over all its rounds: the fleet's prefix-cache hit rate
 (token counters from the engines' /metrics, delta over its runs), TTFT p50/p99, throughput,
 in-flight balance (time-averaged in-flight per replica from the router's /metrics:
-max/mean); then the router's overhead: p50 latency of tiny requests via router minus direct.
+max/mean); where the prompt tokens missed, per request class (cold system prompt, first
+turn of a system prompt sent before, follow-up turn: the engines' usage.cached_tokens) and
+the router's spills (placements away from the replica believed to hold most of the prefix);
+then the router's overhead: p50 latency of tiny requests via router minus direct.
 
-    .venv/bin/python bench/routing.py [--replicas 3] [--systems 12] [--users 36] [--rounds 2]
+    .venv/bin/python bench/routing.py [--replicas 3] [--systems 24] [--users 48] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class RunResult:
     hits: float = 0.0
     in_flight: dict[str, float] = field(default_factory=dict)  # summed samples per replica
     affinity_hits: float = 0.0
+    spills: float = 0.0  # router counters: placements away from the best-believed replica
+    spilled_blocks: float = 0.0
+    # per request class: [requests, prompt tokens, cached tokens] from the engines' usage
+    classes: dict[str, list[int]] = field(default_factory=dict)
     load: list[float] = field(default_factory=list)  # 1-min load average before each run
 
     @property
@@ -82,10 +89,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+# why a request may miss: its system prompt never sent before in this run (cold, nothing
+# can hit), a first turn whose system prompt was sent before, a follow-up turn (the whole
+# conversation so far was sent before)
+CLASSES = ("cold system", "first turn", "follow-up")
+
+
 async def stream_chat(client: httpx.AsyncClient, router: str, messages: list[dict],
-                      max_tokens: int, result: RunResult) -> str:
+                      max_tokens: int, result: RunResult, kind: str) -> str:
     body = {"messages": messages, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True}
+            "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
@@ -99,7 +112,16 @@ async def stream_chat(client: httpx.AsyncClient, router: str, messages: list[dic
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tally = result.classes.setdefault(kind, [0, 0, 0])
+                tally[0] += 1
+                tally[1] += chunk["usage"]["prompt_tokens"]
+                tally[2] += (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0)
+            if not chunk.get("choices"):
+                continue
+            delta = chunk["choices"][0].get("delta", {}).get("content")
             if delta:
                 if first is None:
                     first = time.perf_counter() - start
@@ -153,6 +175,8 @@ async def run_workload(result: RunResult, router: str, engines: list[str],
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_in_flight(client, router, engines, totals, stop))
 
+        systems_sent: set[int] = set()
+
         async def conversation(system_index: int, user: int) -> None:
             await asyncio.sleep(user * args.arrival_gap)  # users arrive over time
             messages = [{"role": "system", "content": systems[system_index]}]
@@ -161,7 +185,11 @@ async def run_workload(result: RunResult, router: str, engines: list[str],
                 messages.append({"role": "user", "content": f"user {user} turn {turn}: "
                                                             f"{question}?"})
                 async with gate:
-                    answer = await stream_chat(client, router, messages, args.max_tokens, result)
+                    kind = CLASSES[2] if turn else CLASSES[1] if system_index in systems_sent \
+                        else CLASSES[0]
+                    systems_sent.add(system_index)
+                    answer = await stream_chat(client, router, messages, args.max_tokens,
+                                               result, kind)
                 messages.append({"role": "assistant", "content": answer})
 
         start = time.perf_counter()
@@ -177,6 +205,8 @@ async def run_workload(result: RunResult, router: str, engines: list[str],
             result.in_flight[url] = result.in_flight.get(url, 0.0) + totals.get(url, 0.0)
         samples = parse_samples((await client.get(f"{router}/metrics")).text)
         result.affinity_hits = samples.get("shoal:router_affinity_hits_total", 0.0)
+        result.spills = samples.get("shoal:router_affinity_spills_total", 0.0)
+        result.spilled_blocks = samples.get("shoal:router_affinity_spilled_blocks_total", 0.0)
 
 
 async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[float, float,
@@ -211,9 +241,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
-    parser.add_argument("--systems", type=int, default=12)
+    parser.add_argument("--systems", type=int, default=24)
     parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--users", type=int, default=36)
+    parser.add_argument("--users", type=int, default=48)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=6)
@@ -221,9 +251,9 @@ def main() -> int:
                         help="runs per policy, interleaved (RR, affinity, RR, ...)")
     parser.add_argument("--arrival-gap", type=float, default=0.25,
                         help="seconds between users' first requests")
-    parser.add_argument("--num-kv-blocks", type=int, default=160,
-                        help="per engine: room for its share of the system prompts and the "
-                             "requests in flight, not for all of them")
+    parser.add_argument("--num-kv-blocks", type=int, default=320,
+                        help="per engine: room for its share of the system prompts (24 x ~27 "
+                             "blocks / 3) and their conversations, not for all the prompts")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
@@ -285,6 +315,18 @@ def main() -> int:
               f"{percentile(r.ttft, 0.99) * 1000:>8.0f}ms{len(r.e2e) / r.wall:>8.2f}"
               f"{r.balance:>10.2f}{r.affinity_hits:>9.0f}{r.errors:>7}  "
               f"{' '.join(f'{x:.1f}' for x in r.load)}")
+    print("\nwhere the prompt tokens missed (engines' usage.cached_tokens per request; a "
+          "spill is a placement away from the replica the router believed held most of the "
+          "prefix, its blocks x block size are the tokens it gave up by the router's view; "
+          "the rest of a warm class's misses are evictions, concurrent prefills of one "
+          "prefix, and the partial last block)")
+    for r in results.values():
+        parts = []
+        for kind in CLASSES:
+            n, prompt, cached = r.classes.get(kind, [0, 0, 0])
+            parts.append(f"{kind}: {n} req, {prompt - cached}/{prompt} tok missed")
+        print(f"  {r.name:<16}{'; '.join(parts)}; spills {r.spills:.0f} "
+              f"({r.spilled_blocks * args.block_size:.0f} tok)")
     print(f"\nrouter overhead (cache-affinity router over engine 0 vs engine 0 direct, tiny "
           f"completion, sequential, alternating, {args.overhead_requests} each): "
           f"direct p50 {direct_p50 * 1000:.2f} ms, via router p50 {routed_p50 * 1000:.2f} ms, "

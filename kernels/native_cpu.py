@@ -7,11 +7,14 @@ flags, the compiler and the CPU, then renamed into place atomically so concurren
 never load a half-written library. Where no compiler exists, ``load()`` raises
 ``KernelUnavailable`` saying why, and callers fall back to the pure-torch path.
 
-``make setup`` (and an image build) prebuilds it into the same cache with
-``python -m shoal.kernels.native_cpu --build``, so a first ``shoal serve`` does not pay the
-compile (100-120 s for the prefill kernel on a loaded 2-core machine). A process on another CPU
-(or with another compiler) computes another key, so it builds its own or falls back; it never
-loads a library tuned for a different CPU.
+``make setup`` prebuilds it into the same cache with ``python -m shoal.kernels.native_cpu
+--build``, so a first ``shoal serve`` does not pay the compile (100-120 s for the prefill kernel
+on a loaded 2-core machine). An image build prebuilds it with ``--build --into DIR`` into a
+read-only prebuilt directory outside the cache (``$SHOAL_PREBUILT_KERNELS``, default
+``/opt/shoal/kernels``): whatever volume is mounted over the cache, a library there with this
+process's key is loaded as it is, nothing compiled or written. A process on another CPU (or
+with another compiler) computes another key, so it finds no prebuilt match and builds its own
+in the cache or falls back; it never loads a library tuned for a different CPU.
 
 torch is imported before the library is loaded, so the library's OpenMP runtime resolves to
 the one torch already loaded: one thread pool, sized by ``torch.set_num_threads``.
@@ -19,6 +22,7 @@ the one torch already loaded: one thread pool, sized by ``torch.set_num_threads`
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
@@ -56,9 +60,16 @@ class KernelUnavailable(RuntimeError):
     """The native library cannot be built or loaded here (the reason is the message)."""
 
 
+DEFAULT_PREBUILT_DIR = "/opt/shoal/kernels"
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("SHOAL_CACHE_DIR") or Path.home() / ".cache" / "shoal"
     return Path(root) / "kernels"
+
+
+def _prebuilt_dir() -> Path:
+    return Path(os.environ.get("SHOAL_PREBUILT_KERNELS") or DEFAULT_PREBUILT_DIR)
 
 
 def _cpu_signature() -> str:
@@ -78,21 +89,41 @@ def _compiler() -> str:
     return compiler
 
 
-def library_path(compiler: str | None = None) -> Path:
-    """Where the library for these sources, flags, compiler and CPU lives in the cache."""
-    compiler = compiler or _compiler()
+def _library_name(compiler: str) -> str:
+    """The file name: a key over the sources, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False, timeout=60).stdout
     sources = [source.read_text() for source in SOURCES]
     key = hashlib.sha256("\0".join([*sources, *FLAGS, version, _cpu_signature()])
                          .encode()).hexdigest()[:20]
-    return _cache_dir() / f"shoal_cpu-{key}.so"
+    return f"shoal_cpu-{key}.so"
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the library (or find it already compiled); returns its path."""
+def library_path(compiler: str | None = None, into: Path | None = None) -> Path:
+    """Where the library for these sources, flags, compiler and CPU lives in the cache (or in
+    ``into``)."""
     compiler = compiler or _compiler()
-    target = library_path(compiler)
+    return (into or _cache_dir()) / _library_name(compiler)
+
+
+def prebuilt_path(compiler: str | None = None) -> Path | None:
+    """The library with this process's key in the prebuilt directory, if one is there and
+    readable; a missing or unreadable directory is no prebuilt library, not an error."""
+    candidate = _prebuilt_dir() / _library_name(compiler or _compiler())
+    try:
+        return candidate if candidate.is_file() and os.access(candidate, os.R_OK) else None
+    except OSError:  # a directory we may not search
+        return None
+
+
+def build(compiler: str | None = None, into: Path | None = None) -> Path:
+    """The library's path: the prebuilt one when it matches, else compiled into the cache (or
+    found there already compiled). ``into`` compiles into that directory instead (the image
+    build's prebuilt directory) and ignores the prebuilt one."""
+    compiler = compiler or _compiler()
+    if into is None and (prebuilt := prebuilt_path(compiler)) is not None:
+        return prebuilt
+    target = library_path(compiler, into)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -134,11 +165,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def prebuild() -> int:
-    """``python -m shoal.kernels.native_cpu --build``: compile into the cache now (install or
-    image build time). Exit 0 either way: without a compiler the runtime uses the torch path."""
+def prebuild(into: Path | None = None) -> int:
+    """``python -m shoal.kernels.native_cpu --build [--into DIR]``: compile now (install or
+    image build time) into the cache, or into DIR (an image's prebuilt directory). Exit 0 either
+    way: without a compiler the runtime uses the torch path."""
     try:
-        path = build()
+        path = build(into=into)
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as exc:
         print(f"native CPU kernels not prebuilt (the torch path will be used): {exc}")
         return 0
@@ -146,7 +178,17 @@ def prebuild() -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shoal.kernels.native_cpu",
+                                     description="Prebuild the native CPU kernels.")
+    parser.add_argument("--build", action="store_true", required=True,
+                        help="compile the library now (into $SHOAL_CACHE_DIR/kernels)")
+    parser.add_argument("--into", type=Path, metavar="DIR",
+                        help="compile into DIR instead: a read-only prebuilt directory for "
+                             "$SHOAL_PREBUILT_KERNELS (an image build)")
+    args = parser.parse_args(argv)
+    return prebuild(args.into)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--build"]:
-        sys.exit("usage: python -m shoal.kernels.native_cpu --build")
-    sys.exit(prebuild())
+    sys.exit(main())

@@ -30,6 +30,7 @@ from shoal.operator.probes import (
     startup_probe,
     termination_grace_seconds,
 )
+from shoal.operator.render_auth import engine_auth_args, engine_auth_volume
 from shoal.operator.spec import ServiceSpec
 
 CACHE_MOUNT = "/models"  # weight cache (PVC or emptyDir): the runtime image's SHOAL_CACHE_DIR
@@ -91,8 +92,7 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--tensor-parallel-size", str(spec.resources.gpus)]
     if rt.enforce_eager:
         args.append("--enforce-eager")
-    if spec.api_key_secret is not None:
-        args += ["--api-key", "$(SHOAL_API_KEY)"]  # expanded by the kubelet from env
+    args += engine_auth_args(spec)
     args += ["--shutdown-timeout", str(rt.shutdown_timeout_seconds)]
     if spec.routing.gateway.inference_pool:  # the metric names inference-gateway pickers read
         args += ["--metrics-compat", "vllm"]
@@ -170,6 +170,16 @@ def _volumes(owner: Owner, spec: ServiceSpec) -> tuple[list[dict[str, Any]], lis
     return volumes, mounts
 
 
+def _engine_container_mounts(spec: ServiceSpec, mounts: list[dict[str, Any]]
+                             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(extra volumes, the engine container's mounts): the key file is the engine's alone,
+    the weight fetcher does not see it."""
+    auth = engine_auth_volume(spec)
+    if auth is None:
+        return [], mounts
+    return [auth[0]], mounts + [auth[1]]
+
+
 def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
@@ -177,10 +187,6 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # weights are fetched by the init container
     ]
-    if spec.api_key_secret is not None:
-        secret, key = spec.api_key_secret
-        env.append({"name": "SHOAL_API_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
     env += [{"name": name, "value": value} for name, value in spec.runtime.env]
     return env
 
@@ -214,6 +220,7 @@ def template_hash(pod_spec: dict[str, Any]) -> str:
 def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> dict[str, Any]:
     selector = engine_selector(owner)
     volumes, mounts = _volumes(owner, spec)
+    auth_volumes, engine_mounts = _engine_container_mounts(spec, mounts)
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": spec.runtime.image,
@@ -233,7 +240,7 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         "lifecycle": {"preStop": {"exec": {
             "command": ["/bin/sh", "-c", f"sleep {PRESTOP_SLEEP_SECONDS}"]}}},
         "securityContext": container_security_context(),
-        "volumeMounts": mounts,
+        "volumeMounts": engine_mounts,
         # The engine's last log lines ("engine core process exited ...") become the
         # termination message the operator reports as the replica's lastFailure.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -246,7 +253,7 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "containers": [container],
-        "volumes": volumes,
+        "volumes": volumes + auth_volumes,
     }
     if spec.model.source.scheme == "hf":
         pod_spec["initContainers"] = [_fetch_init_container(spec, mounts)]

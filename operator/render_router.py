@@ -25,6 +25,7 @@ from shoal.operator.meta import (
     router_name,
     selector_labels,
 )
+from shoal.operator.render_auth import router_auth_args, router_auth_volume
 from shoal.operator.render_engine import (
     container_security_context,
     pod_security_context,
@@ -51,7 +52,7 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),
     ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else []
-         ) + scale_from_zero_args(owner, spec) + precise
+         ) + scale_from_zero_args(owner, spec) + precise + router_auth_args(spec)
 
 
 def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:
@@ -104,14 +105,20 @@ def shoal_process_deployment(owner: Owner, spec: ServiceSpec, name: str, compone
 
 
 def render_router_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
-    return shoal_process_deployment(owner, spec, router_name(owner), COMPONENT_ROUTER,
-                                    spec.routing.replicas, {
+    deployment = shoal_process_deployment(owner, spec, router_name(owner), COMPONENT_ROUTER,
+                                          spec.routing.replicas, {
         "name": "router",
         "args": router_args(owner, spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, **PROBE_TIMING},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, **PROBE_TIMING},
     })
+    auth = router_auth_volume(spec)
+    if auth is not None:  # the clients' keys and the router's own, read-only files
+        pod = deployment["spec"]["template"]["spec"]
+        pod["volumes"].append(auth[0])
+        pod["containers"][0]["volumeMounts"].append(auth[1])
+    return deployment
 
 
 def render_frontend_service(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:

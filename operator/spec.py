@@ -16,6 +16,7 @@ from shoal.operator.spec_reader import SpecError, SpecReader
 ROUTING_POLICIES = ("cache-affinity", "least-load", "round-robin")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+CACHE_SHARING = ("tenant", "global")
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,21 @@ class StorageSpec:
 
 
 @dataclass(frozen=True)
+class SecretKey:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class AuthSpec:
+    """spec.auth: the clients' keys (one per line, each a tenant) and, with a router, the
+    router's own key towards the engines (so the engines can trust its tenant header)."""
+    api_keys: SecretKey
+    upstream_key: SecretKey
+    cache_sharing: str = "tenant"
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     runtime: RuntimeSpec
@@ -120,7 +136,7 @@ class ServiceSpec:
     startup_timeout_seconds: int
     scheduling: SchedulingSpec
     storage: StorageSpec | None
-    api_key_secret: tuple[str, str] | None  # (secret name, key)
+    auth: AuthSpec | None
     service_monitor: bool
 
 
@@ -170,19 +186,34 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
         priority_class_name=sch.string("priorityClassName", None),
     )
     storage = _parse_storage(root.sub("storage")) if root.has("storage") else None
-    auth = root.sub("auth").sub("apiKeySecretRef")
-    api_key = None
-    if auth.data:
-        name = auth.string("name", None)
-        if not name:
-            raise SpecError("spec.auth.apiKeySecretRef.name", "is required")
-        api_key = (name, auth.string("key", "api-key") or "api-key")
+    auth = _parse_auth(root.sub("auth")) if root.has("auth") else None
     return ServiceSpec(
         model=model, runtime=runtime, resources=resources, replicas=replicas,
         autoscaling=autoscaling, routing=routing, startup_timeout_seconds=startup or 1800,
-        scheduling=scheduling, storage=storage, api_key_secret=api_key,
+        scheduling=scheduling, storage=storage, auth=auth,
         service_monitor=root.sub("monitoring").boolean("serviceMonitor", False),
     )
+
+
+def _secret_key(ref: SpecReader, at: str, default_name: str | None,
+                default_key: str) -> SecretKey:
+    name = ref.string("name", default_name)
+    if not name:
+        raise SpecError(f"{at}.name", "is required")
+    return SecretKey(name, ref.string("key", default_key) or default_key)
+
+
+def _parse_auth(a: SpecReader) -> AuthSpec:
+    keys = _secret_key(a.sub("apiKeySecretRef"), "spec.auth.apiKeySecretRef", None, "api-key")
+    # by default the router's key sits in the same Secret, under upstream-api-key
+    upstream = _secret_key(a.sub("upstreamKeySecretRef"), "spec.auth.upstreamKeySecretRef",
+                           keys.name, "upstream-api-key")
+    if upstream == keys:
+        raise SpecError("spec.auth.upstreamKeySecretRef",
+                        "must differ from apiKeySecretRef: a client key must not be the "
+                        "router's (it could claim any tenant at an engine)")
+    return AuthSpec(api_keys=keys, upstream_key=upstream,
+                    cache_sharing=a.string("cacheSharing", "tenant", CACHE_SHARING) or "tenant")
 
 
 def _parse_model(m: SpecReader) -> ModelSpec:

@@ -19,6 +19,7 @@ from typing import Any
 from shoal.runtime.structured.spec import GrammarSpec, json_schema_spec
 
 from .errors import bad_request
+from .json_text import raw_array_items, raw_members
 from .protocol import ChatTool, NamedToolChoice, ToolChoice
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -94,5 +95,7 @@ def calls_from_constrained(text: str, policy: ToolPolicy) -> list[ToolCall]:
         items = json.loads(text)
     except json.JSONDecodeError:
         return []
-    return [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            for item in items if isinstance(item, dict) and "name" in item]
+    # the parameters as written (the grammar made them valid), as the stream sends them
+    return [ToolCall(item["name"], raw_members(raw)["parameters"])
+            for item, raw in zip(items, raw_array_items(text), strict=True)
+            if isinstance(item, dict) and "name" in item and "parameters" in item]

@@ -84,10 +84,11 @@ class CacheAffinityPolicy:
         if keys is None:  # nothing to match on: least pressure among the allowed
             url = min(sorted(allowed), key=lambda u: pressure[u])
             return Decision(url)
-        matched = {url: self.indexes[url].match_length(keys.block_keys, now) for url in allowed}
+        matched = {r.url: self.indexes[r.url].match_length(keys.block_keys, now)
+                   for r in replicas}
         ring_order = list(self.ring.walk(keys.ring_key))
         url = pick_by_affinity(ring_order, allowed, matched, pressure)
-        return Decision(url, matched[url], len(keys.block_keys))
+        return Decision(url, matched[url], len(keys.block_keys), max(matched.values()))
 
     def routed(self, url: str, keys: RequestKeys | None, now: float) -> None:
         if keys is not None:

@@ -77,6 +77,9 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                         help="the router's own Bearer key towards the engines (their "
                              "--api-key); client Authorization headers are never forwarded "
                              "when this or --api-key is set")
+    parser.add_argument("--upstream-api-key-file", default=None, metavar="PATH",
+                        help="file holding --upstream-api-key (its first key line), so the "
+                             "key is in no process argument")
     parser.add_argument("--enable-debug", action="store_true",
                         help="serve /debug/blocks (the router's block view; behind "
                              "--api-key); off by default: block hashes confirm prompts")
@@ -165,7 +168,8 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         hold_timeout=args.hold_timeout, hold_queue=args.hold_queue,
         capacity_request=args.capacity_request,
         api_keys=list(args.api_key), api_key_file=args.api_key_file,
-        upstream_api_key=args.upstream_api_key, enable_debug=args.enable_debug,
+        upstream_api_key=args.upstream_api_key,
+        upstream_api_key_file=args.upstream_api_key_file, enable_debug=args.enable_debug,
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout, stream_stall_timeout=args.stream_stall_timeout,
         quarantine_window=args.quarantine_window)

@@ -36,6 +36,12 @@ class Decision:
     url: str
     matched_blocks: int = 0  # prefix blocks the replica was believed to hold
     total_blocks: int = 0
+    best_blocks: int = 0  # the most any replica was believed to hold (more: a spill)
+
+    @property
+    def spilled_blocks(self) -> int:
+        """Blocks believed cached elsewhere that this placement gives up."""
+        return max(self.best_blocks - self.matched_blocks, 0)
 
 
 class RoutingPolicy(Protocol):

@@ -299,6 +299,9 @@ class RouterApp:
                 replica.requests += 1
                 if decision.matched_blocks:
                     replica.affinity_hits += 1
+                if decision.spilled_blocks:
+                    self.metrics.affinity_spills.inc()
+                    self.metrics.affinity_spilled_blocks.inc(decision.spilled_blocks)
                 failed = upstream.status >= 500 and RETRY_SAFE_HEADER not in upstream.headers
                 outcome = await self._relay(upstream, send)
                 if outcome is ClientStalled:

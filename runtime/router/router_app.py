@@ -47,6 +47,7 @@ class RouterConfig:
     api_keys: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     upstream_api_key: str | None = None
+    upstream_api_key_file: str | None = None
     enable_debug: bool = False
     connect_timeout: float = 5.0
     first_byte_timeout: float = 300.0
@@ -60,7 +61,15 @@ class RouterConfig:
             keys += read_key_file(self.api_key_file)
         if any(not key for key in keys):
             raise ValueError("an --api-key is empty")
-        return EdgeAuth(tuple(keys), self.upstream_api_key or None)
+        upstream = self.upstream_api_key or None
+        if self.upstream_api_key_file:
+            if upstream is not None:
+                raise ValueError("give --upstream-api-key or --upstream-api-key-file, not both")
+            lines = read_key_file(self.upstream_api_key_file)
+            if len(lines) != 1:
+                raise ValueError("--upstream-api-key-file must hold exactly one key")
+            upstream = lines[0]
+        return EdgeAuth(tuple(keys), upstream)
 
     def validate(self) -> None:
         if self.discovery == "static" and not self.backends:

@@ -84,6 +84,13 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS, registry=self.registry)
         self.retries = Counter("shoal:router_retries", "Requests retried on another replica "
                                "before the first byte", registry=self.registry)
+        self.affinity_spills = Counter(
+            "shoal:router_affinity_spills", "Requests placed away from the replica believed "
+            "to hold the most of their prefix (load bound or waiting queue)",
+            registry=self.registry)
+        self.affinity_spilled_blocks = Counter(
+            "shoal:router_affinity_spilled_blocks", "Prefix blocks believed cached on another "
+            "replica that spilled requests gave up", registry=self.registry)
         self.no_replica = Counter("shoal:router_no_replica", "Requests refused with 503: no "
                                   "ready replica", registry=self.registry)
         self.client_disconnects = Counter("shoal:router_client_disconnects",

@@ -59,7 +59,7 @@ class Worker:
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are pending
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
-        self._grammars: GrammarBackend | None = None  # made by the first structured request
+        self._grammars: GrammarBackend | None = None  # prepared in the background once warm
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -107,6 +107,8 @@ class Worker:
             self.max_model_len, self.config.block_size, self.config.enforce_eager)
         if runner.decode_graphs is not None:
             self.graph_capture_seconds = runner.decode_graphs.capture_seconds
+        # after the warm-up, not before: it would compete with loading for the cores
+        self.grammars().prepare_in_background()
 
     def profile_num_kv_blocks(self) -> int | None:
         """CUDA: the KV blocks that fit ``gpu_memory_utilization`` after a profiled max-size

@@ -134,6 +134,37 @@ def test_streamed_tool_calls_assemble_like_the_openai_client_does(client, tool_c
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
+# the random model writes this only because the regex makes it (tool_choice stays auto)
+HERMES_CALL = {"regex": 'Checking\\.\n<tool_call>\n\\{"name": "get_weather", "arguments": '
+                        '\\{"city": "(Paris|Oslo|Lima)", "days": [1-7]\\}\\}\n</tool_call>'}
+
+
+def test_a_streamed_auto_tool_call_arrives_in_deltas_and_assembles_as_the_whole_one(
+        client) -> None:
+    kwargs = {"model": "shoal-test", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 80,
+              "temperature": 0, "extra_body": {"structured_outputs": HERMES_CALL}}
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.content == "Checking."
+    with client.chat.completions.stream(**kwargs) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion()
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    pieces = [tc.function.arguments for d in deltas for tc in d.tool_calls or []
+              if tc.function and tc.function.arguments]
+    assert len(pieces) > 1  # streamed as written, not sent whole
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert streamed_content.strip() == "Checking." and "<" not in streamed_content
+    # content came before the call's first delta
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert "".join(d.content or "" for d in deltas[:first_call]).strip() == "Checking."
+    calls = final.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
 def test_bad_tool_choices_are_400s(client) -> None:
     for kwargs, param in [
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -1,22 +1,45 @@
 """Tool calls read out of free text (tool_choice auto): hermes <tool_call> blocks and Llama
-3 JSON, batch and streamed, with text that is not a call left as content."""
+3 JSON, batch and streamed, with text that is not a call left as content; and the streamed
+``required`` array. Streams are assembled the way the openai client does (by index)."""
 
 from __future__ import annotations
 
 import json
 
-from shoal.runtime.api.tool_parsers import StreamingToolParser, parse_tool_calls
+from shoal.runtime.api.tool_calls import ToolPolicy, calls_from_constrained
+from shoal.runtime.api.tool_parsers import parse_tool_calls
+from shoal.runtime.api.tool_stream import ToolDeltaStream
 
-HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+          '"note": "a \\"quoted\\" } brace"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+          '"arguments": {}}\n</tool_call>')
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+
+
+def stream(text: str, mode: str = "auto", step: int = 3) -> tuple[str, dict[int, dict], int]:
+    """(content, calls by index, number of arguments deltas) as the openai client sees them."""
+    tools = ToolDeltaStream(ToolPolicy(mode))
+    deltas = [tools.feed(text[i:i + step]) for i in range(0, len(text), step)]
+    deltas.append(tools.finish())
+    content, calls, pieces = "", {}, 0
+    for delta in deltas:
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            entry = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": "",
+                                                   "arguments": ""})
+            entry["name"] += tc.get("function", {}).get("name") or ""
+            if tc["function"].get("arguments"):
+                entry["arguments"] += tc["function"]["arguments"]
+                pieces += 1
+    return content, calls, pieces
 
 
 def test_hermes_blocks_become_calls_and_the_text_before_them_content() -> None:
     content, calls = parse_tool_calls(HERMES)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        ("get_weather", {"city": "Oslo", "note": 'a "quoted" } brace'}), ("get_time", {})]
+    assert calls[0].arguments == '{"city": "Oslo", "note": "a \\"quoted\\" } brace"}'  # as written
     assert len({c.id for c in calls}) == 2
 
 
@@ -28,12 +51,47 @@ def test_llama3_json_is_a_call_and_plain_text_or_broken_json_is_content() -> Non
         assert parse_tool_calls(text) == (text, [])
 
 
-def test_streaming_sends_content_until_a_call_may_start_then_the_calls_at_the_end() -> None:
-    for text, streamed in ((HERMES, "Let me check.\n"), (LLAMA3, ""), ("plain <tool", None)):
-        parser = StreamingToolParser()
-        sent = "".join(parser.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-        rest, calls = parser.finish()
-        if streamed is None:  # no call: everything arrives as content, in order
-            assert sent + rest == text and not calls
-        else:
-            assert sent == streamed and calls and not rest.strip()
+def test_streamed_hermes_calls_arrive_as_argument_deltas_that_assemble_to_the_batch_calls(
+) -> None:
+    _, whole = parse_tool_calls(HERMES)
+    for step in (1, 3, 7, len(HERMES)):
+        content, calls, pieces = stream(HERMES, step=step)
+        assert content == "Let me check.\n" and "<" not in content
+        assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+            (c.name, c.arguments) for c in whole]
+        assert all(c["id"] for c in calls.values())
+        if step == 3:
+            assert pieces > 5  # the arguments streamed, not sent whole
+
+
+def test_content_streams_and_only_a_possible_tag_is_held_back() -> None:
+    tools = ToolDeltaStream(ToolPolicy("auto"))
+    assert tools.feed("Hello <tool") == {"content": "Hello "}
+    assert tools.feed(" kit") == {"content": "<tool kit"}  # not a tag after all
+    assert tools.finish() == {}
+    content, calls, _ = stream("plain <tool")
+    assert content == "plain <tool" and not calls
+
+
+def test_llama3_json_and_unstreamable_shapes_are_sent_whole_at_the_end() -> None:
+    content, calls, _ = stream(LLAMA3)
+    assert content == "" and calls[0]["name"] == "get_weather"
+    assert calls[0]["arguments"] == parse_tool_calls(LLAMA3)[1][0].arguments
+    late_name = '<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>'
+    content, calls, pieces = stream(late_name)
+    assert content == "" and pieces == 1
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == ("get_time", {"zone": "UTC"})
+    content, calls, _ = stream("<tool_call>{oops</tool_call>")
+    assert content == "<tool_call>{oops</tool_call>" and not calls  # as the batch parse
+
+
+def test_a_streamed_required_array_assembles_to_the_batch_calls() -> None:
+    text = ('[{"name":"get_weather","parameters":{"city":"Paris","days":3}},'
+            '{"name":"get_time","parameters":{"zone":"CET"}}]')
+    whole = calls_from_constrained(text, ToolPolicy("required"))
+    for step in (1, 4):
+        content, calls, pieces = stream(text, "required", step)
+        assert content == "" and pieces > 2
+        assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+            (c.name, c.arguments) for c in whole] == [
+            ("get_weather", '{"city":"Paris","days":3}'), ("get_time", '{"zone":"CET"}')]

@@ -169,6 +169,14 @@ BAD_SPECS = [
      "spec.autoscaling.minReplicas"),
     ("unknown endpoint picker", {"routing": {"gateway": {"endpointPicker": "envoy"}}},
      "spec.routing.gateway.endpointPicker"),
+    ("auth without the clients' keys", {"auth": {"cacheSharing": "global"}}, "spec.auth"),
+    ("unknown cache sharing",
+     {"auth": {"apiKeySecretRef": {"name": "k"}, "cacheSharing": "none"}},
+     "spec.auth.cacheSharing"),
+    ("router key is a client key",
+     {"auth": {"apiKeySecretRef": {"name": "k"},
+               "upstreamKeySecretRef": {"name": "k", "key": "api-key"}}},
+     "spec.auth.upstreamKeySecretRef"),
 ]
 
 
@@ -190,5 +198,5 @@ def test_every_cel_rule_is_exercised_by_a_bad_spec(cel_rule_messages: set[str],
                                                    admit: Any) -> None:
     produced = {e.split(": ", 1)[1] for _, change, _ in BAD_SPECS
                 for e in admit(with_spec(**change))}
-    assert len(cel_rule_messages) == 6
+    assert len(cel_rule_messages) == 7
     assert cel_rule_messages <= produced, cel_rule_messages - produced

@@ -6,14 +6,24 @@ views the model passes them."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from shoal.kernels import cpu_ops, native_cpu
 from shoal.runtime.model.layers import RotaryEmbedding
+
+
+@pytest.fixture(autouse=True)
+def no_image_prebuilt_dir(tmp_path, monkeypatch):
+    """A machine's real prebuilt directory (an image's /opt/shoal/kernels) stays out of these
+    tests unless a test puts one in place."""
+    monkeypatch.setenv("SHOAL_PREBUILT_KERNELS", str(tmp_path / "no-prebuilt-dir"))
 
 
 def test_a_missing_compiler_is_reported_not_crashed(tmp_path, monkeypatch):
@@ -92,6 +102,68 @@ def test_another_cpu_does_not_load_the_prebuilt_library(tiny_sources, monkeypatc
     monkeypatch.setenv("CC", "no-such-compiler-here")  # no compiler: skipped, never the wrong one
     with pytest.raises(native_cpu.KernelUnavailable, match="no C compiler"):
         native_cpu.build()
+
+
+def prebuilt_into(directory, monkeypatch):
+    """Prebuilds like the image build (``--build --into DIR``) and points the runtime at it."""
+    assert native_cpu.main(["--build", "--into", str(directory)]) == 0
+    monkeypatch.setenv("SHOAL_PREBUILT_KERNELS", str(directory))
+    [library] = directory.iterdir()
+    return library
+
+
+def test_a_library_in_the_prebuilt_dir_is_loaded_without_compiling_or_writing(
+        tiny_sources, tmp_path, monkeypatch):
+    library = prebuilt_into(tmp_path / "image-kernels", monkeypatch)
+    library.chmod(0o555)
+    library.parent.chmod(0o555)  # read-only, as in an image
+    compiles = compiles_during(monkeypatch)
+    try:
+        assert native_cpu.build() == library
+        assert ctypes.CDLL(str(native_cpu.build())).shoal_tiny() == 7
+    finally:
+        library.parent.chmod(0o755)
+    assert compiles == []
+    assert not (tmp_path / "cache").exists()  # nothing written to the cache
+
+
+def test_a_prebuilt_library_with_another_key_falls_through_to_the_cache(tiny_sources, tmp_path,
+                                                                         monkeypatch):
+    library = prebuilt_into(tmp_path / "image-kernels", monkeypatch)
+    monkeypatch.setattr(native_cpu, "_cpu_signature", lambda: "model name: another CPU")
+    compiles = compiles_during(monkeypatch)
+    built = native_cpu.build()
+    assert built.parent == tmp_path / "cache" / "kernels" and built.name != library.name
+    assert len(compiles) == 1
+    assert native_cpu.build() == built and len(compiles) == 1  # then cached as usual
+    assert [p.name for p in library.parent.iterdir()] == [library.name]  # prebuilt untouched
+
+
+@pytest.mark.parametrize("state", ["missing", "a file", "unsearchable"])
+def test_a_missing_or_unreadable_prebuilt_dir_is_ignored(tiny_sources, tmp_path, monkeypatch,
+                                                         state):
+    prebuilt = tmp_path / "image-kernels"
+    if state == "a file":
+        prebuilt.write_text("")
+    elif state == "unsearchable":
+        prebuilt_into(prebuilt, monkeypatch)
+        prebuilt.chmod(0)
+        if os.access(prebuilt, os.X_OK):  # root searches it anyway: give it what others get
+            real_is_file = Path.is_file
+
+            def refused(path, *args, **kwargs):
+                if prebuilt in path.parents:
+                    raise PermissionError(13, "Permission denied", str(path))
+                return real_is_file(path, *args, **kwargs)
+
+            monkeypatch.setattr(Path, "is_file", refused)
+    monkeypatch.setenv("SHOAL_PREBUILT_KERNELS", str(prebuilt))
+    try:
+        built = native_cpu.build()
+    finally:
+        if prebuilt.is_dir():
+            prebuilt.chmod(0o755)
+    assert built.parent == tmp_path / "cache" / "kernels" and built.exists()
 
 
 def test_the_prebuild_entry_point_without_a_compiler_exits_cleanly(tmp_path):

@@ -245,3 +245,18 @@ def test_a_replica_whose_engine_queues_takes_no_more_while_another_admits():
     snaps = [ReplicaSnapshot(URLS[0], in_flight=1, num_waiting=2),
              ReplicaSnapshot(URLS[1], num_waiting=1)]  # everyone queues: affinity decides
     assert policy.choose(keys, snaps, now=0.0).url == URLS[0]
+
+
+def test_a_spill_reports_the_blocks_it_gives_up():
+    """The decision says how much of the prefix the best-believed replica held, so the
+    router can count what the load bound and the waiting-queue rule cost in cache hits."""
+    policy = CacheAffinityPolicy(precise=True)
+    policy.sync(URLS[:3])
+    keys = keys_for(chat(SYSTEM_PROMPTS[0], "spill"))
+    policy.index(URLS[0]).stored(keys.block_keys)
+    home = policy.choose(keys, snapshots({URLS[0]: 0, URLS[1]: 0, URLS[2]: 0}), now=0.0)
+    assert (home.url, home.spilled_blocks) == (URLS[0], 0)
+    assert home.matched_blocks == home.best_blocks == len(keys.block_keys) > 0
+    spill = policy.choose(keys, snapshots({URLS[0]: 4, URLS[1]: 1, URLS[2]: 1}), now=0.0)
+    assert spill.url != URLS[0]
+    assert spill.spilled_blocks == len(keys.block_keys)
