@@ -41,7 +41,7 @@ def test_kernel_matches_the_reference_on_random_paged_decodes(
 
     expected = paged_attention_ref(q, batch.k_cache, batch.v_cache, batch.query_start_loc,
                                    batch.seq_lens, batch.block_tables, 0.3, window)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=5e-5)
 
 
 def test_kernel_writes_only_the_named_rows_through_the_named_table_rows(rng, paged_batch):
@@ -58,7 +58,7 @@ def test_kernel_writes_only_the_named_rows_through_the_named_table_rows(rng, pag
         expected = paged_attention_ref(q[q_row:q_row + 1], batch.k_cache, batch.v_cache,
                                        torch.tensor([0, 1]), batch.seq_lens[table_row:table_row + 1],
                                        batch.block_tables[table_row:table_row + 1], 0.25)
-        torch.testing.assert_close(out[q_row:q_row + 1], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[q_row:q_row + 1], expected, rtol=1e-4, atol=5e-5)
     assert out[[0, 2, 3]].abs().sum() == 0  # rows not named are untouched
 
 
@@ -114,7 +114,7 @@ def test_cpu_backend_equals_the_torch_backend_on_a_step(rng, paged_batch, reques
         meta = backend.build_metadata(batch.metadata())
         outputs.append(backend.forward(q, k, v, k_cache, v_cache, meta, 0.25, window))
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0)
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=5e-5)
 
 
 def test_auto_picks_the_native_kernel_on_cpu_for_float32_only():

@@ -44,7 +44,9 @@ def test_kernel_matches_the_reference_on_random_paged_prefills(
 
     expected = paged_attention_ref(q, batch.k_cache, batch.v_cache, batch.query_start_loc,
                                    batch.seq_lens, batch.block_tables, 0.3, window)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # float32 sums over up to ~180 keys x 128 dims and a vector expf: with a fresh seed each run,
+    # 1e-5 was missed by one element in 365k (1.6e-5); 5e-5 still catches any wrong key or mask
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=5e-5)
 
 
 def test_kernel_writes_only_the_spans_rows(rng, paged_batch):
@@ -58,8 +60,8 @@ def test_kernel_writes_only_the_spans_rows(rng, paged_batch):
 
     expected = paged_attention_ref(q, batch.k_cache, batch.v_cache, batch.query_start_loc,
                                    batch.seq_lens, batch.block_tables, 0.25)
-    torch.testing.assert_close(out[:20], expected[:20], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[21:], expected[21:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:20], expected[:20], rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(out[21:], expected[21:], rtol=1e-4, atol=5e-5)
     assert out[20].abs().sum() == 0
 
 
@@ -105,7 +107,7 @@ def test_cpu_backend_equals_the_torch_backend_on_prefill_chunks(rng, paged_batch
         meta = backend.build_metadata(batch.metadata())
         outputs.append(backend.forward(q, k, v, batch.k_cache.clone(), batch.v_cache.clone(),
                                        meta, 0.2))
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=5e-5)
 
 
 @pytest.mark.parametrize(("head_dim", "native"), [(32, True), (24, False)])
