@@ -15,7 +15,7 @@ from safetensors import safe_open
 from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
-from shoal.runtime.model.linear import use_input_major_weights
+from shoal.runtime.model.linear import pack_cpu_linear_weights
 from shoal.runtime.model.parallel import ParallelContext
 
 
@@ -92,5 +92,5 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
     model = cls(config, parallel, backend, max_positions, dtype, device)
     load_weights(model, model_dir)
     if device.type == "cpu":
-        use_input_major_weights(model)
+        pack_cpu_linear_weights(model)
     return model.eval()

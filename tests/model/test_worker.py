@@ -127,26 +127,32 @@ def test_missing_model_directory_names_the_path(tmp_path, engine_config):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_cpu_linear_weights_are_stored_input_major_with_the_same_results(
+def test_cpu_linear_layers_run_on_onednn_packed_weights_with_the_same_results(
         arch, tiny_model_dirs, load_worker):
-    from shoal.runtime.model.linear import use_input_major_weights
+    from shoal.runtime.model.loader import load_weights
 
     worker = load_worker(tiny_model_dirs[arch])
     model = worker.runner.model
-    linears = [m for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
-               and m is not model.model.embed_tokens]
+    linears = [m for m in model.modules() if getattr(m, "packed", None) is not None]
     tied = model.lm_head.weight is model.model.embed_tokens.weight
+    layers = model.config.num_layers
+    assert len(linears) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the head
     for module in linears:
-        row_major = module is model.lm_head and tied  # a tied head is the embedding table
-        assert module.weight.t().is_contiguous() != row_major, type(module).__name__
-    assert model.model.embed_tokens.weight.is_contiguous()  # lookups read rows
+        assert module.packed.is_mkldnn, type(module).__name__
+        # the dense copy is dropped (its shape kept), but a tied head is the embedding table
+        assert module.weight.is_meta == (not (module is model.lm_head and tied))
+    assert not model.model.embed_tokens.weight.is_meta  # lookups read rows
 
+    # The same layers with the checkpoint's dense weights through MKL's F.linear: the sums
+    # round differently, so equal to float32 tolerance, not bit for bit.
+    reference = type(model)(model.config, model.model.layers[0].self_attn.qkv_proj.parallel,
+                            model.model.layers[0].self_attn.backend, 64, torch.float32, "cpu")
+    load_weights(reference, tiny_model_dirs[arch])
     x = torch.randn(5, model.config.hidden_size)
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    before = qkv(x)
-    qkv.weight = torch.nn.Parameter(qkv.weight.contiguous(), requires_grad=False)
-    # The layout changes which GEMM kernel runs, so the sums may round differently on another
-    # CPU: equal to float32 tolerance, not bit for bit.
-    torch.testing.assert_close(qkv(x), before, rtol=1e-5, atol=1e-5)
-    assert use_input_major_weights(model) == sum(
-        1 for m in linears if not (m is model.lm_head and tied))
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        ours, dense = model.model.layers[0].get_submodule(name), \
+            reference.model.layers[0].get_submodule(name)
+        rows = torch.randn(5, dense.weight.shape[1])
+        torch.testing.assert_close(ours(rows), dense(rows), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(x), reference.compute_logits(x),
+                               rtol=1e-5, atol=1e-5)
