@@ -120,22 +120,23 @@ def matmul_rate(mc: ModelConfig, rows: tuple[int, ...] = (128, 512, 2048),
 
 def build_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int):
     from shoal.runtime.llm import LLM
-    from shoal.runtime.sampling_params import SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=len(work.prompts),
-              max_num_batched_tokens=max_num_batched_tokens,
-              max_model_len=max(len(p) for p in work.prompts) + max(work.output_lens) + 16)
-    llm.generate(work.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=n,
-                                                   ignore_eos=True)
-                                    for n in work.output_lens[:2]])  # warm-up
-    return llm
+    return LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=len(work.prompts),
+               max_num_batched_tokens=max_num_batched_tokens,
+               max_model_len=max(len(p) for p in work.prompts) + max(work.output_lens) + 16)
 
 
 def run_ours(llm, work: Workload) -> float:
+    """One timed pass in the state the peer's fresh process starts each pass in: an empty
+    prefix cache, then the same two-request warm-up (a second round must not find the first
+    round's prompts cached)."""
     from shoal.runtime.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in work.output_lens]
+    if not llm.engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset (requests still running)")
+    llm.generate(work.prompts[:2], params[:2])  # warm-up, like the peer's
     start = time.perf_counter()
     results = llm.generate(work.prompts, params)
     elapsed = time.perf_counter() - start
