@@ -300,15 +300,18 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = parse_range(args.prompt_range)
 
+    # Every workload draws its own prompts (seeds differ): one never finds another's prompts in
+    # a server's prefix cache; the same workload is the same requests on every server.
     workloads: list[Workload] = []
     kinds = set(args.workloads.split(","))
     if "burst" in kinds:
-        workloads += [burst_workload(vocab, c, n, prompts, args.single_requests, seed=c)
+        workloads += [burst_workload(vocab, c, n, prompts, args.single_requests,
+                                     seed=100_000 * n + c)
                       for n in parse_ints(args.new_tokens) for c in parse_ints(args.concurrency)]
     if "poisson" in kinds:
         workloads += [poisson_workload(vocab, float(rate), args.poisson_requests, prompts,
-                                       parse_range(args.poisson_new_tokens), seed=7)
-                      for rate in args.rates.split(",") if rate.strip()]
+                                       parse_range(args.poisson_new_tokens), seed=7 + i)
+                      for i, rate in enumerate(r for r in args.rates.split(",") if r.strip())]
     if "chat" in kinds:
         workloads.append(chat_workload(vocab, args.chat_users, args.chat_turns,
                                        args.chat_system_prompts, args.chat_system_len,
