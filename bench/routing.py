@@ -6,23 +6,54 @@ routers over the same engines: round-robin and cache-affinity (the operator's de
 routing: precise mode, the tokenizer fetched from an engine, KV events followed). The
 machine is shared and noisy, so the policies run interleaved, round by round (RR, affinity,
 RR, affinity, ...), each run with fresh system prompts (nothing cached by an earlier run
-helps a later one); the load average is printed before each run. Workload per run:
-S long system prompts x U users, T turns each (each turn carries the conversation so far),
-C requests in flight. Per policy, over all its rounds: the fleet's prefix-cache hit rate
-(token counters from the engines' /metrics, delta over its runs), TTFT p50/p99, throughput,
-in-flight balance (time-averaged in-flight per replica from the router's /metrics:
-max/mean); where the prompt tokens missed, per request class (cold system prompt, first
-turn of a system prompt sent before, follow-up turn: the engines' usage.cached_tokens) and
-the router's spills (placements away from the replica believed to hold most of the prefix);
-then the router's overhead: p50 latency of tiny requests via router minus direct.
+helps a later one); the load average is printed before each run.
 
-    .venv/bin/python bench/routing.py [--replicas 3] [--systems 24] [--users 48] [--rounds 2]
+Workload per run: P long system prompts, U users (conversations) each on a random one of
+them, T turns per conversation (each turn carries the conversation so far); C closed-loop
+clients each send the next turn of a random open conversation, O open conversations at a
+time (users mid-conversation: the turns of many users interleave, as in a chat service),
+so exactly C requests are in flight. Random picks matter: a client that ran one
+conversation turn after turn would make round-robin sticky by accident (C a multiple of N:
+every turn of a client's conversation lands on the same replica).
+
+Reported per policy, over all its rounds: the fleet's prefix-cache hit rate (token counters
+from the engines' /metrics, delta over its runs), TTFT p50/p99, throughput, in-flight
+balance (time-averaged in-flight per replica from the router's /metrics: max/mean); where
+the prompt tokens missed, per request class (cold system prompt, first turn of a system
+prompt sent before, follow-up turn: the engines' usage.cached_tokens), the router's spills
+by reason (placements away from the replica believed to hold most of the prefix) and each
+engine's share of the prompt tokens, hit rate and preemptions; then the router's overhead:
+p50 latency of tiny requests via router minus direct. ``--trace`` writes every request.
+
+What bounds the hit rates, on paper (B = 16-token blocks; s = a system prompt's full
+blocks; L_t = the prompt of turn t; C_kv = KV blocks per engine):
+- cache affinity, at best (every request where its prefix is, nothing evicted): each
+  system prompt misses once, every turn misses what is new since the last one (the last
+  answer, the new question, the partial last block):
+  ceiling = 1 - (P s B + U sum_t new_t) / (U sum_t L_t);
+- round-robin: a follow-up finds its own conversation with probability 1/N; otherwise,
+  like a first turn, only the system prompt, which each engine holds with probability
+  r = C_kv / (P s) (every engine cycles through all P prompts):
+  RR ~ (sum_first r s B + sum_follow [L_{t-1} / N + (1 - 1/N) r s B]) / sum_t L_t.
+The defaults are chosen from the cache size: with 300-word system prompts (~920 tokens,
+s = 57) and 24 of them on 6 engines of 320 blocks, each engine's share of the prompts
+(4 x 57 = 228 blocks) and its open conversations (24 / 6 = 4, up to ~17 blocks each past
+the system prompt by the last turn) fit (~296 blocks), while the prompt set (1368 blocks)
+is 4.3 caches: r = 0.23. Measured token counts (turn prompts ~977, 1043, 1109, 1175
+tokens, 96 users) give a ceiling of 0.88 and RR ~ 0.28: the ratio can reach ~3.1. Why 6
+replicas: when each engine's share fits, r >= (1 + room) / N, and RR's own-conversation
+term is 1/N of every follow-up: with 3 replicas r >= 1/3 and RR stays near 0.4-0.5 on a
+chat workload dominated by its system prompts, the ratio near 2 (the earlier default, 3
+engines x 320 blocks, 24 prompts of ~470 tokens: 1.59-1.71x measured).
+
+    .venv/bin/python bench/routing.py [--replicas 6] [--systems 24] [--users 96] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -49,6 +80,28 @@ WORDS = ("ship harbor cargo tide anchor route crane berth manifest pilot ledger 
          "freight vessel dock weather schedule container invoice captain").split()
 
 
+@dataclass(frozen=True)
+class TraceRecord:
+    """One chat request, for --trace (seconds from the run's start)."""
+    run: int
+    system: int
+    user: int
+    turn: int
+    kind: str
+    sent: float
+    done: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Conversation:
+    system: int
+    user: int
+    messages: list[dict]
+    turn: int = 0  # turns sent so far
+
+
 @dataclass
 class RunResult:
     name: str
@@ -63,9 +116,13 @@ class RunResult:
     affinity_hits: float = 0.0
     spills: float = 0.0  # router counters: placements away from the best-believed replica
     spilled_blocks: float = 0.0
+    spills_by_reason: dict[str, tuple[float, float]] = field(default_factory=dict)  # n, blocks
     # per request class: [requests, prompt tokens, cached tokens] from the engines' usage
     classes: dict[str, list[int]] = field(default_factory=dict)
     load: list[float] = field(default_factory=list)  # 1-min load average before each run
+    # per engine: [queried tokens, hit tokens, preemptions]
+    per_engine: dict[str, list[float]] = field(default_factory=dict)
+    trace: list[TraceRecord] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -96,29 +153,33 @@ CLASSES = ("cold system", "first turn", "follow-up")
 
 
 async def stream_chat(client: httpx.AsyncClient, router: str, messages: list[dict],
-                      max_tokens: int, result: RunResult, kind: str) -> str:
+                      max_tokens: int, result: RunResult, kind: str) -> tuple[str, int, int]:
+    """The answer's text, and the engine's prompt tokens and cached prompt tokens."""
     body = {"messages": messages, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
+    prompt_tokens = cached_tokens = 0
     async with client.stream("POST", f"{router}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread())[:300]
             if not result.errors:
                 print(f"  first error: {response.status_code} {detail!r}", flush=True)
             result.errors += 1
-            return ""
+            return "", 0, 0
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+                cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0)
                 tally = result.classes.setdefault(kind, [0, 0, 0])
                 tally[0] += 1
-                tally[1] += chunk["usage"]["prompt_tokens"]
-                tally[2] += (chunk["usage"].get("prompt_tokens_details") or {}).get(
-                    "cached_tokens", 0)
+                tally[1] += prompt_tokens
+                tally[2] += cached_tokens
             if not chunk.get("choices"):
                 continue
             delta = chunk["choices"][0].get("delta", {}).get("content")
@@ -129,17 +190,20 @@ async def stream_chat(client: httpx.AsyncClient, router: str, messages: list[dic
                 result.output_tokens += 1
     result.ttft.append(first if first is not None else time.perf_counter() - start)
     result.e2e.append(time.perf_counter() - start)
-    return "".join(pieces)
+    return "".join(pieces), prompt_tokens, cached_tokens
 
 
-async def fleet_prefix_counters(client: httpx.AsyncClient, engines: list[str]) -> tuple[float,
-                                                                                     float]:
-    queries = hits = 0.0
+async def engine_prefix_counters(client: httpx.AsyncClient, engines: list[str]
+                                 ) -> dict[str, tuple[float, float, float]]:
+    """Per engine: (prefix-cache queried tokens, hit tokens, preemptions), counters since it
+    started."""
+    counters = {}
     for url in engines:
-        m = parse_engine_metrics((await client.get(f"{url}/metrics")).text)
-        queries += m.prefix_cache_queries
-        hits += m.prefix_cache_hits
-    return queries, hits
+        text = (await client.get(f"{url}/metrics")).text
+        m = parse_engine_metrics(text)
+        preemptions = parse_samples(text).get("shoal:num_preemptions_total", 0.0)
+        counters[url] = (m.prefix_cache_queries, m.prefix_cache_hits, preemptions)
+    return counters
 
 
 async def sample_in_flight(client: httpx.AsyncClient, router: str, engines: list[str],
@@ -151,6 +215,18 @@ async def sample_in_flight(client: httpx.AsyncClient, router: str, engines: list
                 url = line.split('replica="', 1)[1].split('"', 1)[0]
                 totals[url] = totals.get(url, 0.0) + float(line.rsplit(" ", 1)[1])
         await asyncio.sleep(0.05)
+
+
+def spills_by_reason(router_metrics: str) -> dict[str, tuple[float, float]]:
+    """The router's spill counters per reason: (spills, blocks given up); lifetime totals."""
+    found: dict[str, list[float]] = {}
+    for line in router_metrics.splitlines():
+        for slot, name in enumerate(("shoal:router_affinity_spills_total{",
+                                     "shoal:router_affinity_spilled_blocks_total{")):
+            if line.startswith(name):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                found.setdefault(reason, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {reason: (n, blocks) for reason, (n, blocks) in found.items()}
 
 
 def operator_flags(policy: str, block_size: int) -> tuple[list[str], bool]:
@@ -169,44 +245,79 @@ async def run_workload(result: RunResult, router: str, engines: list[str],
     users = [(rng.randrange(args.systems), u) for u in range(args.users)]
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        q0, h0 = await fleet_prefix_counters(client, engines)
-        gate = asyncio.Semaphore(args.concurrency)
+        before = await engine_prefix_counters(client, engines)
         totals: dict[str, float] = {}
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_in_flight(client, router, engines, totals, stop))
 
         systems_sent: set[int] = set()
+        waiting = list(reversed(users))  # conversations not started yet, next one last
+        ready: list[Conversation] = []  # open conversations whose next turn may be sent
+        busy = [0]  # open conversations with a turn in flight
+        picker = random.Random(seed + 1)
 
-        async def conversation(system_index: int, user: int) -> None:
-            await asyncio.sleep(user * args.arrival_gap)  # users arrive over time
-            messages = [{"role": "system", "content": systems[system_index]}]
-            for turn in range(args.turns):
-                question = " ".join(rng.choice(WORDS) for _ in range(12))
-                messages.append({"role": "user", "content": f"user {user} turn {turn}: "
-                                                            f"{question}?"})
-                async with gate:
-                    kind = CLASSES[2] if turn else CLASSES[1] if system_index in systems_sent \
-                        else CLASSES[0]
-                    systems_sent.add(system_index)
-                    answer = await stream_chat(client, router, messages, args.max_tokens,
-                                               result, kind)
-                messages.append({"role": "assistant", "content": answer})
+        async def send_turn(chat: Conversation) -> None:
+            question = " ".join(rng.choice(WORDS) for _ in range(12))
+            chat.messages.append({"role": "user", "content": f"user {chat.user} turn "
+                                                             f"{chat.turn}: {question}?"})
+            kind = CLASSES[2] if chat.turn else CLASSES[1] if chat.system in systems_sent \
+                else CLASSES[0]
+            systems_sent.add(chat.system)
+            sent = time.perf_counter() - start
+            answer, prompt, cached = await stream_chat(
+                client, router, chat.messages, args.max_tokens, result, kind)
+            result.trace.append(TraceRecord(seed, chat.system, chat.user, chat.turn, kind,
+                                            sent, time.perf_counter() - start, prompt, cached))
+            chat.messages.append({"role": "assistant", "content": answer})
+            chat.turn += 1
+
+        async def chat_client(index: int) -> None:
+            """A closed-loop client: sends the next turn of a random open conversation, one
+            request at a time, so C requests are in flight once every client has started;
+            a finished conversation is replaced by the next user's while users are left."""
+            await asyncio.sleep(index * args.arrival_gap)
+            while True:
+                while waiting and len(ready) + busy[0] < args.open_conversations:
+                    system_index, user = waiting.pop()
+                    ready.append(Conversation(system_index, user, [
+                        {"role": "system", "content": systems[system_index]}]))
+                if not ready:
+                    if not waiting and not busy[0]:
+                        return
+                    await asyncio.sleep(0.01)  # every open conversation has a turn in flight
+                    continue
+                chat = ready.pop(picker.randrange(len(ready)))
+                busy[0] += 1
+                try:
+                    await send_turn(chat)
+                finally:
+                    busy[0] -= 1
+                if chat.turn < args.turns:
+                    ready.append(chat)
 
         start = time.perf_counter()
-        await asyncio.gather(*(conversation(s, u) for s, u in users))
+        await asyncio.gather(*(chat_client(i) for i in range(args.concurrency)))
         result.wall += time.perf_counter() - start
         stop.set()
         await sampler
         await asyncio.sleep(1.5)  # engines' counters are final; let a scrape see them
-        q1, h1 = await fleet_prefix_counters(client, engines)
-        result.queries += q1 - q0
-        result.hits += h1 - h0
+        after = await engine_prefix_counters(client, engines)
+        for url in engines:
+            queries, hits, preemptions = (
+                a - b for a, b in zip(after[url], before[url], strict=True))
+            result.queries += queries
+            result.hits += hits
+            tally = result.per_engine.setdefault(url, [0.0, 0.0, 0.0])
+            tally[0] += queries
+            tally[1] += hits
+            tally[2] += preemptions
         for url in engines:
             result.in_flight[url] = result.in_flight.get(url, 0.0) + totals.get(url, 0.0)
         samples = parse_samples((await client.get(f"{router}/metrics")).text)
         result.affinity_hits = samples.get("shoal:router_affinity_hits_total", 0.0)
         result.spills = samples.get("shoal:router_affinity_spills_total", 0.0)
         result.spilled_blocks = samples.get("shoal:router_affinity_spilled_blocks_total", 0.0)
+        result.spills_by_reason = spills_by_reason((await client.get(f"{router}/metrics")).text)
 
 
 async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[float, float,
@@ -239,26 +350,35 @@ async def overhead(router: str, engine: str, n: int, router_pid: int) -> tuple[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=6)
     parser.add_argument("--model", default=None, help="default: the cached small qwen3")
     parser.add_argument("--systems", type=int, default=24)
-    parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--users", type=int, default=48)
+    parser.add_argument("--system-words", type=int, default=300)
+    parser.add_argument("--users", type=int, default=96)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--open-conversations", type=int, default=None,
+                        help="users mid-conversation at a time (default: 2 x concurrency)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs per policy, interleaved (RR, affinity, RR, ...)")
     parser.add_argument("--arrival-gap", type=float, default=0.25,
-                        help="seconds between users' first requests")
+                        help="seconds between the clients' starts (a ramp, then C in flight)")
     parser.add_argument("--num-kv-blocks", type=int, default=320,
-                        help="per engine: room for its share of the system prompts (24 x ~27 "
-                             "blocks / 3) and their conversations, not for all the prompts")
+                        help="per engine: room for its share of the system prompts (24 x 57 "
+                             "blocks / 6) and its open conversations, not for all the prompts")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--overhead-requests", type=int, default=200)
     parser.add_argument("--base-port", type=int, default=18100)
     parser.add_argument("--engine-args", default="")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write every chat request (JSON lines) to this file")
     args = parser.parse_args()
+    if args.open_conversations is None:
+        args.open_conversations = 2 * args.concurrency
+    if args.open_conversations < args.concurrency:
+        parser.error("--open-conversations must be >= --concurrency (one turn of a "
+                     "conversation in flight at a time)")
     if args.systems <= args.replicas or args.concurrency < 2 * args.replicas:
         parser.error("the workload needs more system prompts than replicas and "
                      "concurrency >= 2 x replicas")
@@ -295,12 +415,18 @@ def main() -> int:
         direct_p50, routed_p50, router_cpu = asyncio.run(
             overhead(single, engines[0], args.overhead_requests, fleet.extra_routers[-1].pid))
 
+    if args.trace is not None:
+        with args.trace.open("w") as out:
+            for r in results.values():
+                for record in r.trace:
+                    out.write(json.dumps({"policy": r.name, **dataclasses.asdict(record)}) + "\n")
     base = results["round-robin"]
     n_req = args.users * args.turns
     print(f"\nworkload per run: {args.systems} system prompts (~{args.system_words} words) x "
           f"{args.users} users x {args.turns} turns = {n_req} chat requests, "
-          f"max_tokens {args.max_tokens}, concurrency {args.concurrency}, "
-          f"a user every {args.arrival_gap}s, {args.rounds} runs per policy interleaved, "
+          f"max_tokens {args.max_tokens}, concurrency {args.concurrency} (closed-loop "
+          f"clients started {args.arrival_gap}s apart), {args.open_conversations} open "
+          f"conversations, {args.rounds} runs per policy interleaved, "
           f"{args.replicas} engines x {args.num_kv_blocks} KV blocks ({engine_host(0)}..)")
     header = (f"{'policy':<16}{'hit rate':>9}{'x RR':>6}{'TTFT p50':>10}{'x RR':>6}"
               f"{'TTFT p99':>10}{'req/s':>8}{'max/mean':>10}{'aff.hits':>9}{'errors':>7}"
@@ -325,8 +451,14 @@ def main() -> int:
         for kind in CLASSES:
             n, prompt, cached = r.classes.get(kind, [0, 0, 0])
             parts.append(f"{kind}: {n} req, {prompt - cached}/{prompt} tok missed")
+        reasons = ", ".join(f"{reason} {n:.0f} ({blocks * args.block_size:.0f} tok)"
+                            for reason, (n, blocks) in sorted(r.spills_by_reason.items()))
         print(f"  {r.name:<16}{'; '.join(parts)}; spills {r.spills:.0f} "
-              f"({r.spilled_blocks * args.block_size:.0f} tok)")
+              f"({r.spilled_blocks * args.block_size:.0f} tok{': ' + reasons if reasons else ''})")
+        total = sum(q for q, _, _ in r.per_engine.values()) or 1.0
+        print(f"  {'':<16}per engine, share of prompt tokens / hit rate / preemptions: "
+              + ", ".join(f"{q / total:.2f} / {h / q if q else 0.0:.2f} / {p:.0f}"
+                          for q, h, p in r.per_engine.values()))
     print(f"\nrouter overhead (cache-affinity router over engine 0 vs engine 0 direct, tiny "
           f"completion, sequential, alternating, {args.overhead_requests} each): "
           f"direct p50 {direct_p50 * 1000:.2f} ms, via router p50 {routed_p50 * 1000:.2f} ms, "

@@ -3,18 +3,32 @@
 Decision, in order:
 1. bounded load: only replicas that stay within the load cap with this request qualify
    (``bounded_load.py``: 1.25 x the mean, but never less than the mean + 2 requests);
-2. the qualifying replica believed to hold the longest leading run of the request's
-   blocks wins;
-3. ties, including "nobody holds any of it" for a new prefix, go to the lowest pressure
-   (in-flight + waiting + KV usage), then to ring order from the request's first block.
-So new prefixes spread over the least busy replicas (an idle fleet: their ring homes, which
-every router agrees on), their followers find them there, and a hot prefix spills to the
-next best replica, which then holds it too.
+2. the request *follows* a cached prefix when some qualifying replica holds at least half
+   of its blocks (``MIN_FOLLOW_FRACTION``): the one believed to hold the longest leading
+   run wins, ties go to the lowest pressure (in-flight + waiting + KV usage);
+3. otherwise it is a *new* prefix, and the short match counts for nothing: the replica
+   with the least recent demand (prompt blocks routed to it lately, ``cache_demand.py``)
+   wins, then the lowest pressure, then ring order from the request's first block.
+So new prefixes spread over the replicas by what their caches are asked to hold (an idle
+fresh fleet: their ring homes, which every router agrees on), their followers find them
+there, and a hot prefix spills to the next best replica, which then holds it too.
+
+Why a new prefix ignores short matches: prompts often share a short preamble (the chat
+template's header, a company boilerplate line, the same first words of every system
+prompt). Following the longest match would send every new system prompt to whichever
+replica saw that preamble first, up to the load cap: one engine's cache then holds all the
+prompts and thrashes while the others idle (bench/routing.py, 4 replicas, 12 prompts with
+a common first block: 100% of the prompt tokens on one engine). A match of a few blocks
+saves a few blocks; placing the rest of the prompt where its followers will find room
+saves the whole prompt for each of them. SGLang's cache-aware router and Ray Serve's
+prefix-aware router make the same split (follow only above a match-rate threshold).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from shoal.runtime.router.block_index import DEFAULT_APPROX_CAPACITY, BlockIndex
 from shoal.runtime.router.bounded_load import (
@@ -22,19 +36,41 @@ from shoal.runtime.router.bounded_load import (
     DEFAULT_LOAD_HEADROOM,
     within_bound,
 )
+from shoal.runtime.router.cache_demand import DecayedDemand
 from shoal.runtime.router.hash_ring import HashRing
-from shoal.runtime.router.policy import Decision, ReplicaSnapshot, require_replicas
+from shoal.runtime.router.policy import (
+    SPILL_ENGINE_QUEUE,
+    SPILL_LOAD_CAP,
+    Decision,
+    ReplicaSnapshot,
+    require_replicas,
+)
 from shoal.runtime.router.request_keys import RequestKeys
+
+MIN_FOLLOW_FRACTION = 0.5  # of the request's blocks, cached on a replica, to follow it there
+
+
+def follow_threshold(total_blocks: int) -> int:
+    """The fewest matched blocks that make a request follow a replica's cache."""
+    return max(1, math.ceil(MIN_FOLLOW_FRACTION * total_blocks))
 
 
 def pick_by_affinity(ring_order: Sequence[str], allowed: set[str],
-                     matched: Mapping[str, int], pressure: Mapping[str, float]) -> str:
-    """``ring_order``: candidate replicas clockwise from the request's ring key."""
+                     matched: Mapping[str, int], pressure: Mapping[str, float],
+                     follow_from: int = 1, demand: Mapping[str, float] | None = None) -> str:
+    """``ring_order``: candidate replicas clockwise from the request's ring key;
+    ``follow_from``: the fewest matched blocks that count as the request's prefix being
+    cached there (fewer, everywhere allowed: a new prefix, placed by demand, then
+    pressure); ``demand``: recent prompt blocks routed to each replica."""
     candidates = [url for url in ring_order if url in allowed]
     if not candidates:
         raise ValueError("no candidate replica")
     rank = {url: i for i, url in enumerate(candidates)}
-    return min(candidates, key=lambda url: (-matched.get(url, 0), pressure.get(url, 0.0),
+    if max(matched.get(url, 0) for url in candidates) >= follow_from:
+        return min(candidates, key=lambda url: (-matched.get(url, 0), pressure.get(url, 0.0),
+                                                rank[url]))
+    demand = demand or {}
+    return min(candidates, key=lambda url: (demand.get(url, 0.0), pressure.get(url, 0.0),
                                             rank[url]))
 
 
@@ -58,6 +94,7 @@ class CacheAffinityPolicy:
         self.approx_capacity = approx_capacity or DEFAULT_APPROX_CAPACITY
         self.ring = HashRing()
         self.indexes: dict[str, BlockIndex] = {}
+        self.demand = DecayedDemand()
 
     def index(self, url: str) -> BlockIndex:
         if url not in self.indexes:
@@ -70,6 +107,7 @@ class CacheAffinityPolicy:
         self.ring.sync(wanted)
         for gone in set(self.indexes) - wanted:
             del self.indexes[gone]
+            self.demand.forget(gone)
         for url in wanted:
             self.index(url)
 
@@ -78,8 +116,9 @@ class CacheAffinityPolicy:
         require_replicas(replicas)
         for replica in replicas:
             self.index(replica.url)
-        allowed = not_queueing(replicas, within_bound(
-            {r.url: r.in_flight for r in replicas}, self.load_factor, self.load_headroom))
+        bounded = within_bound({r.url: r.in_flight for r in replicas}, self.load_factor,
+                               self.load_headroom)
+        allowed = not_queueing(replicas, bounded)
         pressure = {r.url: r.pressure for r in replicas}
         if keys is None:  # nothing to match on: least pressure among the allowed
             url = min(sorted(allowed), key=lambda u: pressure[u])
@@ -87,9 +126,20 @@ class CacheAffinityPolicy:
         matched = {r.url: self.indexes[r.url].match_length(keys.block_keys, now)
                    for r in replicas}
         ring_order = list(self.ring.walk(keys.ring_key))
-        url = pick_by_affinity(ring_order, allowed, matched, pressure)
-        return Decision(url, matched[url], len(keys.block_keys), max(matched.values()))
+        follow_from = follow_threshold(len(keys.block_keys))
+        demand = {r.url: self.demand.value(r.url, now) for r in replicas}
+        url = pick_by_affinity(ring_order, allowed, matched, pressure, follow_from, demand)
+        best = max(matched.values())
+        if best < follow_from:  # nobody holds the prefix: a new one, no spill
+            return Decision(url, matched[url], len(keys.block_keys))
+        decision = Decision(url, matched[url], len(keys.block_keys), best)
+        if decision.spilled_blocks:
+            home = next(u for u in ring_order if matched.get(u, 0) == best)
+            decision = replace(decision, spill_reason=SPILL_LOAD_CAP if home not in bounded
+                               else SPILL_ENGINE_QUEUE)
+        return decision
 
     def routed(self, url: str, keys: RequestKeys | None, now: float) -> None:
         if keys is not None:
             self.index(url).record_routed(keys.block_keys, now)
+            self.demand.add(url, len(keys.block_keys), now)

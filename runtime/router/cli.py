@@ -55,8 +55,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="bounded load: no replica takes a request that puts its "
                              "in-flight count above this x the mean (default 1.25) ...")
     parser.add_argument("--load-headroom", type=float, default=2.0, metavar="REQUESTS",
-                        help="... or above the mean + this many requests, whichever is "
-                             "larger: moderate concurrency keeps its affinity (default 2)")
+                        help="... or above the mean + the larger of this many requests and "
+                             "3 standard deviations of an even random spread, whichever is "
+                             "larger: chance imbalance at moderate concurrency keeps its "
+                             "affinity (default 2)")
     parser.add_argument("--approx-capacity", type=int, default=50_000, metavar="BLOCKS",
                         help="approximate mode: prefix blocks remembered per replica (LRU); "
                              "near the engines' cache size, the router forgets what they "

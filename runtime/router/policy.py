@@ -15,6 +15,8 @@ from typing import Protocol
 from shoal.runtime.router.request_keys import RequestKeys
 
 POLICY_NAMES = ("cache-affinity", "least-load", "round-robin")
+SPILL_LOAD_CAP = "load_cap"  # the best-matching replica was over the load cap
+SPILL_ENGINE_QUEUE = "engine_queue"  # its engine reported a waiting queue
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class Decision:
     url: str
     matched_blocks: int = 0  # prefix blocks the replica was believed to hold
     total_blocks: int = 0
-    best_blocks: int = 0  # the most any replica was believed to hold (more: a spill)
+    # the most any replica was believed to hold, when enough to follow (more: a spill)
+    best_blocks: int = 0
+    spill_reason: str = ""  # why not that replica: SPILL_LOAD_CAP or SPILL_ENGINE_QUEUE
 
     @property
     def spilled_blocks(self) -> int:

@@ -44,7 +44,7 @@ from shoal.runtime.router.asgi import (
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.hold_queue import CapacityHold
 from shoal.runtime.router.poison import FailedRequests, fingerprint
-from shoal.runtime.router.policy import RoutingPolicy
+from shoal.runtime.router.policy import SPILL_LOAD_CAP, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
     KeyConfig,
@@ -300,8 +300,10 @@ class RouterApp:
                 if decision.matched_blocks:
                     replica.affinity_hits += 1
                 if decision.spilled_blocks:
-                    self.metrics.affinity_spills.inc()
-                    self.metrics.affinity_spilled_blocks.inc(decision.spilled_blocks)
+                    reason = decision.spill_reason or SPILL_LOAD_CAP
+                    self.metrics.affinity_spills.labels(reason).inc()
+                    self.metrics.affinity_spilled_blocks.labels(reason).inc(
+                        decision.spilled_blocks)
                 failed = upstream.status >= 500 and RETRY_SAFE_HEADER not in upstream.headers
                 outcome = await self._relay(upstream, send)
                 if outcome is ClientStalled:

@@ -86,11 +86,13 @@ class RouterMetrics:
                                "before the first byte", registry=self.registry)
         self.affinity_spills = Counter(
             "shoal:router_affinity_spills", "Requests placed away from the replica believed "
-            "to hold the most of their prefix (load bound or waiting queue)",
+            "to hold the most of their prefix, by reason (load_cap: it was over the load "
+            "cap; engine_queue: its engine reported a waiting queue)", ["reason"],
             registry=self.registry)
         self.affinity_spilled_blocks = Counter(
             "shoal:router_affinity_spilled_blocks", "Prefix blocks believed cached on another "
-            "replica that spilled requests gave up", registry=self.registry)
+            "replica that spilled requests gave up, by reason", ["reason"],
+            registry=self.registry)
         self.no_replica = Counter("shoal:router_no_replica", "Requests refused with 503: no "
                                   "ready replica", registry=self.registry)
         self.client_disconnects = Counter("shoal:router_client_disconnects",

@@ -31,6 +31,20 @@ def test_same_prefix_lands_on_one_replica_and_others_spread(fake_fleet):
     assert sum(1 for n in prompts_seen(fleet).values() if n) >= 2
 
 
+def test_new_system_prompts_with_a_shared_opening_spread_evenly(fake_fleet):
+    """Six system prompts that open with the same line (one block in common) are six new
+    prefixes: each goes to the replica whose cache has been asked for the least lately, so
+    three replicas get two each, rather than all six following the first one's opening."""
+    fleet = fake_fleet(3)
+    opening = "Harbor services assistant, version 7. " * 2
+    for k in range(6):
+        r = httpx.post(f"{fleet.router}/v1/completions", timeout=10, json={
+            "prompt": opening + f"You handle berth {k} and nothing else. " * 10,
+            "max_tokens": 1})
+        assert r.status_code == 200
+    assert sorted(prompts_seen(fleet).values()) == [2, 2, 2]
+
+
 def test_streaming_passes_through_byte_for_byte(fake_fleet):
     fleet = fake_fleet(1)
     body = {"prompt": "hello", "stream": True, "max_tokens": 6, "delay": 0.01}
