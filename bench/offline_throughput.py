@@ -33,9 +33,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# what `shoal` sets for every process it starts (docs/operations.md): spinning OpenMP waits
-# stall when the cores are shared; this in-process engine gets the same
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from shoal.cli import OPENMP_DEFAULTS  # noqa: E402  (imports no torch)
+
+# what `shoal` sets for every process it starts (docs/operations.md); this in-process engine
+# gets the same
+for _name, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
 from shoal.runtime.model.config import ModelConfig, load_model_config  # noqa: E402

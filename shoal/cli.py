@@ -41,6 +41,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# An OpenMP thread that finds no work spins this many times before it sleeps (libgomp; the
+# default is 300,000, and 0 under OMP_WAIT_POLICY=PASSIVE). Long spins stall when the cores
+# are shared (the API process, other pods): a 2-thread matmul loop beside one busy process
+# took 14.8 s spinning vs 3.1 s passive. Never spinning costs a sleep and a wake-up per
+# parallel region, about 80 per model step: `shoal serve`, 1 stream, 15 ms per token
+# passive vs 9-10 ms at 20,000 spins, 16-128 streams within noise of each other
+# (bench/serve_load.py, same run, 2 cores).
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "20000"}
+
+
 def chosen_command(argv: list[str]) -> str:
     """The subcommand named on the command line ('' for none, e.g. `shoal --help`)."""
     first = next((a for a in argv if not a.startswith("-")), "")
@@ -49,10 +59,9 @@ def chosen_command(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # Before anything loads OpenMP (torch), for this process and the engine/worker processes
-    # it starts: waiting OpenMP threads that spin stall badly when the cores are shared (the
-    # API process, other pods). Measured here: a 2-thread matmul loop beside one busy process
-    # took 14.8 s spinning vs 3.1 s passive; on idle cores the two were within noise.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # it starts (see OPENMP_DEFAULTS).
+    for name, value in OPENMP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(only=chosen_command(argv)).parse_args(argv)
     result = args.func(args)

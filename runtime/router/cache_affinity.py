@@ -2,7 +2,8 @@
 
 Decision, in order:
 1. bounded load: only replicas that stay within the load cap with this request qualify
-   (``bounded_load.py``: 1.25 x the mean, but never less than the mean + 2 requests);
+   (``bounded_load.py``: 1.25 x the mean, or the mean plus what chance alone puts on one
+   replica, whichever is larger);
 2. the request *follows* a cached prefix when some qualifying replica holds at least half
    of its blocks (``MIN_FOLLOW_FRACTION``): the one believed to hold the longest leading
    run wins, ties go to the lowest pressure (in-flight + waiting + KV usage);
