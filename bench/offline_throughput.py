@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     mc = load_model_config(model_dir)
     work = make_workload(count, mc.vocab_size, prompt_range, output_range)  # type: ignore[arg-type]
     flops = workload_flops(mc, work)
+    torch.set_num_threads(max(thread_counts))  # the roofline of the widest setting
     rates = matmul_rate(mc)
+    torch.set_num_threads(thread_counts[0])
     peak = max(rates.values())
     roofline_s = flops / peak
     print(f"model {model_dir.name}; {count} requests, {sum(map(len, work.prompts))} prompt + "
