@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 from shoal.runtime.model.config import load_model_config
+from shoal.runtime.model.linear import onednn_linear, onednn_pack
 from shoal.runtime.model.make_model import cached_model
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
           "(max |error| against float64)")
     for name, (k, n) in layer_shapes(args.arch, args.size).items():
         weight = torch.randn(n, k)
-        packed = {h: torch.ops.mkldnn._reorder_linear_weight(weight, h) for h in hints}
+        packed = {h: onednn_pack(weight, h) for h in hints}
         for m in rows:
             x = torch.randn(m, k)
             flop = 2 * m * k * n
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"F.linear {rate:6.1f} ({err:.0e})"]
             for hint, p in packed.items():
                 def onednn(p=p, x=x):
-                    return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                    return onednn_linear(x, p)
                 err = (onednn().double() - exact).abs().max().item()
                 cells.append(f"packed/{hint} {gflops(onednn, flop):6.1f} ({err:.0e})")
             print(f"{name:8} {k:>5}x{n:<5} rows {m:>5}  " + "  ".join(cells), flush=True)

@@ -42,6 +42,7 @@ for _name, _value in OPENMP_DEFAULTS.items():
 
 import torch  # noqa: E402
 from shoal.runtime.model.config import ModelConfig, load_model_config  # noqa: E402
+from shoal.runtime.model.linear import onednn_linear, onednn_pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package)
@@ -99,19 +100,18 @@ def matmul_rate(mc: ModelConfig, rows: tuple[int, ...] = (128, 512, 2048),
         weights = [torch.randn(i, o) for i, o in shapes]
         inputs = [torch.randn(m, i) for i, _ in shapes]
         flops_per_round = sum(2 * m * i * o for i, o in shapes)
-        calls = [lambda x=x, w=w: x @ w for x, w in zip(inputs, weights, strict=True)]
+        variants = [[lambda x=x, w=w: x @ w for x, w in zip(inputs, weights, strict=True)]]
         if torch.backends.mkldnn.is_available():
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 128)
-                      for w in weights]
-            calls_onednn = [lambda x=x, p=p: torch.ops.mkldnn._linear_pointwise(
-                x, p, None, "none", [], "") for x, p in zip(inputs, packed, strict=True)]
+            packed = [onednn_pack(w.t().contiguous()) for w in weights]
+            variants.append([lambda x=x, p=p: onednn_linear(x, p)
+                             for x, p in zip(inputs, packed, strict=True)])
         best = 0.0
-        for variant in (calls, calls_onednn) if torch.backends.mkldnn.is_available() else (calls,):
-            for call in variant:  # warm up
+        for calls in variants:
+            for call in calls:  # warm up
                 call()
             rounds, start = 0, time.perf_counter()
             while time.perf_counter() - start < min_seconds:
-                for call in variant:
+                for call in calls:
                     call()
                 rounds += 1
             best = max(best, flops_per_round * rounds / (time.perf_counter() - start))

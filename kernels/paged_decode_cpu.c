@@ -72,7 +72,8 @@ static void softmax_rows(float *scores, int64_t num_heads, int64_t span, float *
    alone left the loads waiting (about 13% faster at 4 kv heads x 64, 6% at 8 x 64, in runs
    here). The prefetches go to L2 (locality 2, prefetcht1), not L1: more of them can be in
    flight at once, and pass 2 finds the V rows in L2 anyway (128 requests x 400 tokens of
-   4 x 64 from DRAM: 11 GB/s one thread, 19-20 GB/s two, against 7.5 and 15 into L1). With longer rows each of a chunk's rows sits on its own 4 KB page, and the same
+   4 x 64 from DRAM: 11 GB/s one thread, 19-20 GB/s two, against 7.5 and 15 into L1).
+   With longer rows each of a chunk's rows sits on its own 4 KB page, and the same
    prefetches made 8 kv heads x 128 25% slower, so they are off there. */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));  /* any address */

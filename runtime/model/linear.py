@@ -41,11 +41,29 @@ def _set_loader(param: nn.Parameter, loader: Loader) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
+# Rows per call oneDNN lays the packed weights out for. Measured here (AVX-512, 2 threads) on
+# the bench model's shapes: 128 is within a few percent of the best hint at every row count
+# from 1 to 2048, while a hint of 1 loses up to 2x from 8 rows up.
+PACK_ROWS_HINT = 128
+
+
+def onednn_pack(weight: torch.Tensor, rows_hint: int = PACK_ROWS_HINT) -> torch.Tensor:
+    """``weight`` ``[out, in]`` in oneDNN's blocked layout, for ``onednn_linear``."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return reorder(weight.detach(), rows_hint)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` on a weight packed by ``onednn_pack``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, through the oneDNN-packed copy when the layer has one."""
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return onednn_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
@@ -216,17 +234,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits
 
 
-# Rows per call oneDNN lays the packed weights out for. Measured here (AVX-512, 2 threads) on
-# the bench model's shapes: 128 is within a few percent of the best hint at every row count
-# from 1 to 2048, while a hint of 1 loses up to 2x from 8 rows up.
-PACK_ROWS_HINT = 128
-
-
 def pack_cpu_linear_weights(model: nn.Module) -> int:
     """On CPU, float32: give every linear layer its weight in oneDNN's blocked layout, the one
     oneDNN's matmul reads directly (what inductor's CPU freezing and vLLM's CPU build use).
-    Against MKL's ``F.linear`` on the same weights: 1.2-1.5x at 32 rows and more, up to 3x
-    for the LM head at 1-16 rows (bench/linear_cpu.py); the sums round differently, within
+    Against MKL's ``F.linear`` on the same weights: 1.2-1.7x at 16-2048 rows, 2-9x for the
+    LM head at 1-16 rows (bench/linear_cpu.py); the sums round differently, within
     float32 tolerance. The dense weight is dropped (a meta tensor keeps its shape), except a
     tied LM head's, which is the embedding table. Returns the layers packed; none when this
     torch has no oneDNN."""
@@ -242,8 +254,7 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
         assert isinstance(weight, torch.Tensor)
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue  # measured for float32 only
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        module.packed = reorder(weight.detach(), PACK_ROWS_HINT)
+        module.packed = onednn_pack(weight)
         if id(weight) not in tied:
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
                                          requires_grad=False)
