@@ -107,8 +107,8 @@ class Worker:
             self.max_model_len, self.config.block_size, self.config.enforce_eager)
         if runner.decode_graphs is not None:
             self.graph_capture_seconds = runner.decode_graphs.capture_seconds
-        # after the warm-up, not before: it would compete with loading for the cores
-        self.grammars().prepare_in_background()
+        # before the engine reports ready: built later, it held the GIL against the first steps
+        self.grammars().prepare()
 
     def profile_num_kv_blocks(self) -> int | None:
         """CUDA: the KV blocks that fit ``gpu_memory_utilization`` after a profiled max-size

@@ -91,11 +91,13 @@ def test_compiled_grammars_are_cached_per_spec(grammars) -> None:
                                                                         source="[0-9]{5}"))
 
 
-def test_the_compiler_is_built_in_the_background_and_a_request_waits_for_the_rest(
-        tiny_qwen2) -> None:
+def test_the_compiler_is_built_once_by_prepare_and_requests_reuse_it(tiny_qwen2) -> None:
     config = json.loads((tiny_qwen2 / "config.json").read_text())
     backend = GrammarBackend(str(tiny_qwen2), config["vocab_size"], [1, 2])
-    assert backend.prepare_in_background()
+    assert not backend.prepared
+    assert backend.prepare()
+    assert backend.prepared
+    compiler = backend._get_compiler()
     assert backend.compiled(GrammarSpec(kind="regex", source="[a-z]{3}")) is not None
-    assert backend.built_by == "grammar-compiler"  # not rebuilt on the request's thread
-    assert backend.prepare_in_background()  # once: nothing more to start
+    assert backend.prepare()
+    assert backend._get_compiler() is compiler  # not rebuilt by a request or a second call

@@ -28,6 +28,9 @@ def test_warmup_runs_a_full_size_step_and_leaves_no_state(tiny_llama, load_worke
     worker = load_worker(tiny_llama, num_blocks=16, block_size=16, max_num_batched_tokens=256)
     worker.warmup()
     assert worker.states == {}
+    # the grammar compiler too: the engine reports ready only after warm-up, and built later
+    # it would hold the GIL against the replica's first steps
+    assert worker.grammars().prepared
 
 
 def test_request_state_lives_from_new_requests_to_finished(tiny_qwen2, load_worker,
