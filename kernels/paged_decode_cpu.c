@@ -66,14 +66,19 @@ static void softmax_rows(float *scores, int64_t num_heads, int64_t span, float *
    AVX2 registers elsewhere). The scalar path's dot products end in a sequential 16-lane
    horizontal sum per score, which cost more than the memory traffic; here 16 tokens' partial
    sums are reduced together by a shuffle tree, and the output accumulators stay in
-   registers across a block's tokens. Where a token's K/V row (all kv heads) is at most
-   PREFETCH_MAX_ROW floats, pass 1 also asks for the V rows pass 2 will read and for the
-   next block's K rows, each kv head's once, while it computes: the hardware prefetchers
-   alone left the loads waiting (about 13% faster at 4 kv heads x 64, 6% at 8 x 64, in runs
-   here). The prefetches go to L2 (locality 2, prefetcht1), not L1: more of them can be in
-   flight at once, and pass 2 finds the V rows in L2 anyway (128 requests x 400 tokens of
-   4 x 64 from DRAM: 11 GB/s one thread, 19-20 GB/s two, against 7.5 and 15 into L1).
-   With longer rows each of a chunk's rows sits on its own 4 KB page, and the same
+   registers across a block's tokens. Query heads go in pairs: a GQA group's two heads share
+   each K and V row load, and two heads' trees run side by side.
+
+   Where a token's K/V row (all kv heads) is at most PREFETCH_MAX_ROW floats, pass 1 also
+   asks for the V rows pass 2 will read and for the next block's K rows, each kv head's
+   once, a row at a time next to the K row it is loading: the hardware prefetchers alone
+   left the loads waiting. Issued a chunk's worth at a time, the same prefetches stalled
+   the loads behind them; spread over the rows, compute and DRAM traffic overlap (128
+   requests x 200-400 tokens of 4 x 64 from DRAM, two threads: 15-17 GB/s against 13.5-14.6
+   chunk-wise; one thread 11.4-12.5 against 8.9-10.4; a plain read of the same pages with
+   the same prefetches reached 30 and 13.7). The prefetches go to L2 (locality 2,
+   prefetcht1), not L1: more of them can be in flight at once, and pass 2 finds the V rows
+   in L2 anyway. With longer rows each of a chunk's rows sits on its own 4 KB page, and the
    prefetches made 8 kv heads x 128 25% slower, so they are off there. */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));  /* any address */
@@ -88,36 +93,78 @@ static inline f32x16 max16(f32x16 a, f32x16 b) {
     return (f32x16)((a_wins & (i32x16)a) | (~a_wins & (i32x16)b));
 }
 
-/* The tree below leaves token i in lane bit_reverse(i): partial sums are stored at the
-   bit-reversed slot so that lane i of the result is token i. */
-static const int bit_reverse16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+/* One level of the tree: two vectors of partial sums -> one, adjacent lane groups added. */
+#define TREE1(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, \
+                                             20, 21, 22, 23) \
+                   + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, \
+                                             27, 28, 29, 30, 31))
+#define TREE2(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, \
+                                             24, 25, 26, 27) \
+                   + __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, \
+                                             15, 28, 29, 30, 31))
+#define TREE3(a, b) (__builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, \
+                                             12, 13, 28, 29) \
+                   + __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, \
+                                             27, 14, 15, 30, 31))
+#define TREE4(a, b) (__builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, \
+                                             12, 28, 14, 30) \
+                   + __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, \
+                                             13, 29, 15, 31))
 
-/* lane i of the result = the sum of x[i]'s 16 lanes (with x in bit-reversed order) */
-static inline f32x16 sum_lanes16(const f32x16 *x) {
-    f32x16 y[8], z[4], w[2];
-    for (int i = 0; i < 8; ++i)
-        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
-                                       17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
-                                       24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; ++i)
-        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8,
-                                       9, 10, 11, 24, 25, 26, 27)
-             + __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12,
-                                       13, 14, 15, 28, 29, 30, 31);
-    for (int i = 0; i < 2; ++i)
-        w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8,
-                                       9, 24, 25, 12, 13, 28, 29)
-             + __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10,
-                                       11, 26, 27, 14, 15, 30, 31);
-    return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
-                                   28, 14, 30)
-         + __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
-                                   29, 15, 31);
+/* Two query heads' dot products with one token's K rows (ka for head a, kb for head b).
+   With same_kv (both heads in one GQA group) the row is loaded once for both. */
+typedef struct { f32x16 a, b; } f32x16_pair;
+
+static inline __attribute__((always_inline)) void prefetch_row(const float *p, int64_t vecs) {
+    if (p != NULL)
+        for (int64_t v = 0; v < vecs; ++v) __builtin_prefetch(p + 16 * v, 0, 2);
 }
 
-/* The vector path for one request. Inlined with head_dim a constant where it is common, so
-   the loops over a row's vectors unroll and the accumulators live in registers. */
+static inline __attribute__((always_inline)) f32x16_pair dot_pair(
+        const f32x16 *qa, const f32x16 *qb, const float *ka, const float *kb, int64_t vecs,
+        int same_kv) {
+    f32x16 ka0 = LOAD16(ka), kb0 = same_kv ? ka0 : LOAD16(kb);
+    f32x16_pair d = {qa[0] * ka0, qb[0] * kb0};
+    for (int64_t v = 1; v < vecs; ++v) {
+        const f32x16 kav = LOAD16(ka + 16 * v), kbv = same_kv ? kav : LOAD16(kb + 16 * v);
+        d.a += qa[v] * kav;
+        d.b += qb[v] * kbv;
+    }
+    return d;
+}
+
+/* Scores of 16 tokens (rows k + i * token_stride, i < n) for two heads: lane i of .a / .b is
+   token i's dot product with head a / b. The partial-sum vectors are made in the order the
+   tree consumes them, so each level's inputs die as soon as they are added and only a few
+   vectors per head are live at once. */
+static inline __attribute__((always_inline)) f32x16_pair scores16_pair(
+        const f32x16 *qa, const f32x16 *qb, const float *ka, const float *kb,
+        int64_t token_stride, int64_t n, int64_t vecs, int same_kv, const float *const pf[4]) {
+#define DOT(t) ((t) < n ? (prefetch_row(pf[0] ? pf[0] + (t) * token_stride : NULL, vecs), \
+                           prefetch_row(pf[1] ? pf[1] + (t) * token_stride : NULL, vecs), \
+                           prefetch_row(pf[2] ? pf[2] + (t) * token_stride : NULL, vecs), \
+                           prefetch_row(pf[3] ? pf[3] + (t) * token_stride : NULL, vecs), \
+                           dot_pair(qa, qb, ka + (t) * token_stride, kb + (t) * token_stride, \
+                                    vecs, same_kv)) : (f32x16_pair){{0}, {0}})
+#define L1(t0, t1) ({ f32x16_pair x0 = DOT(t0), x1 = DOT(t1); \
+                      (f32x16_pair){TREE1(x0.a, x1.a), TREE1(x0.b, x1.b)}; })
+#define L2(t0, t1, t2, t3) ({ f32x16_pair y0 = L1(t0, t1), y1 = L1(t2, t3); \
+                              (f32x16_pair){TREE2(y0.a, y1.a), TREE2(y0.b, y1.b)}; })
+#define L3(t) ({ f32x16_pair z0 = L2(t, t + 8, t + 4, t + 12), \
+                             z1 = L2(t + 2, t + 10, t + 6, t + 14); \
+                 (f32x16_pair){TREE3(z0.a, z1.a), TREE3(z0.b, z1.b)}; })
+    const f32x16_pair w0 = L3(0), w1 = L3(1);
+#undef L3
+#undef L2
+#undef L1
+#undef DOT
+    return (f32x16_pair){TREE4(w0.a, w1.a), TREE4(w0.b, w1.b)};
+}
+
+/* The vector path for one request. Query heads go in pairs (a GQA group's two heads load
+   each K and V row once: 8 requests x 400 tokens in cache, 57-60 GB/s against 50-54 one
+   head at a time). Inlined with head_dim a constant where it is common, so the loops over
+   a row's vectors unroll and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend_one_vec(
         const float *q, float *out, const float *k_cache, const float *v_cache,
         const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
@@ -145,37 +192,46 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         for (int64_t c = lo; c < hi; c += 16) {
             const int64_t n = hi - c < 16 ? hi - c : 16;
             const int64_t t0 = b * block_size + c - first;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const int64_t head_at = c * token_stride + (h / group) * head_dim;
-                const float *k_head = block_k + head_at;
-                if (prefetch && h % group == 0)
-                    for (int64_t i = 0; i < n; ++i)
-                        for (int64_t v = 0; v < vecs; ++v) {
-                            const int64_t at = head_at + i * token_stride + 16 * v;
-                            __builtin_prefetch(block_v + at, 0, 2);
-                            if (next_k != NULL) __builtin_prefetch(next_k + at, 0, 2);
-                        }
-                f32x16 qv[MAX_VECS];
-                for (int64_t v = 0; v < vecs; ++v) qv[v] = LOAD16(q + h * head_dim + 16 * v);
-                f32x16 partial[16];
-                for (int64_t i = n; i < 16; ++i) partial[bit_reverse16[i]] = (f32x16){0};
-                for (int64_t i = 0; i < n; ++i) {
-                    const float *k = k_head + i * token_stride;
-                    f32x16 dot = qv[0] * LOAD16(k);
-                    for (int64_t v = 1; v < vecs; ++v) dot += qv[v] * LOAD16(k + 16 * v);
-                    partial[bit_reverse16[i]] = dot;
+            for (int64_t ha = 0; ha < num_heads; ha += 2) {
+                const int64_t hb = ha + 1 < num_heads ? ha + 1 : ha;
+                /* once per kv head, spread over its rows' loads: the V rows pass 2 will
+                   read and the next block's K rows */
+                const int64_t row_a = c * token_stride + (ha / group) * head_dim;
+                const int64_t row_b = c * token_stride + (hb / group) * head_dim;
+                const float *pf[4] = {NULL, NULL, NULL, NULL};
+                if (prefetch && ha % group == 0) {
+                    pf[0] = block_v + row_a;
+                    pf[1] = next_k != NULL ? next_k + row_a : NULL;
                 }
-                f32x16 sums = sum_lanes16(partial) * scale;
+                if (prefetch && hb != ha && hb % group == 0 && hb / group != ha / group) {
+                    pf[2] = block_v + row_b;
+                    pf[3] = next_k != NULL ? next_k + row_b : NULL;
+                }
+                const float *ka = block_k + row_a, *kb = block_k + row_b;
+                f32x16 qa[MAX_VECS], qb[MAX_VECS];
+                for (int64_t v = 0; v < vecs; ++v) {
+                    qa[v] = LOAD16(q + ha * head_dim + 16 * v);
+                    qb[v] = LOAD16(q + hb * head_dim + 16 * v);
+                }
+                const f32x16_pair s = ka == kb
+                    ? scores16_pair(qa, qb, ka, ka, token_stride, n, vecs, 1, pf)
+                    : scores16_pair(qa, qb, ka, kb, token_stride, n, vecs, 0, pf);
+                f32x16 sa = s.a * scale, sb = s.b * scale;
                 if (n == 16) {
-                    STORE16(scores + h * span + t0, sums);
+                    STORE16(scores + ha * span + t0, sa);
+                    STORE16(scores + hb * span + t0, sb);
                 } else {  /* the lanes past the block's end hold no token */
-                    float lanes[16];
-                    memcpy(lanes, &sums, sizeof lanes);
-                    memcpy(scores + h * span + t0, lanes, (size_t)n * sizeof(float));
-                    for (int64_t i = n; i < 16; ++i) lanes[i] = -INFINITY;
-                    memcpy(&sums, lanes, sizeof lanes);
+                    float la[16], lb[16];
+                    memcpy(la, &sa, sizeof la);
+                    memcpy(lb, &sb, sizeof lb);
+                    memcpy(scores + ha * span + t0, la, (size_t)n * sizeof(float));
+                    memcpy(scores + hb * span + t0, lb, (size_t)n * sizeof(float));
+                    for (int64_t i = n; i < 16; ++i) la[i] = lb[i] = -INFINITY;
+                    memcpy(&sa, la, sizeof la);
+                    memcpy(&sb, lb, sizeof lb);
                 }
-                peaks[h] = max16(peaks[h], sums);
+                peaks[ha] = max16(peaks[ha], sa);
+                peaks[hb] = max16(peaks[hb], sb);
             }
         }
     }
@@ -188,7 +244,8 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         inv_sum[h] = 1.0f / exp_shifted(scores + h * span, span, peak);
     }
 
-    /* pass 2: out_h = sum_t p[h][t] * v_t, the accumulator in registers over each block */
+    /* pass 2: out_h = sum_t p[h][t] * v_t, two heads' accumulators in registers over each
+       block, each V row loaded once for both where they share it */
     for (int64_t h = 0; h < num_heads; ++h)
         memset(out + h * head_dim, 0, (size_t)head_dim * sizeof(float));
     for (int64_t b = first_block; b <= last_block; ++b) {
@@ -196,16 +253,34 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
         const float *block_v = v_cache + (int64_t)table[b] * block_size * token_stride;
         const int64_t t0 = b * block_size - first;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const float *v_head = block_v + (h / group) * head_dim;
-            const float *p = scores + h * span + t0;
-            f32x16 acc[MAX_VECS];
-            for (int64_t v = 0; v < vecs; ++v) acc[v] = LOAD16(out + h * head_dim + 16 * v);
-            for (int64_t off = lo; off < hi; ++off) {
-                const float *row = v_head + off * token_stride;
-                for (int64_t v = 0; v < vecs; ++v) acc[v] += p[off] * LOAD16(row + 16 * v);
+        for (int64_t ha = 0; ha < num_heads; ha += 2) {
+            const int64_t hb = ha + 1 < num_heads ? ha + 1 : ha;
+            const float *va = block_v + (ha / group) * head_dim;
+            const float *vb = block_v + (hb / group) * head_dim;
+            const float *pa = scores + ha * span + t0, *pb = scores + hb * span + t0;
+            f32x16 acc_a[MAX_VECS], acc_b[MAX_VECS];
+            for (int64_t v = 0; v < vecs; ++v) {
+                acc_a[v] = LOAD16(out + ha * head_dim + 16 * v);
+                acc_b[v] = LOAD16(out + hb * head_dim + 16 * v);
             }
-            for (int64_t v = 0; v < vecs; ++v) STORE16(out + h * head_dim + 16 * v, acc[v]);
+            if (va == vb)
+                for (int64_t off = lo; off < hi; ++off)
+                    for (int64_t v = 0; v < vecs; ++v) {
+                        const f32x16 row = LOAD16(va + off * token_stride + 16 * v);
+                        acc_a[v] += pa[off] * row;
+                        acc_b[v] += pb[off] * row;
+                    }
+            else
+                for (int64_t off = lo; off < hi; ++off)
+                    for (int64_t v = 0; v < vecs; ++v) {
+                        acc_a[v] += pa[off] * LOAD16(va + off * token_stride + 16 * v);
+                        acc_b[v] += pb[off] * LOAD16(vb + off * token_stride + 16 * v);
+                    }
+            /* hb == ha (an odd last head): both accumulators hold the same sums */
+            for (int64_t v = 0; v < vecs; ++v) {
+                STORE16(out + ha * head_dim + 16 * v, acc_a[v]);
+                STORE16(out + hb * head_dim + 16 * v, acc_b[v]);
+            }
         }
     }
     for (int64_t h = 0; h < num_heads; ++h) {

@@ -24,7 +24,7 @@ def _decode_inputs(batch, num_heads: int, head_dim: int, rng: torch.Generator):
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [
-    (8, 4, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16), (6, 2, 16, 1),
+    (8, 4, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16), (6, 2, 16, 1), (5, 5, 32, 8),
 ])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_matches_the_reference_on_random_paged_decodes(
