@@ -332,7 +332,8 @@ def main() -> int:
         for server in servers:
             server.wait_up()
             print(f"{server.name}: up after {server.startup_seconds:.0f} s", flush=True)
-        warm = Workload("warm-up", workloads[0].requests[:4] if workloads else [], concurrency=4)
+        # its own prompts: the first workload's would be in both prefix caches when it runs
+        warm = burst_workload(vocab, 4, 16, prompts, 4, seed=1)
         for server in servers:  # the first requests are slow on both (compile, allocator)
             for _ in range(2):
                 asyncio.run(drive(server.url, warm))
