@@ -4,7 +4,9 @@ Every server is started first, on the same model directory (the bench-size llama
 make-model --size bench``) and the same limits (max_num_seqs, max_num_batched_tokens,
 max_model_len, a 2 GiB KV cache); then each workload runs on every server back to back (the
 order alternates from one workload to the next), so a change in the shared machine's load hits
-both systems alike. Requests are token ids (``prompt: [ids]``), greedy, ``ignore_eos``,
+both systems alike. Before each run every server's process tree must be quiet (under 0.1 core
+together, ``peers.wait_until_quiet``): vLLM's keeps a core busy for about a second after its
+last request, and whoever ran next was measured a core short. Requests are token ids (``prompt: [ids]``), greedy, ``ignore_eos``,
 streamed with usage. Workloads (sizes are flags, so a short run is possible):
 
 - ``burst``: C requests at once for each C in ``--concurrency`` (1 means ``--single-requests``
@@ -341,7 +343,11 @@ def main() -> int:
         results: list[Result] = []
         for index, workload in enumerate(workloads):
             order = servers if index % 2 == 0 else servers[::-1]
-            results += [run_one(server, workload) for server in order]
+            for server in order:
+                waited = peers.wait_until_quiet(servers)
+                if waited >= 20.0:
+                    print(f"  (the servers were still busy after {waited:.0f} s)", flush=True)
+                results.append(run_one(server, workload))
     finally:
         for server in servers:
             server.stop()
