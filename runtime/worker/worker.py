@@ -59,7 +59,7 @@ class Worker:
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are pending
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
-        self._grammars: GrammarBackend | None = None  # prepared in the background once warm
+        self._grammars: GrammarBackend | None = None  # prepared by warmup(), before ready
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
