@@ -119,11 +119,16 @@ class GrammarBackend:
         return self._compiler is not None
 
     def prepare(self) -> bool:
-        """Build the compiler now (once); False when xgrammar is not installed (a
-        structured request then fails as it would have)."""
+        """Build the compiler now (once); False when xgrammar is not installed or the build
+        fails (logged: unconstrained requests are served all the same, and a structured
+        request tries again and gets the error)."""
         if importlib.util.find_spec("xgrammar") is None:
             return False
-        self._get_compiler()
+        try:
+            self._get_compiler()
+        except Exception:
+            log.exception("preparing the grammar compiler failed")
+            return False
         return True
 
     def _get_compiler(self) -> Any:

@@ -101,3 +101,11 @@ def test_the_compiler_is_built_once_by_prepare_and_requests_reuse_it(tiny_qwen2)
     assert backend.compiled(GrammarSpec(kind="regex", source="[a-z]{3}")) is not None
     assert backend.prepare()
     assert backend._get_compiler() is compiler  # not rebuilt by a request or a second call
+
+
+def test_a_compiler_that_cannot_be_built_does_not_stop_the_worker(tmp_path, caplog) -> None:
+    backend = GrammarBackend(str(tmp_path), 1024, [1])  # no tokenizer files here
+    assert not backend.prepare()  # logged, not raised: unconstrained requests still run
+    assert "preparing the grammar compiler failed" in caplog.text
+    with pytest.raises(ValueError):  # a structured request gets the error
+        backend.compiled(GrammarSpec(kind="regex", source="[a-z]"))
