@@ -198,20 +198,20 @@ class ServerProcess:
         self.log.close()
 
 
-def wait_until_quiet(servers: list[ServerProcess], cores: float = 0.1, window_s: float = 0.5,
-                     timeout_s: float = 20.0) -> float:
+def wait_until_quiet(servers: list[ServerProcess], timeout_s: float, cores: float = 0.1,
+                     window_s: float = 0.5) -> bool:
     """Wait until the servers' process trees together use under ``cores`` over a window;
-    returns the seconds waited (``timeout_s`` when they never went quiet). Servers that are
-    up at once share the cores, and vLLM's keeps about one core busy for a second after its
-    last request ends: measured right after it, a neighbour ran short of a core."""
-    started = time.monotonic()
+    False when they were still busy after ``timeout_s``. Servers that are up at once share
+    the cores, and vLLM's keeps about one core busy for a second after its last request
+    ends: measured right after it, a neighbour ran short of a core."""
+    deadline = time.monotonic() + timeout_s
     while True:
         before = sum(s.cpu_seconds() for s in servers)
         time.sleep(window_s)
-        used = (sum(s.cpu_seconds() for s in servers) - before) / window_s
-        waited = time.monotonic() - started
-        if used < cores or waited >= timeout_s:
-            return waited
+        if (sum(s.cpu_seconds() for s in servers) - before) / window_s < cores:
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num_seqs: int,

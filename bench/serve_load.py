@@ -6,8 +6,9 @@ max_model_len, a 2 GiB KV cache); then each workload runs on every server back t
 order alternates from one workload to the next), so a change in the shared machine's load hits
 both systems alike. Before each run every server's process tree must be quiet (under 0.1 core
 together, ``peers.wait_until_quiet``): vLLM's keeps a core busy for about a second after its
-last request, and whoever ran next was measured a core short. Requests are token ids (``prompt: [ids]``), greedy, ``ignore_eos``,
-streamed with usage. Workloads (sizes are flags, so a short run is possible):
+last request, and whoever ran next was measured a core short. Requests are token ids
+(``prompt: [ids]``), greedy, ``ignore_eos``, streamed with usage. Workloads (sizes are flags,
+so a short run is possible):
 
 - ``burst``: C requests at once for each C in ``--concurrency`` (1 means ``--single-requests``
   one after another), prompts ``--prompt-range`` tokens, for each ``--new-tokens`` value;
@@ -61,6 +62,8 @@ class Workload:
     concurrency: int = 0  # >0: a closed loop of this many in flight; 0: arrivals below
     rate: float = float("inf")  # Poisson arrivals (requests/s); inf: all at once
     chats: list[list[Request]] = field(default_factory=list)  # each list: one user's turns
+
+QUIET_TIMEOUT_S = 20.0  # the longest a run waits for the servers to go quiet
 
 
 @dataclass
@@ -344,9 +347,9 @@ def main() -> int:
         for index, workload in enumerate(workloads):
             order = servers if index % 2 == 0 else servers[::-1]
             for server in order:
-                waited = peers.wait_until_quiet(servers)
-                if waited >= 20.0:
-                    print(f"  (the servers were still busy after {waited:.0f} s)", flush=True)
+                if not peers.wait_until_quiet(servers, timeout_s=QUIET_TIMEOUT_S):
+                    print(f"  (the servers were still busy after {QUIET_TIMEOUT_S:.0f} s)",
+                          flush=True)
                 results.append(run_one(server, workload))
     finally:
         for server in servers:

@@ -93,23 +93,23 @@ static inline f32x16 max16(f32x16 a, f32x16 b) {
     return (f32x16)((a_wins & (i32x16)a) | (~a_wins & (i32x16)b));
 }
 
-/* One level of the tree: two vectors of partial sums -> one, adjacent lane groups added. */
-#define TREE1(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, \
-                                             20, 21, 22, 23) \
-                   + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, \
-                                             27, 28, 29, 30, 31))
-#define TREE2(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, \
-                                             24, 25, 26, 27) \
-                   + __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, \
-                                             15, 28, 29, 30, 31))
-#define TREE3(a, b) (__builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, \
-                                             12, 13, 28, 29) \
-                   + __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, \
-                                             27, 14, 15, 30, 31))
-#define TREE4(a, b) (__builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, \
-                                             12, 28, 14, 30) \
-                   + __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, \
-                                             13, 29, 15, 31))
+/* One level of the tree: two vectors of partial sums -> one, each lane the sum of a lane
+   taken by the first shuffle and one taken by the second (level k adds lane groups of
+   16 >> k; four levels leave token i's whole sum in lane i). */
+#define TREE(a, b, first, second) \
+    (__builtin_shufflevector(a, b, first) + __builtin_shufflevector(a, b, second))
+#define TREE1_FIRST 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define TREE1_SECOND 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define TREE2_FIRST 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define TREE2_SECOND 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define TREE3_FIRST 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define TREE3_SECOND 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define TREE4_FIRST 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define TREE4_SECOND 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define TREE1(a, b) TREE(a, b, TREE1_FIRST, TREE1_SECOND)
+#define TREE2(a, b) TREE(a, b, TREE2_FIRST, TREE2_SECOND)
+#define TREE3(a, b) TREE(a, b, TREE3_FIRST, TREE3_SECOND)
+#define TREE4(a, b) TREE(a, b, TREE4_FIRST, TREE4_SECOND)
 
 /* Two query heads' dot products with one token's K rows (ka for head a, kb for head b).
    With same_kv (both heads in one GQA group) the row is loaded once for both. */
