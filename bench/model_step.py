@@ -1,11 +1,11 @@
-"""One model step on CPU, decode and prefill, as a share of the matmul rate measured here.
+"""One model step on CPU, decode and prefill, against the CPU floor measured here.
 
-Isolates the model side (Worker: model, torch attention, sampler) from the scheduler: the
-KV cache is filled with random values and plans are written directly, so a decode step over
-long contexts costs no prefill first. Prints, per step kind, milliseconds per step, the
-model FLOP rate (2 x linear parameters per token, the LM head per sampled row, attention
-over each token's context) and its ratio to torch's matmul rate at the same row count,
-measured in the same run (the CPU roofline). The machine is shared: figures are noisy.
+Isolates the model side (Worker: model, attention, sampler) from the scheduler: the KV cache
+is filled with random values and plans are written directly, so a decode step over long
+contexts costs no prefill first. Prints, per step kind, milliseconds per step, the step's
+floor (``bench/floor.py``: its matmul FLOPs at the matmul peak measured in the same run plus
+its decode K/V bytes at the streaming read rate) and the floor's share of the step. The
+machine is shared: figures are noisy.
 
     .venv/bin/python bench/model_step.py [--arch llama] [--size bench] [--batch 128]
         [--context 400] [--prefill 4x512] [--threads 0]
@@ -16,41 +16,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import Floor, Work  # noqa: E402  (bench/ is not a package)
+
 BLOCK = 16
-
-
-def linear_params(mc: ModelConfig) -> int:
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    per_layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size \
-        + 3 * mc.hidden_size * mc.intermediate_size
-    return mc.num_layers * per_layer
-
-
-def step_flops(mc: ModelConfig, tokens: int, sampled: int, context_pairs: int) -> float:
-    """context_pairs: sum over tokens of the context each attends to."""
-    attention = 4 * context_pairs * mc.num_heads * mc.head_dim * mc.num_layers
-    return 2 * linear_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * sampled \
-        + attention
-
-
-def matmul_rate(mc: ModelConfig, rows: int, repeats: int = 10) -> float:
-    a = torch.randn(rows, mc.hidden_size)
-    b = torch.randn(mc.intermediate_size, mc.hidden_size)
-    for _ in range(3):
-        a @ b.T
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b.T
-    return 2 * rows * mc.hidden_size * mc.intermediate_size * repeats / (
-        time.perf_counter() - start)
 
 
 def plan(step: int, lengths: list[int], query_lens: list[int], vocab: int,
@@ -115,19 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     prefill_plans = [plan(100 + s, [prefill_len] * n_prefill, [prefill_len] * n_prefill,
                           mc.vocab_size, True) for s in range(4)]
     cases = [
-        (f"decode {args.batch} x ctx {args.context}", decode_plans, args.batch, args.batch,
-         args.batch * args.context),
-        (f"prefill {n_prefill} x {prefill_len}", prefill_plans, n_prefill * prefill_len,
-         n_prefill, n_prefill * prefill_len * (prefill_len + 1) // 2),
+        (f"decode {args.batch} x ctx {args.context}", decode_plans,
+         Work(tokens=args.batch, sampled=args.batch, decode_contexts=args.batch * args.context)),
+        (f"prefill {n_prefill} x {prefill_len}", prefill_plans,
+         Work(tokens=n_prefill * prefill_len, sampled=n_prefill,
+              prompt_pairs=n_prefill * prefill_len * (prefill_len + 1) // 2)),
     ]
-    print(f"{'step':<24} {'ms/step':>9} {'model GFLOP/s':>14} {'matmul GFLOP/s':>15} "
+    floor = Floor.measure(mc, torch.get_num_threads())
+    print(floor.describe())
+    print(f"{'step':<24} {'ms/step':>9} {'floor ms':>9} {'matmul ms':>10} {'K/V ms':>7} "
           f"{'share':>7}")
-    for name, plans, tokens, sampled, pairs in cases:
+    for name, plans, work in cases:
         seconds = timed(worker, plans)
-        roof = matmul_rate(mc, tokens)
-        rate = step_flops(mc, tokens, sampled, pairs) / seconds
-        print(f"{name:<24} {seconds * 1e3:>9.1f} {rate / 1e9:>14.1f} {roof / 1e9:>15.1f} "
-              f"{100 * rate / roof:>6.1f}%")
+        compute_s, kv_s = floor.split(work)
+        print(f"{name:<24} {seconds * 1e3:>9.1f} {(compute_s + kv_s) * 1e3:>9.1f} "
+              f"{compute_s * 1e3:>10.1f} {kv_s * 1e3:>7.1f} "
+              f"{100 * (compute_s + kv_s) / seconds:>6.1f}%")
     return 0
 
 

@@ -13,9 +13,10 @@ Per round (``--rounds``, interleaved so a change in the shared machine's load hi
 - with ``--peer hf`` as well (context only): HF ``generate`` in static batches at the best
   batch size of a calibration, and HF continuous batching.
 
-For each: output tokens/s, ratio to the peer (best vLLM binding), share of the CPU roofline
-(the workload's model FLOPs over the torch matmul rate measured in this run at the steps'
-shapes) and the load average when it ran. The machine is shared (2 cores): figures are noisy.
+For each: output tokens/s, ratio to the peer (best vLLM binding), share of the CPU floor
+measured in this run (``bench/floor.py``: the matmul FLOPs at the measured matmul rate plus the
+decode K/V bytes at a streaming read rate) and the load average when it ran. The machine is
+shared (2 cores): figures are noisy.
 
     .venv/bin/python bench/offline_throughput.py [--peer vllm[,hf]] [--requests 128]
         [--rounds 1] [--json out.json] [--quick]
@@ -41,11 +42,11 @@ for _name, _value in OPENMP_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
-from shoal.runtime.model.config import ModelConfig, load_model_config  # noqa: E402
-from shoal.runtime.model.linear import onednn_linear, onednn_pack  # noqa: E402
+from shoal.runtime.model.config import load_model_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package)
+from floor import Floor, Work  # noqa: E402
 
 
 @dataclass
@@ -67,56 +68,6 @@ def make_workload(count: int, vocab: int, prompt_range: tuple[int, int],
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))]
                for _ in range(count)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(count)])
-
-
-# -- the roofline ------------------------------------------------------------------------------
-
-def linear_shapes(mc: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) of one layer's matmuls."""
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    return [(mc.hidden_size, q + 2 * kv), (q, mc.hidden_size),
-            (mc.hidden_size, 2 * mc.intermediate_size), (mc.intermediate_size, mc.hidden_size)]
-
-
-def workload_flops(mc: ModelConfig, work: Workload) -> float:
-    per_token = 2 * mc.num_layers * sum(i * o for i, o in linear_shapes(mc))
-    lm_head = 2 * mc.hidden_size * mc.vocab_size
-    attn_per_ctx = 4 * mc.num_layers * mc.num_heads * mc.head_dim  # QK^T and PV per key
-    total = 0.0
-    for prompt, out in zip(work.prompts, work.output_lens, strict=True):
-        tokens = len(prompt) + out - 1  # the last generated token is never fed back
-        total += per_token * tokens + lm_head * out
-        total += attn_per_ctx * tokens * (tokens + 1) / 2
-    return total
-
-
-def matmul_rate(mc: ModelConfig, rows: tuple[int, ...] = (128, 512, 2048),
-                min_seconds: float = 1.0) -> dict[int, float]:
-    """FLOP/s of the faster CPU matmul (MKL's ``x @ w``, oneDNN on packed weights) at one
-    layer's shapes (+ LM head) for each row count."""
-    shapes = linear_shapes(mc) + [(mc.hidden_size, mc.vocab_size)]
-    rates = {}
-    for m in rows:
-        weights = [torch.randn(i, o) for i, o in shapes]
-        inputs = [torch.randn(m, i) for i, _ in shapes]
-        flops_per_round = sum(2 * m * i * o for i, o in shapes)
-        variants = [[lambda x=x, w=w: x @ w for x, w in zip(inputs, weights, strict=True)]]
-        if torch.backends.mkldnn.is_available():
-            packed = [onednn_pack(w.t().contiguous()) for w in weights]
-            variants.append([lambda x=x, p=p: onednn_linear(x, p)
-                             for x, p in zip(inputs, packed, strict=True)])
-        best = 0.0
-        for calls in variants:
-            for call in calls:  # warm up
-                call()
-            rounds, start = 0, time.perf_counter()
-            while time.perf_counter() - start < min_seconds:
-                for call in calls:
-                    call()
-                rounds += 1
-            best = max(best, flops_per_round * rounds / (time.perf_counter() - start))
-        rates[m] = best
-    return rates
 
 
 # -- the three systems -------------------------------------------------------------------------
@@ -273,17 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = cached_model(args.arch, size)
     mc = load_model_config(model_dir)
     work = make_workload(count, mc.vocab_size, prompt_range, output_range)  # type: ignore[arg-type]
-    flops = workload_flops(mc, work)
-    torch.set_num_threads(max(thread_counts))  # the roofline of the widest setting
-    rates = matmul_rate(mc)
-    torch.set_num_threads(thread_counts[0])
-    peak = max(rates.values())
-    roofline_s = flops / peak
-    print(f"model {model_dir.name}; {count} requests, {sum(map(len, work.prompts))} prompt + "
-          f"{work.output_tokens} output tokens; {flops / 1e12:.2f} TFLOP; torch threads "
-          f"{torch.get_num_threads()}; load average {peers.load_average()}")
-    print("matmul GFLOP/s at rows " + ", ".join(f"{m}: {r / 1e9:.1f}" for m, r in rates.items())
-          + f" -> roofline {roofline_s:.1f} s")
+    floor = Floor.measure(mc, max(thread_counts))  # the floor of the widest setting
+    prompt_lens = [len(p) for p in work.prompts]
+    compute_s, kv_s = floor.split(Work.of_requests(prompt_lens, work.output_lens))
+    floor_s = compute_s + kv_s
+    print(f"model {model_dir.name}; {count} requests, {sum(prompt_lens)} prompt + "
+          f"{work.output_tokens} output tokens; torch threads {torch.get_num_threads()}; load "
+          f"average {peers.load_average()}")
+    print(f"{floor.describe()} -> floor {floor_s:.1f} s (matmuls {compute_s:.1f} s + decode "
+          f"K/V reads {kv_s:.1f} s; bench/floor.py)")
 
     rows: list[dict] = []
 
@@ -331,27 +280,28 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, float] = {}  # system -> its best round's tok/s
     for r in rows:
         r["output_tok_s"] = work.output_tokens / r["seconds"]
-        r["roofline_share"] = roofline_s / r["seconds"]
+        r["floor_share"] = floor_s / r["seconds"]
         best[r["system"]] = max(best.get(r["system"], 0.0), r["output_tok_s"])
     peer_name = max((s for s in best if s.startswith("vllm")), key=best.__getitem__,
                     default=None)
     ours_name = max((s for s in best if s.startswith("shoal")), key=best.__getitem__)
     print(f"\n{'system':<34} {'round':>5} {'seconds':>8} {'out tok/s':>10} {'x peer':>7} "
-          f"{'% roofline':>11}  load 1/5/15")
+          f"{'% floor':>8}  load 1/5/15")
     for r in rows:
         ratio = f"{r['output_tok_s'] / best[peer_name]:.2f}" if peer_name else "-"
         r["ratio_to_peer"] = r["output_tok_s"] / best[peer_name] if peer_name else None
         print(f"{r['system']:<34} {r['round']:>5} {r['seconds']:>8.1f} {r['output_tok_s']:>10.1f} "
-              f"{ratio:>7} {100 * r['roofline_share']:>10.1f}%  {r['load_average']}")
+              f"{ratio:>7} {100 * r['floor_share']:>7.1f}%  {r['load_average']}")
     if peer_name:
         print(f"{ours_name} / {peer_name} (the better setting of each, best rounds): "
               f"{best[ours_name] / best[peer_name]:.2f}x")
     print("(target: >= 1.2x the peer; shared machine: noisy)")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": model_dir.name, "requests": count, "workload_flops": flops,
-            "matmul_flops_per_s": {str(k): v for k, v in rates.items()},
-            "roofline_seconds": roofline_s, "hf_static_trials_tok_s": trials,
+            "model": model_dir.name, "requests": count,
+            "matmul_flops_per_s": {str(k): v for k, v in floor.matmul_flops_per_s.items()},
+            "read_bytes_per_s": floor.read_bytes_per_s, "floor_seconds": floor_s,
+            "hf_static_trials_tok_s": trials,
             "peer": peer_name, "results": rows}, indent=2))
     return 0
 

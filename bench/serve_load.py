@@ -21,8 +21,9 @@ so a short run is possible):
 
 Per server and workload: output tokens/s (from each stream's usage), TTFT and inter-token
 latency p50/p99 (client side: gaps between chunks that carry text), the CPU time the server's
-process tree spent per output token (steadier than wall time on a shared machine) and the load
-average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
+process tree spent per output token (steadier than wall time on a shared machine), for bursts
+the share of the workload's CPU floor measured before the servers start (``bench/floor.py``)
+and the load average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
 ``--threads`` (one server each, all up at once); the better of each is its figure (by tok/s)
 and the ratios compare those two. The machine is shared: figures are noisy.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -42,9 +44,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from shoal.runtime.model.config import load_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (bench/ is not a package)
+from floor import Floor, Work  # noqa: E402
 
 SERVED_NAME = "bench"
 
@@ -62,6 +66,11 @@ class Workload:
     concurrency: int = 0  # >0: a closed loop of this many in flight; 0: arrivals below
     rate: float = float("inf")  # Poisson arrivals (requests/s); inf: all at once
     chats: list[list[Request]] = field(default_factory=list)  # each list: one user's turns
+    floor_tokens_per_s: float = float("nan")  # bench/floor.py; set for bursts only
+
+    def work(self) -> Work:
+        return Work.of_requests([len(r.prompt) for r in self.requests],
+                                [r.max_tokens for r in self.requests])
 
 QUIET_TIMEOUT_S = 20.0  # the longest a run waits for the servers to go quiet
 
@@ -88,6 +97,7 @@ class Result:
     errors: int
     load_average: str
     cpu_ms_per_token: float = float("nan")  # the server's process tree, all its processes
+    floor_share: float = float("nan")  # the workload's floor tok/s over the measured tok/s
 
 
 def random_ids(rng: random.Random, vocab: int, count: int) -> list[int]:
@@ -216,10 +226,12 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
     tokens = sum(r.output_tokens for r in results if r.error is None)
     if tokens:
         result.cpu_ms_per_token = 1000 * (server.cpu_seconds() - cpu_before) / tokens
+    result.floor_share = result.tokens_per_s / workload.floor_tokens_per_s
     errors = [r.error for r in results if r.error]
     print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p50/p99 "
           f"{result.ttft_p50:.3f}/{result.ttft_p99:.3f} s  ITL p50/p99 {result.itl_p50:.3f}/"
-          f"{result.itl_p99:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  load {load}"
+          f"{result.itl_p99:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  floor "
+          f"{100 * result.floor_share:.0f}%  load {load}"
           + (f"  errors: {errors[:2]}" if errors else ""),
           flush=True)
     return result
@@ -229,12 +241,13 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
 
 def print_table(results: list[Result]) -> None:
     print(f"\n{'workload':<34}{'server':<17}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>9}"
-          f"{'TTFT p99':>9}{'ITL p50':>8}{'ITL p99':>8}{'err':>4}{'CPU ms/tok':>11}  "
-          f"{'load 1/5/15':<14}")
+          f"{'TTFT p99':>9}{'ITL p50':>8}{'ITL p99':>8}{'err':>4}{'CPU ms/tok':>11}"
+          f"{'% floor':>8}  {'load 1/5/15':<14}")
     for r in results:
         print(f"{r.workload:<34}{r.server:<17}{r.tokens_per_s:>8.1f}{r.requests_per_s:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p99:>9.3f}{r.itl_p50:>8.3f}{r.itl_p99:>8.3f}"
-              f"{r.errors:>4}{r.cpu_ms_per_token:>11.2f}  {r.load_average:<14}")
+              f"{r.errors:>4}{r.cpu_ms_per_token:>11.2f}{100 * r.floor_share:>7.1f}%  "
+              f"{r.load_average:<14}")
     workloads = list(dict.fromkeys(r.workload for r in results))
     print(f"\n{'workload':<34}{'shoal (best)':<17}{'peer (best)':<17}{'tok/s ratio':>12}"
           f"{'TTFT p99 ratio':>16}{'CPU/token ratio':>17}")
@@ -322,6 +335,16 @@ def main() -> int:
                                        args.chat_system_prompts, args.chat_system_len,
                                        args.chat_user_len, args.chat_reply_len, seed=11))
 
+    # Measured before any server starts, with every core. Bursts only: Poisson runs are
+    # paced by their arrivals and chat prompts hit the prefix cache (less work than the floor's).
+    floor = Floor.measure(load_model_config(model_dir), threads=len(os.sched_getaffinity(0)))
+    print(f"{floor.describe()}; floors (bench/floor.py):", flush=True)
+    for workload in workloads:
+        if workload.concurrency:
+            workload.floor_tokens_per_s = sum(r.max_tokens for r in workload.requests) \
+                / floor.seconds(workload.work())
+            print(f"  {workload.name}: {workload.floor_tokens_per_s:.0f} tok/s", flush=True)
+
     limits = (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
     servers: list[peers.ServerProcess] = []
     try:
@@ -359,6 +382,10 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "model": model_dir.name, "startup_seconds": {s.name: s.startup_seconds
                                                          for s in servers},
+            "matmul_flops_per_s": {str(k): v for k, v in floor.matmul_flops_per_s.items()},
+            "read_bytes_per_s": floor.read_bytes_per_s,
+            "floor_tokens_per_s": {w.name: w.floor_tokens_per_s for w in workloads
+                                   if w.concurrency},
             "results": [asdict(r) for r in results]}, indent=2))
     return 0
 
