@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -231,13 +232,17 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
     print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p50/p99 "
           f"{result.ttft_p50:.3f}/{result.ttft_p99:.3f} s  ITL p50/p99 {result.itl_p50:.3f}/"
           f"{result.itl_p99:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  floor "
-          f"{100 * result.floor_share:.0f}%  load {load}"
+          f"{percent(result.floor_share)}  load {load}"
           + (f"  errors: {errors[:2]}" if errors else ""),
           flush=True)
     return result
 
 
 # -- report --------------------------------------------------------------------------------------
+
+def percent(share: float) -> str:
+    return "-" if math.isnan(share) else f"{100 * share:.1f}%"  # NaN: no floor for this workload
+
 
 def print_table(results: list[Result]) -> None:
     print(f"\n{'workload':<34}{'server':<17}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>9}"
@@ -246,7 +251,7 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         print(f"{r.workload:<34}{r.server:<17}{r.tokens_per_s:>8.1f}{r.requests_per_s:>7.2f}"
               f"{r.ttft_p50:>9.3f}{r.ttft_p99:>9.3f}{r.itl_p50:>8.3f}{r.itl_p99:>8.3f}"
-              f"{r.errors:>4}{r.cpu_ms_per_token:>11.2f}{100 * r.floor_share:>7.1f}%  "
+              f"{r.errors:>4}{r.cpu_ms_per_token:>11.2f}{percent(r.floor_share):>8}  "
               f"{r.load_average:<14}")
     workloads = list(dict.fromkeys(r.workload for r in results))
     print(f"\n{'workload':<34}{'shoal (best)':<17}{'peer (best)':<17}{'tok/s ratio':>12}"
