@@ -23,9 +23,9 @@ Per server and workload: output tokens/s (from each stream's usage), TTFT and in
 latency p50/p99 (client side: gaps between chunks that carry text), the CPU time the server's
 process tree spent per output token (steadier than wall time on a shared machine), for bursts
 the share of the workload's CPU floor measured before the servers start (``bench/floor.py``)
-and the load average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and Shoal at each OMP thread count in
-``--threads`` (one server each, all up at once); the better of each is its figure (by tok/s)
-and the ratios compare those two. The machine is shared: figures are noisy.
+and the load average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and
+Shoal at each OMP thread count in ``--threads`` (one server each, all up at once); the better
+of each is its figure (by tok/s) and the ratios compare those two. The machine is shared: figures are noisy.
 
     .venv/bin/python bench/serve_load.py --peer vllm [--workloads burst,poisson,chat]
         [--concurrency 1,16,48,128,256] [--new-tokens 64,128] [--rates 1,2,4] [--json out.json]
@@ -98,7 +98,7 @@ class Result:
     errors: int
     load_average: str
     cpu_ms_per_token: float = float("nan")  # the server's process tree, all its processes
-    floor_share: float = float("nan")  # the workload's floor tok/s over the measured tok/s
+    floor_share: float = float("nan")  # measured tok/s over the workload's floor tok/s
 
 
 def random_ids(rng: random.Random, vocab: int, count: int) -> list[int]:
@@ -346,8 +346,8 @@ def main() -> int:
     print(f"{floor.describe()}; floors (bench/floor.py):", flush=True)
     for workload in workloads:
         if workload.concurrency:
-            workload.floor_tokens_per_s = sum(r.max_tokens for r in workload.requests) \
-                / floor.seconds(workload.work())
+            work = workload.work()
+            workload.floor_tokens_per_s = work.sampled / floor.seconds(work)
             print(f"  {workload.name}: {workload.floor_tokens_per_s:.0f} tok/s", flush=True)
 
     limits = (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len)
