@@ -1,6 +1,7 @@
 """The decoder's position-wise ops for CPU float32 (``cpu_ops.c``, in the native library of
-``native_cpu``): RMSNorm with an optional fused residual add, SiLU-and-mul, and the neox
-rotary embedding in place. Each is one pass over its rows where torch runs several ops.
+``native_cpu``): RMSNorm with an optional fused residual add, SiLU-and-mul, the neox
+rotary embedding in place, and the new K/V rows' write into their cache slots. Each is one
+pass over its rows where torch runs several ops.
 
 The inputs come from the model's own layers, so checks are of kind, not of every index:
 float32 CPU tensors whose last dimension is contiguous.
@@ -75,3 +76,37 @@ def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if tokens:
         load().shoal_rotary_neox_f32(x.data_ptr(), x.stride(0), heads, head_dim,
                                      cos.data_ptr(), sin.data_ptr(), cos.stride(0), tokens)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``reshape_and_cache`` for CPU float32: token t's ``k[t]``/``v[t]`` ``[Hk, D]`` go to
+    flat slot ``slot_mapping[t]`` (int64; negative: padding, skipped) of the
+    ``[blocks, block_size, Hk, D]`` caches. ``k``/``v`` may be views into wider rows (the
+    fused qkv rows) whose heads are contiguous within a token."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} differ")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, heads, dim]")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache heads/dim {tuple(k_cache.shape[2:])} do not match key "
+                         f"{(num_kv_heads, head_dim)}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64 \
+            or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be a contiguous [{num_tokens}] int64 vector, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    for name, x in (("key", k), ("value", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    for name, x in (("key", k), ("value", v)):
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError(f"{name}'s heads must be contiguous within a token, strides "
+                             f"{x.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if num_tokens:
+        load().shoal_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                  k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slot_mapping.data_ptr(), num_tokens,
+                                  num_kv_heads * head_dim)

@@ -53,6 +53,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_rms_norm_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32]),
     "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
     "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),
+    "shoal_write_kv_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]),
 }
 
 

@@ -1,4 +1,5 @@
-"""CPU attention: decode rows and prefill chunks through the native kernels, K/V in place.
+"""CPU attention: decode rows and prefill chunks through the native kernels, K/V in place
+(the step's new K/V rows written into their slots by ``cpu_ops.write_kv``).
 
 On a CPU, decode attention is bound by memory traffic over the KV cache. The torch reference
 backend gathers each request's pages into a dense buffer and reads it again; the native
@@ -16,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shoal.kernels import native_cpu, paged_decode_cpu, paged_prefill_cpu
+from shoal.kernels import cpu_ops, native_cpu, paged_decode_cpu, paged_prefill_cpu
 from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
     attend_prefills,
     prefill_spans,
     step_plan,
-    write_kv,
 )
 
 _NO_SPANS = paged_prefill_cpu.prefill_spans_tensor([])
@@ -70,7 +70,7 @@ class CpuAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
         plan = step_plan(self, meta, CpuAttentionPlan)
-        write_kv(k, v, k_cache, v_cache, meta)
+        cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows
         paged_decode_cpu.paged_decode_attention(
             q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,

@@ -1,11 +1,24 @@
-"""reshape_and_cache writes exactly the slots it is given, and nothing else."""
+"""reshape_and_cache writes exactly the slots it is given, and nothing else: the Triton
+kernel (GPU; here through triton's interpreter) and the native CPU one (float32) alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from shoal.kernels import cpu_ops, native_cpu
 from shoal.kernels.reference import reshape_and_cache_ref
-from shoal.kernels.reshape_and_cache import reshape_and_cache
+from shoal.kernels.reshape_and_cache import reshape_and_cache as triton_reshape_and_cache
+
+
+def _native_or_skip(*args):
+    if native_cpu.unavailable_reason() is not None:
+        pytest.skip(f"native CPU kernels unavailable: {native_cpu.unavailable_reason()}")
+    cpu_ops.write_kv(*args)
+
+
+@pytest.fixture(params=["triton", "native_cpu"])
+def reshape_and_cache(request):
+    return triton_reshape_and_cache if request.param == "triton" else _native_or_skip
 
 
 def _poisoned_cache(num_blocks, block_size, heads, dim, dtype):
@@ -16,7 +29,10 @@ def _poisoned_cache(num_blocks, block_size, heads, dim, dtype):
     "num_kv_heads,head_dim,block_size,dtype",
     [(2, 8, 4, torch.float32), (3, 12, 16, torch.float32), (1, 16, 8, torch.float16)],
 )
-def test_new_tokens_land_in_their_slots_and_nowhere_else(rng, num_kv_heads, head_dim, block_size, dtype):
+def test_new_tokens_land_in_their_slots_and_nowhere_else(rng, reshape_and_cache, num_kv_heads,
+                                                         head_dim, block_size, dtype):
+    if dtype != torch.float32 and reshape_and_cache is _native_or_skip:
+        pytest.skip("the native CPU kernel writes float32 caches")
     num_blocks, num_tokens = 6, 11
     slots = torch.randperm(num_blocks * block_size, generator=rng)[:num_tokens]
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=rng).to(dtype)
@@ -35,7 +51,7 @@ def test_new_tokens_land_in_their_slots_and_nowhere_else(rng, num_kv_heads, head
     assert k_cache.isnan().flatten(2).all(-1).sum() == num_blocks * block_size - num_tokens
 
 
-def test_negative_slots_are_padding_and_are_skipped(rng):
+def test_negative_slots_are_padding_and_are_skipped(rng, reshape_and_cache):
     key = torch.randn(4, 2, 8, generator=rng)
     value = torch.randn(4, 2, 8, generator=rng)
     k_cache = _poisoned_cache(2, 4, 2, 8, torch.float32)
@@ -49,7 +65,7 @@ def test_negative_slots_are_padding_and_are_skipped(rng):
     assert k_cache.isnan().flatten(2).all(-1).sum() == 8 - 2
 
 
-def test_strided_key_views_are_accepted(rng):
+def test_strided_key_views_are_accepted(rng, reshape_and_cache):
     """The model slices K and V out of one fused qkv projection: rows are strided views."""
     qkv = torch.randn(5, 3, 2, 8, generator=rng)
     key, value = qkv[:, 1], qkv[:, 2]
@@ -63,7 +79,7 @@ def test_strided_key_views_are_accepted(rng):
     torch.testing.assert_close(v_cache.view(-1, 2, 8)[slots], value)
 
 
-def test_mismatched_shapes_are_rejected_with_a_clear_error():
+def test_mismatched_shapes_are_rejected_with_a_clear_error(reshape_and_cache):
     key = torch.zeros(3, 2, 8)
     cache = torch.zeros(4, 4, 2, 16)
     with pytest.raises(ValueError, match="do not match"):
