@@ -10,6 +10,7 @@ float32 CPU tensors whose last dimension is contiguous.
 from __future__ import annotations
 
 import torch
+from shoal.kernels.kv_layout import check_kv_write_shapes
 from shoal.kernels.native_cpu import load
 
 
@@ -84,18 +85,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     flat slot ``slot_mapping[t]`` (int64; negative: padding, skipped) of the
     ``[blocks, block_size, Hk, D]`` caches. ``k``/``v`` may be views into wider rows (the
     fused qkv rows) whose heads are contiguous within a token."""
+    check_kv_write_shapes(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} differ")
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, heads, dim]")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"cache heads/dim {tuple(k_cache.shape[2:])} do not match key "
-                         f"{(num_kv_heads, head_dim)}")
-    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64 \
-            or not slot_mapping.is_contiguous():
-        raise ValueError(f"slot_mapping must be a contiguous [{num_tokens}] int64 vector, got "
-                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be contiguous int64, got {slot_mapping.dtype}")
     for name, x in (("key", k), ("value", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"{name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")

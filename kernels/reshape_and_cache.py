@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from shoal.kernels.kv_layout import check_kv_write_shapes
 from shoal.kernels.launch import check_launchable
 
 
@@ -59,17 +60,8 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int32/int64, negative = skip
 ) -> None:
+    check_kv_write_shapes(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, heads, dim]")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"cache heads/dim {tuple(k_cache.shape[2:])} do not match key {(num_kv_heads, head_dim)}"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
     check_launchable(key, value, k_cache, v_cache, slot_mapping)
