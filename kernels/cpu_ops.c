@@ -92,8 +92,8 @@ void shoal_rotary_neox_f32(float *x, int64_t token_stride, int64_t heads, int64_
 /* This step's new K and V rows into their cache slots: row t of k and v (row_floats wide,
    rows k_stride / v_stride apart: views into the fused qkv rows) goes to slot slots[t] of
    the [slots, row_floats] caches; a negative slot (a padding row) is skipped. One memcpy
-   per row; torch's index_copy_ over strided
-   views costs more in dispatch than the copy itself at decode sizes. */
+   per row: torch's index_copy_ over the strided views cost more in dispatch than the
+   copy itself at decode sizes. */
 void shoal_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                         float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
                         int64_t row_floats) {

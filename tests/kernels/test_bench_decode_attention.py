@@ -13,10 +13,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"
 
 
 @pytest.mark.skipif(native_cpu.unavailable_reason() is not None,
-                    reason="native CPU kernels unavailable")
+                    reason="no C compiler here: the native CPU kernels are unavailable")
 def test_the_kernel_and_the_streaming_read_are_reported_side_by_side():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--threads", "1", "--layers", "2", "--shapes", "3x40"],
-                          capture_output=True, text=True, timeout=300, check=True)
+    command = [sys.executable, str(SCRIPT), "--threads", "1", "--layers", "2", "--shapes", "3x40"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("torch threads 1; streaming read ")
     row = next(line for line in lines if line.startswith("3x40"))

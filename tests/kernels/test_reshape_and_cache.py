@@ -16,23 +16,30 @@ def _native_or_skip(*args):
     cpu_ops.write_kv(*args)
 
 
-@pytest.fixture(params=["triton", "native_cpu"])
+KERNELS = {"triton": triton_reshape_and_cache, "native_cpu": _native_or_skip}
+
+
+@pytest.fixture(params=list(KERNELS))
 def reshape_and_cache(request):
-    return triton_reshape_and_cache if request.param == "triton" else _native_or_skip
+    return KERNELS[request.param]
 
 
 def _poisoned_cache(num_blocks, block_size, heads, dim, dtype):
     return torch.full((num_blocks, block_size, heads, dim), float("nan"), dtype=dtype)
 
 
+SHAPES = [(2, 8, 4, torch.float32), (3, 12, 16, torch.float32), (1, 16, 8, torch.float16)]
+
+
 @pytest.mark.parametrize(
-    "num_kv_heads,head_dim,block_size,dtype",
-    [(2, 8, 4, torch.float32), (3, 12, 16, torch.float32), (1, 16, 8, torch.float16)],
+    "kernel,num_kv_heads,head_dim,block_size,dtype",
+    [("triton", *shape) for shape in SHAPES]
+    # the native CPU kernel writes the float32 caches of the CPU path only
+    + [("native_cpu", *shape) for shape in SHAPES if shape[-1] == torch.float32],
 )
-def test_new_tokens_land_in_their_slots_and_nowhere_else(rng, reshape_and_cache, num_kv_heads,
-                                                         head_dim, block_size, dtype):
-    if dtype != torch.float32 and reshape_and_cache is _native_or_skip:
-        pytest.skip("the native CPU kernel writes float32 caches")
+def test_new_tokens_land_in_their_slots_and_nowhere_else(rng, kernel, num_kv_heads, head_dim,
+                                                         block_size, dtype):
+    reshape_and_cache = KERNELS[kernel]
     num_blocks, num_tokens = 6, 11
     slots = torch.randperm(num_blocks * block_size, generator=rng)[:num_tokens]
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=rng).to(dtype)
