@@ -128,7 +128,7 @@ class BlockPool:
     def cache_blocks(self, blocks: list[KVBlock], hashes: list[int], parent_hash: int | None,
                      block_size: int) -> None:
         """Make full blocks findable by hash. A hash already held by another block (the same
-        prefix computed twice in one step) leaves this block unhashed: one block per hash."""
+        prefix computed twice) leaves this block unhashed: one block per hash."""
         stored: list[int] = []
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block_hash in self.cached:
@@ -148,6 +148,11 @@ class BlockPool:
         self.cached[block_hash] = block
         if self.record_events:
             self.events.append(BlockStored([block_hash], parent_hash, block_size))
+
+    def uncache(self, block: KVBlock) -> None:
+        """Make a block unfindable (its K/V is not what its hash says); no-op if unhashed."""
+        if block.block_hash is not None:
+            self._evict(block)
 
     def _evict(self, block: KVBlock) -> None:
         block_hash = block.block_hash

@@ -6,6 +6,14 @@ became full get hashed and shareable (``cache_full_blocks``), and frees a reques
 when it finishes or is preempted. Only full blocks are ever hashed, so only full blocks are
 shared; a shared block is read-only because nobody appends into a full block.
 
+A prefill chunk's blocks are hashed when the chunk is scheduled (``cache_blocks_ahead``), not
+after its step: a request admitted later in the same step then shares them instead of
+computing the same prefix again (many users sending one system prompt at once). Every
+attention backend writes a step's K/V before any row of the step reads the cache, so the
+sharer reads them complete. A step that fails wrote nothing anyone may trust: its
+ahead-hashed blocks are forgotten (``forget_unwritten``); a step that ran clears the record
+(``written``).
+
 Block tables also live in one persistent int32 array, one row per request holding blocks,
 so building a step's ``block_tables`` is a single fancy-indexing copy.
 """
@@ -49,6 +57,7 @@ class KVCacheManager:
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading table blocks already offered to the cache
+        self._unwritten: list[KVBlock] = []  # hashed ahead by the step in flight
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.block_table_array = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
@@ -112,6 +121,28 @@ class KVCacheManager:
         self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent,
                                self.block_size)
         self._num_hashed[seq.req_id] = full
+
+    def cache_blocks_ahead(self, seq: KVSequence, num_tokens: int) -> None:
+        """``cache_full_blocks`` for a chunk being scheduled: the blocks that are full once
+        the step computes ``num_tokens`` become shareable now (see the module docstring)."""
+        if not self.enable_prefix_caching:
+            return
+        done = self._num_hashed.get(seq.req_id)
+        if done is None or num_tokens // self.block_size <= done:
+            return
+        self.cache_full_blocks(seq, num_tokens)
+        self._unwritten.extend(self.tables[seq.req_id][done:self._num_hashed[seq.req_id]])
+
+    def written(self) -> None:
+        """The step in flight ran: its ahead-hashed blocks hold their K/V."""
+        self._unwritten.clear()
+
+    def forget_unwritten(self) -> None:
+        """The step in flight failed: unhash the blocks it hashed ahead (their K/V may never
+        have been written). Its requests are preempted or failed by the caller."""
+        for block in self._unwritten:
+            self.pool.uncache(block)
+        self._unwritten.clear()
 
     def cache_filled_blocks(self, seqs: list[KVSequence], num_computed: list[int]) -> None:
         """``cache_full_blocks`` for decode rows whose last step filled a block, once per

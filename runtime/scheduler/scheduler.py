@@ -5,7 +5,8 @@ running prefill ``min(remaining, budget)``), so decode is never starved by prefi
 running request that cannot get a block preempts the newest running request (or, under the
 priority policy, the worst-priority one) by recompute. If nothing was preempted, waiting
 requests are admitted while budget, ``max_num_seqs`` and blocks allow, prefix-cache hits
-skipping their prefill. Chunked prefill is always on and mixes with decodes in one step.
+skipping their prefill (blocks an earlier row of the same step computes count: they are
+hashed when scheduled, ``KVCacheManager.cache_blocks_ahead``). Chunked prefill is always on and mixes with decodes in one step.
 
 ``schedule()`` returns a ``ScheduledStep`` (the plan plus the version of every row);
 ``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
@@ -113,6 +114,7 @@ class Scheduler:
         """A step failed: preempt its running rows (recomputed later, outputs kept) and
         re-send the drop list the failed plan carried (dropping is idempotent)."""
         self._finished_for_worker.extend(finished_for_worker)
+        self.kv.forget_unwritten()
         for req_id in req_ids:
             req = self.requests.get(req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
@@ -187,6 +189,7 @@ class Scheduler:
                 add_input(tokens[computed])
             else:
                 extend_input(tokens[computed:computed + count])
+                kv.cache_blocks_ahead(req, computed + count)  # shareable by admissions below
             add_req(req)
             add_id(req_id)
             add_count(count)
@@ -224,6 +227,7 @@ class Scheduler:
             count = min(req.num_tokens - computed, budget)
             if not kv.allocate_slots(req, computed, count, hits):
                 break
+            kv.cache_blocks_ahead(req, computed + count)
             waiting.pop()
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += computed
@@ -276,6 +280,7 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
+        self.kv.written()
         batch = step.batch
         if not batch:
             outputs = self._update_rows(step.plan, step.rows, result, 0)

@@ -91,6 +91,39 @@ def test_prefix_cache_hits_skip_prefill_and_keep_outputs_exact(fake_engine, run_
     assert tokens["first"] == reference(executor, system + [11, 12], 4)
 
 
+def test_requests_admitted_in_one_step_compute_their_shared_prefix_once(fake_engine,
+                                                                        run_to_completion):
+    core, executor = fake_engine()
+    system = prompt_of(21, 12)
+    prompts = {f"user{i}": system + prompt_of(3, 20 + i) for i in range(4)}
+    for req_id, prompt in prompts.items():
+        core.add_request(request(req_id, prompt, max_tokens=3))
+    tokens, _ = run_to_completion(core)
+    first = executor.plans[0]
+    assert first.req_ids == list(prompts)  # all four admitted in one step
+    query_lens = [int(n) for n in first.query_start_loc[1:] - first.query_start_loc[:-1]]
+    assert query_lens == [24, 4, 4, 4]  # the others read user0's 5 blocks as it writes them
+    assert core.stats().prefix_cache_hits == 3 * 20
+    for req_id, prompt in prompts.items():
+        assert tokens[req_id] == reference(executor, prompt, 3)
+
+
+def test_a_failed_step_forgets_the_blocks_it_hashed_ahead(fake_engine, run_to_completion):
+    core, executor = fake_engine()
+    system = prompt_of(21, 13)
+    core.add_request(request("a", system + [11], max_tokens=3))
+    core.add_request(request("b", system + [12], max_tokens=3))
+    scheduler = core.scheduler
+    scheduled = scheduler.schedule()  # b shares a's blocks before a's step has run
+    assert scheduled is not None and scheduled.plan.req_ids == ["a", "b"]
+    scheduler.revoke(["a", "b"], [])  # the step failed: none of its K/V can be trusted
+    assert not scheduler.kv.pool.cached
+    core.check_invariants()
+    tokens, _ = run_to_completion(core)  # both recompute the prefix: the outputs are exact
+    assert tokens["a"] == reference(executor, system + [11], 3)
+    assert tokens["b"] == reference(executor, system + [12], 3)
+
+
 def test_whole_prompt_in_cache_still_recomputes_its_last_token(fake_engine, run_to_completion):
     core, executor = fake_engine()
     prompt = prompt_of(16, 8)  # exactly 4 full blocks
