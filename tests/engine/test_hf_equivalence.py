@@ -98,6 +98,20 @@ def test_prefix_cache_hits_with_staggered_arrivals_match_hf(arch, tiny_model_dir
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefix_shared_within_one_step_matches_hf(arch, tiny_model_dirs, hf_greedy,
+                                                    assert_matches_hf):
+    """Requests arriving together read the system prompt's K/V in the step that writes it."""
+    rng = random.Random(5)
+    system = random_prompt(rng, 45)
+    arrivals = [(0, f"r{i}", system + random_prompt(rng, rng.randint(1, 20)),
+                 rng.randint(4, 16)) for i in range(6)]
+    core = engine(tiny_model_dirs[arch], block_size=8)
+    outputs = run(core, arrivals)
+    assert core.stats().prefix_cache_hits == 5 * 40  # all five others, in the first step
+    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_preemption_by_a_tiny_kv_cache_matches_hf(arch, tiny_model_dirs, hf_greedy,
                                                   assert_matches_hf):
     rng = random.Random(4)  # prompts fit together; their generations do not
