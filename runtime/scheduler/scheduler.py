@@ -6,7 +6,8 @@ running request that cannot get a block preempts the newest running request (or,
 priority policy, the worst-priority one) by recompute. If nothing was preempted, waiting
 requests are admitted while budget, ``max_num_seqs`` and blocks allow, prefix-cache hits
 skipping their prefill (blocks an earlier row of the same step computes count: they are
-hashed when scheduled, ``KVCacheManager.cache_blocks_ahead``). Chunked prefill is always on and mixes with decodes in one step.
+hashed when scheduled, ``KVCacheManager.cache_blocks_ahead``). Chunked prefill is always on
+and mixes with decodes in one step.
 
 ``schedule()`` returns a ``ScheduledStep`` (the plan plus the version of every row);
 ``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
@@ -359,8 +360,8 @@ class Scheduler:
             if req.version != version or req.status is not running_status:
                 continue  # preempted or aborted since it was scheduled: stale
             computed = req.num_computed_tokens
-            if count > 1 or computed % block_size == 0:  # a block may have become full
-                kv.cache_full_blocks(req, computed)
+            if count == 1 and computed % block_size == 0:  # a decode filled a block
+                kv.cache_full_blocks(req, computed)  # (longer chunks: hashed when scheduled)
             if prompt_chunks and req.req_id in prompt_chunks:
                 store_prompt_logprobs(req, prompt_chunks[req.req_id])
             if not sample:
