@@ -46,3 +46,12 @@ def small_qwen3() -> Path:
 def tiny_model_dirs(tiny_llama: Path, tiny_qwen2: Path, tiny_qwen3: Path) -> dict[str, Path]:
     """arch name -> tiny checkpoint dir, for tests parametrised over every architecture."""
     return {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dirs() -> dict[str, Path]:
+    """Mixture-of-experts tiny checkpoints: qwen3_moe (renormalised top-k), qwen2_moe (gated
+    shared expert, a dense layer), mixtral (block_sparse_moe names)."""
+    from shoal.runtime.model.make_moe_model import MOE_ARCHS, cached_moe_model
+
+    return {arch: cached_moe_model(arch, "tiny") for arch in MOE_ARCHS}

@@ -27,6 +27,12 @@ def shard_problems(config: ModelConfig, world_size: int) -> list[str]:
     if config.intermediate_size % world_size:
         problems.append(f"MLP intermediate size {config.intermediate_size} does not divide "
                         f"across {world_size} ranks")
+    moe = config.moe
+    for what, size in (("expert", moe.intermediate_size if moe else 0),
+                       ("shared expert", moe.shared_intermediate_size if moe else 0)):
+        if size % world_size:
+            problems.append(f"{what} intermediate size {size} does not divide across "
+                            f"{world_size} ranks")
     return problems
 
 

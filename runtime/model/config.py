@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -36,6 +37,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype = torch.float32
     model_type: str = ""
+    moe: MoeConfig | None = None  # mixture of experts: see moe_config.py
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         """K and V bytes one token occupies on one rank, all layers (KV heads replicated
@@ -88,7 +90,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype_name not in _DTYPES:
         raise ValueError(f"{config_path}: unsupported dtype {dtype_name!r}")
-    use_window = raw.get("use_sliding_window", model_type == "mistral")
+    use_window = raw.get("use_sliding_window", model_type in ("mistral", "mixtral"))
     return ModelConfig(
         architecture=archs[0],
         vocab_size=int(raw["vocab_size"]),
@@ -103,12 +105,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has a qkv bias; Llama/Mistral/Qwen3 say so in attention_bias
-        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        attention_bias=bool(raw.get("attention_bias", raw.get(
+            "qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         sliding_window=int(raw["sliding_window"]) if use_window and raw.get("sliding_window")
         else None,
         eos_token_ids=_eos_ids(raw, generation),
         torch_dtype=_DTYPES[dtype_name],
         model_type=model_type,
+        moe=parse_moe_config(raw, archs[0]),
     )

@@ -26,6 +26,7 @@ from shoal.runtime.model.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from shoal.runtime.model.moe import SparseMoeBlock
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
@@ -118,10 +119,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
                  backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
-                 native: bool = False):
+                 native: bool = False, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(config, parallel, rotary, backend, dtype, device, native)
-        self.mlp = MLP(config, parallel, dtype, device, native)
+        self.mlp: nn.Module = MLP(config, parallel, dtype, device, native)
+        if config.moe is not None and config.moe.is_sparse(layer):  # the MoE block's slot
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, parallel, dtype, device,
+                                      native)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
                                        native)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
@@ -154,8 +158,8 @@ class DecoderModel(nn.Module):
         # the native cpu attention backend brings the native position-wise ops along
         native = backend.name == "cpu"
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel, rotary, backend, dtype, device, native)
-            for _ in range(config.num_layers))
+            DecoderLayer(config, parallel, rotary, backend, dtype, device, native, layer)
+            for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, native)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -200,6 +204,9 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "MistralForCausalLM": DecoderForCausalLM,
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
+    "MixtralForCausalLM": DecoderForCausalLM,
+    "Qwen2MoeForCausalLM": DecoderForCausalLM,
+    "Qwen3MoeForCausalLM": DecoderForCausalLM,
 }
 
 

@@ -16,6 +16,7 @@ from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
 from shoal.runtime.model.linear import pack_cpu_linear_weights
+from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
 
 
@@ -46,8 +47,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
                                      f"{type(model).__name__} (looked for {name!r})")
                 param = params[name]
                 loader = getattr(param, "weight_loader", _load_replicated)
-                loader(param, f.get_slice(ckpt_name), shard)
-                loaded.add((name, shard))
+                filled = loader(param, f.get_slice(ckpt_name), shard)
+                # stacked experts' loaders say which shards a (possibly fused) tensor filled
+                loaded.update((name, s) for s in filled or [shard])
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"
@@ -68,6 +70,11 @@ def _target(model: DecoderForCausalLM, ckpt_name: str) -> tuple[str, object] | N
         return None
     if ckpt_name.startswith("lm_head.") and model.config.tie_word_embeddings:
         return None  # same tensor as the embedding
+    moe = expert_checkpoint_target(ckpt_name)
+    if moe is not None:
+        if moe[1] is not None:
+            return moe
+        ckpt_name = moe[0]  # renamed into our module names; mapped as usual below
     for fragment, (packed, shard) in model.packed_modules.items():
         if f".{fragment}." in ckpt_name:
             return ckpt_name.replace(f".{fragment}.", f".{packed}."), shard
@@ -79,7 +86,10 @@ def _expected_shards(model: DecoderForCausalLM) -> list[tuple[str, object]]:
     for packed, shard in model.packed_modules.values():
         by_packed.setdefault(packed, []).append(shard)
     out: list[tuple[str, object]] = []
-    for name, _ in model.named_parameters():  # tied weights appear once, under the embedding
+    for name, param in model.named_parameters():  # tied weights appear once, under the embedding
+        if hasattr(param, "expected_shards"):  # stacked experts: one shard per expert matrix
+            out.extend((name, s) for s in param.expected_shards)
+            continue
         packed = next((p for p in by_packed if f".{p}." in name), None)
         out.extend((name, s) for s in by_packed[packed]) if packed else out.append((name, None))
     return out

@@ -13,7 +13,12 @@ from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dirs, tiny_moe_model_dirs):
+    return {**tiny_model_dirs, **tiny_moe_model_dirs}
 
 
 def random_prompt(rng: random.Random, length: int) -> list[int]:
@@ -67,59 +72,59 @@ def check(hf, assert_matches_hf, arrivals, outputs) -> int:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mixed_prompt_lengths_match_hf(arch, tiny_model_dirs, hf_greedy, assert_matches_hf):
+def test_mixed_prompt_lengths_match_hf(arch, model_dirs, hf_greedy, assert_matches_hf):
     arrivals = mixed_batch(1)
-    outputs = run(engine(tiny_model_dirs[arch]), arrivals)
-    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+    outputs = run(engine(model_dirs[arch]), arrivals)
+    assert check(hf_greedy(model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_budget_16_matches_hf(arch, tiny_model_dirs, hf_greedy,
+def test_chunked_prefill_budget_16_matches_hf(arch, model_dirs, hf_greedy,
                                               assert_matches_hf):
     arrivals = mixed_batch(1)  # same prompts as above: HF results are memoised
-    core = engine(tiny_model_dirs[arch], max_num_batched_tokens=16)
+    core = engine(model_dirs[arch], max_num_batched_tokens=16)
     outputs = run(core, arrivals)
-    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+    assert check(hf_greedy(model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_cache_hits_with_staggered_arrivals_match_hf(arch, tiny_model_dirs, hf_greedy,
+def test_prefix_cache_hits_with_staggered_arrivals_match_hf(arch, model_dirs, hf_greedy,
                                                             assert_matches_hf):
     rng = random.Random(2)
     system = random_prompt(rng, 45)
     arrivals = [(3 * i, f"r{i}", system + random_prompt(rng, rng.randint(1, 20)),
                  rng.randint(4, 16)) for i in range(6)]
     arrivals.append((20, "again", list(arrivals[0][2]), 8))  # the whole prompt cached
-    core = engine(tiny_model_dirs[arch], block_size=8)
+    core = engine(model_dirs[arch], block_size=8)
     outputs = run(core, arrivals)
     stats = core.stats()
     assert stats.prefix_cache_hits >= 5 * 40
-    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+    assert check(hf_greedy(model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_prefix_shared_within_one_step_matches_hf(arch, tiny_model_dirs, hf_greedy,
+def test_a_prefix_shared_within_one_step_matches_hf(arch, model_dirs, hf_greedy,
                                                     assert_matches_hf):
     """Requests arriving together read the system prompt's K/V in the step that writes it."""
     rng = random.Random(5)
     system = random_prompt(rng, 45)
     arrivals = [(0, f"r{i}", system + random_prompt(rng, rng.randint(1, 20)),
                  rng.randint(4, 16)) for i in range(6)]
-    core = engine(tiny_model_dirs[arch], block_size=8)
+    core = engine(model_dirs[arch], block_size=8)
     outputs = run(core, arrivals)
     assert core.stats().prefix_cache_hits == 5 * 40  # all five others, in the first step
-    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+    assert check(hf_greedy(model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_by_a_tiny_kv_cache_matches_hf(arch, tiny_model_dirs, hf_greedy,
+def test_preemption_by_a_tiny_kv_cache_matches_hf(arch, model_dirs, hf_greedy,
                                                   assert_matches_hf):
     rng = random.Random(4)  # prompts fit together; their generations do not
     arrivals = [(0, f"r{i}", random_prompt(rng, rng.randint(5, 20)), 40) for i in range(6)]
-    core = engine(tiny_model_dirs[arch], block_size=4, num_kv_blocks=32, max_model_len=128)
+    core = engine(model_dirs[arch], block_size=4, num_kv_blocks=32, max_model_len=128)
     outputs = run(core, arrivals)
     assert core.stats().num_preemptions > 0
-    assert check(hf_greedy(tiny_model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
+    assert check(hf_greedy(model_dirs[arch]), assert_matches_hf, arrivals, outputs) <= 1
 
 
 @pytest.mark.slow

@@ -1,0 +1,54 @@
+"""Mixture-of-experts as one grouped computation: tokens sorted by expert, two grouped GEMMs.
+
+Each token goes to k experts, so a step holds ``N = T * k`` (token, expert) assignments.
+Sorting them by expert makes every expert's rows contiguous; then one ``torch._grouped_mm``
+per projection multiplies each expert's rows by that expert's weight (ATen loops over the
+groups in C++, calling the CPU BLAS per group; on Hopper it is one CUTLASS grouped GEMM).
+No Python loop over experts, no padding, no copy of the weights: the experts' tensors are
+read in place through transposed views.
+
+Weights in the checkpoint's ``[out, in]`` orientation, stacked over experts:
+  w13: [E, 2 * I, H]   each expert's gate rows, then its up rows
+  w2:  [E, H, I]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_ids [T, k]`` -> (``order [N]``: assignment indices grouped by expert, in
+    token order within an expert; ``ends [E]`` int32: where each expert's rows end)."""
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch
+                    ) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for ``x [T, H]``, where
+    ``expert_e(x) = w2[e] @ act(w13[e] @ x)``. Returns ``[T, H]`` in ``x``'s dtype."""
+    tokens, top_k = topk_ids.shape
+    if tokens == 0:
+        return torch.zeros_like(x)
+    order, ends = sort_by_expert(topk_ids, w13.shape[0])
+    rows = x[order // top_k]  # [N, H], each expert's rows contiguous
+    hidden = act(torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends))
+    out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
+    out = out * topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(tokens, top_k, -1).sum(dim=1)

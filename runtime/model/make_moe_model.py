@@ -1,0 +1,113 @@
+"""Mixture-of-experts checkpoints with random weights, made by transformers' own classes.
+
+Three families, each exercising a different part of the MoE block: ``qwen3_moe`` (softmax
+top-k renormalised, q/k norm), ``qwen2_moe`` (softmax top-k not renormalised, a gated
+shared expert, a dense layer from ``mlp_only_layers``, qkv bias) and ``mixtral``
+(``block_sparse_moe.experts.N.w1/w2/w3`` tensor names). Sizes: ``tiny`` for tests, ``bench``
+a Qwen3-MoE-shaped model scaled to a CPU machine (16 layers, hidden 1024, 64 experts of 256,
+top-8). The tokenizer is the one ``make_model`` trains (Qwen flavour), so the checkpoints
+serve over HTTP like the dense ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shoal.runtime.model.make_model import (
+    CHAT_TEMPLATE,
+    ENDOFTEXT_ID,
+    EOS_TOKEN_IDS,
+    IM_END_ID,
+    INITIALIZER_RANGE,
+    _make_confident,
+    _tokenizer_config,
+    cache_dir,
+    train_tokenizer,
+)
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_SIZES = ("tiny", "bench")
+FORMAT_VERSION = 1
+
+
+def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch not in MOE_ARCHS or size not in MOE_SIZES:
+        raise ValueError(f"unknown MoE checkpoint {arch!r}/{size!r}; archs: "
+                         f"{', '.join(MOE_ARCHS)}, sizes: {', '.join(MOE_SIZES)}")
+    tiny = size == "tiny"
+    common: dict[str, Any] = dict(
+        vocab_size=1024 if tiny else 8192, hidden_size=64 if tiny else 1024,
+        num_hidden_layers=(3 if arch == "qwen2_moe" else 2) if tiny else 16,
+        num_attention_heads=4 if tiny else 16, num_key_value_heads=2 if tiny else 4,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=False, bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID, num_experts_per_tok=2 if tiny else 8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    experts = 8 if tiny else 64
+    expert_size = 32 if tiny else 256
+    if arch == "mixtral":
+        return MixtralConfig(**common, intermediate_size=expert_size, num_local_experts=experts)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, intermediate_size=96 if tiny else 2048,
+                              moe_intermediate_size=expert_size, num_experts=experts,
+                              shared_expert_intermediate_size=48 if tiny else 1024,
+                              norm_topk_prob=False, mlp_only_layers=[1] if tiny else [],
+                              use_sliding_window=False)
+    config = Qwen3MoeConfig(**common, intermediate_size=96 if tiny else 2048,
+                            moe_intermediate_size=expert_size, num_experts=experts,
+                            norm_topk_prob=True, use_sliding_window=False)
+    config.head_dim = 32 if tiny else 64  # independent of hidden / heads, as in Qwen3
+    return config
+
+
+def make_moe_model(arch: str, size: str, out_dir: str | Path, seed: int = 0,
+                   dtype: str = "float32") -> Path:
+    """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    config = moe_hf_config(arch, size)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _make_confident(model, arch, seed)
+    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
+    model.generation_config.pad_token_id = ENDOFTEXT_ID
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    train_tokenizer(config.vocab_size, "qwen3").save(str(out / "tokenizer.json"))
+    tokenizer_config = _tokenizer_config("qwen3")
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return out
+
+
+def cached_moe_model(arch: str, size: str = "tiny", seed: int = 0,
+                     dtype: str = "float32") -> Path:
+    """Build once into the shared model cache; concurrent builders race safely."""
+    target = cache_dir() / "models" / f"{arch}-{size}-{dtype}-s{seed}-m{FORMAT_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_moe_model(arch, size, tmp, seed, dtype)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

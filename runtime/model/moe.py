@@ -1,0 +1,214 @@
+"""The mixture-of-experts block that sits in the MLP slot of a sparse decoder layer.
+
+``router -> experts as one grouped computation -> (+ shared expert)``. The experts' weights
+are stacked at load into ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj
+[E, H, I]``, the fused layout transformers keeps in memory; checkpoints hold them either
+per expert (``mlp.experts.N.gate_proj.weight``, what published checkpoints and transformers'
+``save_pretrained`` write; Mixtral: ``block_sparse_moe.experts.N.w1/w3/w2``) or already
+fused (``mlp.experts.gate_up_proj``); ``expert_checkpoint_target`` maps both.
+
+Tensor parallelism splits every expert's intermediate dimension over the ranks, as the
+dense MLP's is split: each rank holds all E experts' slices, routes every token itself (the
+router is replicated and its input is identical on every rank), and the partial sums of
+routed and shared experts meet in one all-reduce per block.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.util import find_spec
+
+import torch
+from shoal.kernels.moe_grouped import grouped_experts, silu_and_mul_torch
+from shoal.runtime.model.layers import _param, native_cpu_ops
+from shoal.runtime.model.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    _matmul,
+    _read,
+)
+from shoal.runtime.model.moe_config import MoeConfig
+from shoal.runtime.model.moe_router import Routing, route
+from shoal.runtime.model.parallel import ParallelContext
+from torch import nn
+
+ExpertShard = tuple[int, str] | str  # (expert, "gate" | "up" | "down"), or "fused"
+
+
+def choose_moe_impl(device_type: str, has_triton: bool) -> str:
+    """``triton`` (kernels/fused_moe.py) on CUDA where triton is installed, else ``grouped``
+    (torch's grouped GEMM, kernels/moe_grouped.py)."""
+    return "triton" if device_type == "cuda" and has_triton else "grouped"
+
+
+def _activation(device: torch.device | str, native_cpu: bool):
+    native = native_cpu_ops(native_cpu)
+    if native is not None:
+        return native.silu_and_mul
+    if torch.device(device).type == "cuda" and find_spec("triton"):
+        from shoal.kernels.silu_and_mul import silu_and_mul
+
+        return silu_and_mul
+    return silu_and_mul_torch
+
+
+class Router(nn.Module):
+    """``weight [E, H]`` (checkpoint ``mlp.gate.weight``) and, for DeepSeek-V3 / GLM-4.5,
+    the float32 ``e_score_correction_bias [E]``."""
+
+    def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.moe = moe
+        self.weight = _param((moe.num_experts, hidden), dtype, device)
+        self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, device) \
+            if moe.correction_bias else None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        if self.moe.scoring == "sigmoid":  # DeepSeek / GLM score in float32 throughout
+            logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        else:
+            logits = torch.nn.functional.linear(x, self.weight)
+        return route(self.moe, logits, self.e_score_correction_bias)
+
+
+class FusedExperts(nn.Module):
+    """All routed experts of one layer, this rank's slice of each one's intermediate dim."""
+
+    def __init__(self, moe: MoeConfig, hidden: int, parallel: ParallelContext,
+                 dtype: torch.dtype, device: torch.device | str, native_cpu: bool = False):
+        super().__init__()
+        self.num_experts, self.size = moe.num_experts, moe.intermediate_size
+        self.start, end = parallel.shard_range(moe.intermediate_size)
+        self.local = end - self.start
+        self.gate_up_proj = _param((moe.num_experts, 2 * self.local, hidden), dtype, device)
+        self.down_proj = _param((moe.num_experts, hidden, self.local), dtype, device)
+        experts = range(moe.num_experts)
+        for param, loader, shards in (
+                (self.gate_up_proj, self._load_gate_up,
+                 [(e, kind) for e in experts for kind in ("gate", "up")]),
+                (self.down_proj, self._load_down, [(e, "down") for e in experts])):
+            param.weight_loader = loader  # type: ignore[attr-defined]
+            param.expected_shards = shards  # type: ignore[attr-defined]
+        self.impl = choose_moe_impl(torch.device(device).type, find_spec("triton") is not None)
+        self.act = _activation(device, native_cpu)
+
+    def _load_gate_up(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
+        lo, hi, size = self.start, self.start + self.local, self.size
+        if shard == "fused":  # [E, 2I, H]: all gate rows, then all up rows, per expert
+            _copy(param.data[:, :self.local], _slice3(st_slice, lo, hi), "experts.gate_up_proj")
+            _copy(param.data[:, self.local:], _slice3(st_slice, size + lo, size + hi),
+                  "experts.gate_up_proj")
+            return param.expected_shards  # type: ignore[attr-defined]
+        assert isinstance(shard, tuple)
+        expert, kind = shard
+        offset = 0 if kind == "gate" else self.local
+        _copy(param.data[expert, offset:offset + self.local], _read(st_slice, 0, lo, hi),
+              f"expert {expert} {kind}_proj")
+        return [shard]
+
+    def _load_down(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
+        lo, hi = self.start, self.start + self.local
+        if shard == "fused":  # [E, H, I]
+            tensor = st_slice.narrow(2, lo, hi - lo) if isinstance(st_slice, torch.Tensor) \
+                else st_slice[:, :, lo:hi]
+            _copy(param.data, tensor, "experts.down_proj")
+            return param.expected_shards  # type: ignore[attr-defined]
+        assert isinstance(shard, tuple)
+        expert = shard[0]
+        _copy(param.data[expert], _read(st_slice, 1, lo, hi), f"expert {expert} down_proj")
+        return [shard]
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """This rank's partial sum of each token's routed experts, ``[T, H]``."""
+        weights, ids = routing
+        if self.impl == "triton":
+            from shoal.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+
+
+def _slice3(st_slice, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of the middle dimension of a 3-d checkpoint tensor."""
+    if isinstance(st_slice, torch.Tensor):
+        return st_slice.narrow(1, lo, hi - lo)
+    return st_slice[:, lo:hi]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)} on this "
+                         f"rank, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class _PartialRowLinear(RowParallelLinear):
+    """A row-parallel projection whose partial sum is left for the block's one all-reduce."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _matmul(x, self.weight, self.packed)
+
+
+class SharedExpert(nn.Module):
+    """The always-on SwiGLU expert (Qwen2-MoE's ``shared_expert``, DeepSeek's
+    ``shared_experts``), split over ranks like the dense MLP; returns a partial sum."""
+
+    def __init__(self, hidden: int, size: int, parallel: ParallelContext, dtype: torch.dtype,
+                 device: torch.device | str, native_cpu: bool = False):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [size, size], False, parallel, dtype,
+                                                 device)
+        self.down_proj = _PartialRowLinear(size, hidden, False, parallel, dtype, device)
+        self.act = _activation(device, native_cpu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden: int, parallel: ParallelContext,
+                 dtype: torch.dtype, device: torch.device | str, native_cpu: bool = False):
+        super().__init__()
+        self.parallel = parallel
+        self.gate = Router(moe, hidden, dtype, device)
+        self.experts = FusedExperts(moe, hidden, parallel, dtype, device, native_cpu)
+        self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size, parallel,
+                                          dtype, device, native_cpu) \
+            if moe.shared_intermediate_size else None
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype, device) \
+            if moe.shared_expert_gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.parallel.all_reduce(out)
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                         r"\.weight$")
+_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+         "w2": "down"}
+
+
+def expert_checkpoint_target(ckpt_name: str) -> tuple[str, object] | None:
+    """(parameter name, shard) for a checkpoint tensor of an MoE block's routed experts, or
+    None for any other tensor. Also renames Mixtral's ``block_sparse_moe`` to ``mlp`` and
+    DeepSeek's ``shared_experts`` to ``shared_expert`` (returned with shard None when the
+    tensor is not a routed expert's, for the caller's usual mapping)."""
+    name = ckpt_name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_experts.",
+                                                                    ".mlp.shared_expert.")
+    match = _PER_EXPERT.match(name)
+    if match:
+        prefix, expert, proj = match.groups()
+        kind = _KIND[proj]
+        param = "gate_up_proj" if kind != "down" else "down_proj"
+        return f"{prefix}.{param}", (int(expert), kind)
+    if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        return name, "fused"
+    return (name, None) if name != ckpt_name else None
