@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from shoal.operator.constants import ENGINE_METRICS_PORT
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -23,8 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--server", help="API server URL without auth (development and tests)")
     parser.add_argument("--interval", type=float, default=5.0,
                         help="seconds between reconcile rounds of one object (default 5)")
-    parser.add_argument("--engine-port", type=int, default=8000,
-                        help="port of the engines' /ready and /metrics (default 8000)")
+    parser.add_argument("--engine-port", type=int, default=ENGINE_METRICS_PORT,
+                        help="port of the engines' /ready and /metrics: their --metrics-port, "
+                             f"which needs no API key (default {ENGINE_METRICS_PORT})")
     parser.add_argument("--probe-timeout", type=float, default=2.0,
                         help="seconds to wait for an engine's /ready or /metrics (default 2)")
     parser.add_argument("--liveness", metavar="URL",

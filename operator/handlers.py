@@ -15,7 +15,13 @@ from typing import Any
 import httpx
 import kopf
 from shoal.operator import metrics as operator_metrics
-from shoal.operator.constants import ANNOTATION_CAPACITY_REQUEST, GROUP, PLURAL, VERSION
+from shoal.operator.constants import (
+    ANNOTATION_CAPACITY_REQUEST,
+    ENGINE_METRICS_PORT,
+    GROUP,
+    PLURAL,
+    VERSION,
+)
 from shoal.operator.credentials import Credentials
 from shoal.operator.kube_api import API_ERRORS, ISVC, KubeApi
 from shoal.operator.login import login_handler
@@ -28,7 +34,7 @@ log = logging.getLogger("shoal.operator")
 class OperatorOptions:
     credentials: Credentials
     interval: float = 5.0  # seconds between rounds per object
-    engine_port: int = 8000
+    engine_port: int = ENGINE_METRICS_PORT  # /ready and /metrics without the API key
     probe_timeout: float = 2.0
     metrics_port: int | None = None  # the operator's own /metrics; None: not served
 

@@ -25,7 +25,7 @@ from shoal.operator.autoscale import (
 from shoal.operator.backoff import RecycleState, after_recycle, after_round, may_recycle
 from shoal.operator.constants import (
     ANNOTATION_CAPACITY_REQUEST,
-    ENGINE_PORT,
+    ENGINE_METRICS_PORT,
     ENGINE_READY_CONDITION,
 )
 from shoal.operator.engine_probe import probe_engine
@@ -62,7 +62,7 @@ class ReconcileContext:
 
     kube: KubeApi
     http: httpx.AsyncClient
-    engine_port: int = ENGINE_PORT
+    engine_port: int = ENGINE_METRICS_PORT  # /ready and /metrics without the API key
     probe_timeout: float = 2.0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from shoal.operator.constants import (
     COMPONENT_ENGINE,
     COMPONENT_ROUTER,
+    ENGINE_METRICS_PORT,
     ENGINE_PORT,
     GROUP,
     KV_EVENTS_PORT,
@@ -48,6 +49,8 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         "--namespace", owner.namespace,
         "--service", engine_name(owner),
         "--engine-port", str(ENGINE_PORT),
+        # engines guard /metrics on the serving port when they have keys; this one is open
+        "--engine-metrics-port", str(ENGINE_METRICS_PORT),
         # The router hashes prompts in the engines' block size, so its cache-affinity index
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),

@@ -80,9 +80,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics (and /health, /ready) on this port, without "
                         "the API key: for Prometheus, on a port clients cannot reach")
-    p.add_argument("--metrics-auth", action="store_true",
+    p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=None,
                    help="/metrics on the main port requires the API key (its prefix-cache "
-                        "counters tell one tenant about another's prompts)")
+                        "counters tell one tenant about another's prompts); default: on "
+                        "when API keys are configured (--metrics-port stays open)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     p.add_argument("--kv-events-endpoint", default=None,
@@ -158,7 +159,8 @@ def _main(args: argparse.Namespace) -> int:
             max_stop_token_ids=args.max_stop_token_ids),
         cache_sharing=args.cache_sharing,
         tenant_header=args.tenant_header.lower() if args.tenant_header else None,
-        stream_stall_timeout=args.stream_stall_timeout, metrics_auth=args.metrics_auth)
+        stream_stall_timeout=args.stream_stall_timeout,
+        metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)

@@ -167,7 +167,10 @@ class AsyncEngineClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            # a message, not SIGTERM: the core ignores SIGTERM, which a supervisor may send
+            # to the whole process group while this process is still draining
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(RequestType.UTILITY, UtilityCall(next(self._call_ids), "shutdown"))
             try:
                 await asyncio.to_thread(self.process.wait, timeout)
             except subprocess.TimeoutExpired:

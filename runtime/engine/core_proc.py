@@ -9,7 +9,8 @@ tensor-parallel rank each second, so a rank that dies or stops between requests 
 within about a second, not at the next step. A request's own failure (rejected on arrival,
 or isolated by the core after a step raised) is sent as a ``RequestError`` for that request
 alone; any other exception is fatal: it is reported on the output socket and the process
-exits non-zero. It never outlives the API process.
+exits non-zero. It never outlives the API process, and only that process stops it (a ``shutdown`` message;
+SIGTERM and SIGINT are ignored, so a signal to the whole process group lets the API drain).
 
 Heartbeats are answered by a thread on their own socket, with how long the current step has
 been running: the API tells a slow step (seconds of CPU prefill) from a stuck one.
@@ -151,8 +152,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     from shoal.runtime.distributed.lifeline import install_lifeline
 
     install_lifeline(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then stops us
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # the API process drains, then stops us with a "shutdown" message: a SIGTERM or Ctrl-C
+    # sent to the whole process group (systemd, kill -- -PGID) must not end the engine
+    # under requests that are still draining (the lifeline ends us if the API dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -283,6 +287,8 @@ class EngineLoop:
                 internal=True))
 
     def _utility(self, call: UtilityCall) -> None:
+        if call.method == "shutdown":  # the API process has drained: exit 0
+            raise SystemExit(0)
         if call.method == "heartbeat":
             self.core.executor.check_health()  # a dead rank raises: fatal
             reply = UtilityReply(call.call_id, True)

@@ -29,7 +29,7 @@ STARTUP_PHASES = ("loading", "profiling", "capturing", "ready")
 
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
-    method: str  # "heartbeat" | "reset_prefix_cache" | "check_invariants"
+    method: str  # "heartbeat" | "reset_prefix_cache" | "check_invariants" | "shutdown"
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

@@ -133,6 +133,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--service", default="", help="kubernetes: engine Service name")
     parser.add_argument("--engine-port", type=int, default=None,
                         help="kubernetes: engine port (default: the slice's 'http' port)")
+    parser.add_argument("--engine-metrics-port", type=int, default=None, metavar="PORT",
+                        help="scrape the engines' /metrics on this port (their "
+                             "--metrics-port, no API key needed) instead of the serving port")
     parser.add_argument("--kube-api", default=None, metavar="URL",
                         help="kubernetes API URL when not running in a pod")
     parser.add_argument("--hold-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -158,7 +161,8 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
     return RouterConfig(
         policy=args.policy, backends=list(args.backend), discovery=args.discovery,
         namespace=args.namespace or _default_namespace(), service=args.service,
-        engine_port=args.engine_port, kube_api=args.kube_api, tokenizer=args.tokenizer,
+        engine_port=args.engine_port, engine_metrics_port=args.engine_metrics_port,
+        kube_api=args.kube_api, tokenizer=args.tokenizer,
         tokenizer_from_engine=args.tokenizer_from_engine,
         block_size=args.block_size, model_revision=args.model_revision,
         chars_per_block=args.chars_per_block, cache_sharing=args.cache_sharing,

@@ -32,7 +32,8 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[
                          load_factor=config.load_factor,
                          approx_capacity=config.approx_capacity,
                          load_headroom=config.load_headroom)
-    pool = ReplicaPool(config.health_interval, config.scrape_interval)
+    pool = ReplicaPool(config.health_interval, config.scrape_interval,
+                       metrics_port=config.engine_metrics_port)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
         discovery = StaticDiscovery(config.backends)

@@ -5,6 +5,9 @@ ejects it, the next 200 brings it back. The proxy also ejects a replica at once 
 connection to it fails (passive ejection), so a killed pod stops getting traffic before the
 next poll. Load: ``/metrics`` is scraped every ``scrape_interval`` (running, waiting, KV
 usage, prefix-cache counters); the router's own in-flight count is exact and immediate.
+With ``metrics_port`` the scrape goes to that port of each replica (the engines'
+``--metrics-port``, which needs no API key), since an engine with keys guards ``/metrics`` on
+its serving port.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from shoal.runtime.router.engine_metrics import EngineMetrics, parse_engine_metrics
@@ -45,10 +49,19 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def metrics_url(url: str, port: int | None) -> str:
+    """The replica's /metrics: on its serving port, or on ``port`` of the same host."""
+    if port is None:
+        return f"{url}/metrics"
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, f"{parts.hostname}:{port}", "/metrics", "", ""))
+
+
 class ReplicaPool:
     def __init__(self, health_interval: float = 1.0, scrape_interval: float = 1.0,
                  probe_timeout: float = 2.0,
-                 scrape_headers: dict[str, str] | None = None) -> None:
+                 scrape_headers: dict[str, str] | None = None,
+                 metrics_port: int | None = None) -> None:
         if health_interval <= 0 or scrape_interval <= 0:
             raise ValueError("health and scrape intervals must be > 0")
         self._session: aiohttp.ClientSession | None = None  # made in start(), in the loop
@@ -56,6 +69,7 @@ class ReplicaPool:
         self.scrape_interval = scrape_interval
         self.probe_timeout = probe_timeout
         self.scrape_headers = scrape_headers or {}  # the router's credential for /metrics
+        self.metrics_port = metrics_port
         self.replicas: dict[str, Replica] = {}
         self.on_change: list[Callable[[set[str]], None]] = []
         self.on_ready: list[Callable[[str], None]] = []  # a replica just passed /ready
@@ -113,7 +127,7 @@ class ReplicaPool:
                 callback(replica.url)
         if ready and scrape:
             try:
-                async with session.get(f"{replica.url}/metrics",
+                async with session.get(metrics_url(replica.url, self.metrics_port),
                                        headers=self.scrape_headers) as response:
                     text = await response.text()
                     if response.status == 200:

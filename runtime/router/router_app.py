@@ -26,6 +26,7 @@ class RouterConfig:
     namespace: str = "default"
     service: str = ""
     engine_port: int | None = None
+    engine_metrics_port: int | None = None  # scrape engines' /metrics there (no key)
     kube_api: str | None = None  # out-of-cluster API server (tests, kubectl proxy)
     tokenizer: str | None = None
     tokenizer_from_engine: bool = False  # fetch the tokenizer from the first ready engine
@@ -111,7 +112,8 @@ def build_router(config: RouterConfig) -> RouterApp:
                          load_headroom=config.load_headroom)
     auth = config.edge_auth()
     pool = ReplicaPool(config.health_interval, config.scrape_interval,
-                       scrape_headers=auth.scrape_headers())
+                       scrape_headers=auth.scrape_headers(),
+                       metrics_port=config.engine_metrics_port)
     discovery: StaticDiscovery | KubernetesDiscovery
     if config.discovery == "static":
         discovery = StaticDiscovery(config.backends)

@@ -136,7 +136,9 @@ def main(argv: list[str]) -> int:
 
     # first thing, before the slow imports: a rank never outlives its executor
     install_lifeline(int(argv[1]), argv[2] == "1")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent decides
+    # Ctrl-C or a SIGTERM to the whole group reaches us too; the parent decides (STOP)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     rank = -1
     try:

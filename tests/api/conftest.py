@@ -71,7 +71,7 @@ class Server:
         return engines[0]
 
     def metric(self, name: str) -> float:
-        text = self.get("/metrics").text
+        text = httpx.get(self.base_url + "/metrics", headers=self.headers(), timeout=5).text
         match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
         assert match, f"metric {name} not exported"
         return float(match.group(1))
@@ -113,7 +113,7 @@ def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., 
     started: list[Server] = []
 
     def start(*flags: str, api_key: str | None = None, wait: bool = True,
-              model_dir: Path | None = None) -> Server:
+              model_dir: Path | None = None, new_session: bool = False) -> Server:
         port = free_port()
         model = model_dir or small_qwen3
         log_path = tmp_path_factory.mktemp("serve") / "serve.log"
@@ -124,7 +124,9 @@ def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., 
             cmd += ["--api-key", api_key]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # new_session: a process group of its own, for signals sent to the whole group
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=new_session)
         server = Server(proc, port, model, api_key, log_path)
         started.append(server)
         if wait:

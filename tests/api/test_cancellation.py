@@ -81,5 +81,5 @@ async def test_non_streaming_clients_that_hang_up_are_aborted(server):
         task.cancel()  # closes each connection mid-request
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.to_thread(wait_idle_within, server, 2.0)
-    finished = httpx.get(server.base_url + "/metrics").text
+    finished = httpx.get(server.base_url + "/metrics", headers=server.headers()).text
     assert 'request_success_total{finished_reason="abort"' in finished

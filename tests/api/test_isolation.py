@@ -27,10 +27,12 @@ def tenant_server(start_server, tmp_path_factory):
     trusted, a small admission bound."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# tenant b\n{KEY_B}\n")
-    return start_server("--api-key", KEY_A, "--api-key-file", str(key_file),
-                        "--tenant-header", "x-shoal-tenant",
-                        "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--max-queued-requests", str(MAX_QUEUED))
+    server = start_server("--api-key", KEY_A, "--api-key-file", str(key_file),
+                          "--tenant-header", "x-shoal-tenant",
+                          "--max-num-seqs", str(MAX_NUM_SEQS),
+                          "--max-queued-requests", str(MAX_QUEUED))
+    server.api_key = KEY_A  # /metrics on the serving port needs a key
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,10 @@ def global_server(start_server):
     """Shared caches, and the per-request fault hook armed."""
     os.environ["SHOAL_TEST_FAULT_SALT_MARKER"] = FAULT_MARKER
     try:
-        return start_server("--api-key", KEY_A, "--api-key", KEY_B,
-                            "--cache-sharing", "global")
+        server = start_server("--api-key", KEY_A, "--api-key", KEY_B,
+                              "--cache-sharing", "global")
+        server.api_key = KEY_A  # /metrics on the serving port needs a key
+        return server
     finally:
         del os.environ["SHOAL_TEST_FAULT_SALT_MARKER"]
 
@@ -119,7 +123,7 @@ async def test_the_admission_bypass_at_scale_stays_within_the_bound(tenant_serve
         async def watch(done: asyncio.Event) -> None:
             nonlocal peak
             while not done.is_set():
-                metrics = (await http.get("/metrics")).text
+                metrics = (await http.get("/metrics", headers=headers)).text
                 peak = max(peak, _gauge(metrics, "shoal:num_requests_running")
                            + _gauge(metrics, "shoal:num_requests_waiting"))
                 await asyncio.sleep(0.05)

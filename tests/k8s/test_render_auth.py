@@ -7,6 +7,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from shoal.operator.constants import ENGINE_METRICS_PORT
 from shoal.operator.meta import Owner
 from shoal.operator.render import render_children
 from shoal.operator.render_auth import API_KEYS_FILE, AUTH_MOUNT, UPSTREAM_KEY_FILE
@@ -110,14 +111,21 @@ def test_without_auth_nothing_is_rendered() -> None:
 
 
 def test_probes_and_the_operators_own_checks_need_no_key() -> None:
-    """Kubelet probes hit /health and /ready, which no key guards; the operator reads /ready
-    and /metrics on the engine port, and --metrics-auth (which would guard /metrics there) is
-    not rendered."""
+    """Kubelet probes hit /health and /ready, which no key guards. With keys, an engine's
+    /metrics on the serving port needs one (prefix-cache counters tell tenants about each
+    other), so the operator and the router read /ready and /metrics on the engines'
+    --metrics-port, which stays open."""
     pod = engine_pod(service(auth=AUTH))
     container = pod["containers"][0]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] in ("/health", "/ready")
-    assert "--metrics-auth" not in container["args"]
+    serve = parsed(serve_cli, container["args"])
+    assert serve.metrics_port == ENGINE_METRICS_PORT and serve.metrics_auth is None
+    from shoal.operator import cli as operator_cli
+
+    assert parsed(operator_cli, ["operator"]).engine_port == ENGINE_METRICS_PORT
+    route = parsed(route_cli, router_args(OWNER, parse_spec(service(auth=AUTH))))
+    assert route.engine_metrics_port == ENGINE_METRICS_PORT
     router = router_pod(service(auth=AUTH))["containers"][0]
     assert {router["readinessProbe"]["httpGet"]["path"],
             router["livenessProbe"]["httpGet"]["path"]} == {"/ready", "/health"}

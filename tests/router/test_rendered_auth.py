@@ -54,8 +54,14 @@ def test_client_keys_work_at_the_router_and_nowhere_else(rendered_fleet):
         assert r.status_code == 401, r.text
 
 
-def test_probes_and_the_operators_reads_need_no_key(rendered_fleet):
+def test_probes_need_no_key_and_engine_metrics_on_the_serving_port_do(rendered_fleet):
+    """Prefix-cache counters are a cross-tenant oracle: with keys, the serving port's
+    /metrics takes the router's key (the operator and Prometheus read --metrics-port)."""
     router, engine = rendered_fleet
-    for url in (f"{router}/health", f"{router}/ready", f"{engine}/health", f"{engine}/ready",
-                f"{engine}/metrics"):
+    for url in (f"{router}/health", f"{router}/ready", f"{engine}/health", f"{engine}/ready"):
         assert httpx.get(url, timeout=10).status_code == 200, url
+    assert httpx.get(f"{engine}/metrics", timeout=10).status_code == 401
+    for key in CLIENT_KEYS:  # the engine knows only the router's key
+        assert httpx.get(f"{engine}/metrics", headers=bearer(key), timeout=10).status_code == 401
+    scraped = httpx.get(f"{engine}/metrics", headers=bearer(ROUTER_KEY), timeout=10)
+    assert scraped.status_code == 200 and "shoal:num_requests_running" in scraped.text
