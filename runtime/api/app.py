@@ -18,13 +18,14 @@ from shoal.runtime.log_limits import RateLimitedLog
 from shoal import __version__
 
 from .auth import Authenticator
-from .errors import APIError, bad_request, internal_error, public_reason
+from .errors import APIError, bad_request, internal_error, is_anthropic_path, public_reason
 from .openapi import REQUEST_BODIES, document_request_bodies
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses_store import ResponseStore
 from .serving_chat import chat_prompt, create_chat_completion, render_chat
 from .serving_common import check_prompt_text, parse_body
 from .serving_completion import create_completion
+from .serving_messages import count_tokens, create_message
 from .serving_responses import create_response
 from .state import ServerState
 
@@ -68,7 +69,8 @@ class InternalErrors:
                          scope.get("method"), scope.get("path"), request_id, exc_info=exc)
             self.on_error(500)
             if not started:
-                await internal_error(request_id).response()(scope, receive, send)
+                await internal_error(request_id).response(
+                    is_anthropic_path(scope.get("path", "")))(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -92,11 +94,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status != 401:
             state.metrics.observe_rejected(exc.status)
-        return exc.response()
+        return exc.response(is_anthropic_path(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return bad_request(str(exc.errors()[0].get("msg", exc))).response()
+        return bad_request(str(exc.errors()[0].get("msg", exc))).response(
+            is_anthropic_path(request.url.path))
 
     guarded = [Depends(require_api_key)]
     app.add_middleware(InternalErrors, log=errors_log,
@@ -109,6 +112,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @app.post("/v1/messages", dependencies=guarded)
+    async def messages(request: Request) -> Response:
+        return await create_message(request, state)
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded)
+    async def messages_count_tokens(request: Request) -> dict:
+        return await count_tokens(request, state)
 
     responses = ResponseStore()
 

@@ -23,6 +23,15 @@ from shoal.runtime.kv.block_hash import tenant_of_key
 from .errors import APIError
 
 
+def presented_key(authorization: str | None, x_api_key: str | None) -> bytes:
+    """The key a client sent: a Bearer token (OpenAI clients) or ``x-api-key`` (Anthropic's
+    clients); the Bearer token when both are there."""
+    given = authorization or ""
+    if given[:7].lower() == "bearer ":
+        return given[7:].strip().encode()
+    return (x_api_key or "").strip().encode()
+
+
 def load_api_keys(keys: list[str], key_file: str | None) -> list[str]:
     found = [k for k in keys if k]
     if key_file is not None:
@@ -44,8 +53,8 @@ class Authenticator:
         when keys are set and none matches."""
         identity: str | None = None
         if self.api_keys:
-            given = request.headers.get("authorization", "")
-            token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
+            token = presented_key(request.headers.get("authorization"),
+                                  request.headers.get("x-api-key"))
             # compare against every key (no early exit): timing says nothing about which
             matched = [k for k in self.api_keys if hmac.compare_digest(token, k)]
             if not matched:

@@ -1,4 +1,6 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status."""
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status;
+on the Anthropic routes the same error in Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}`` (``anthropic_body``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 
+# Anthropic's error types by status (its API reference, "Errors")
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -32,8 +49,18 @@ class APIError(Exception):
                           "type": ERROR_TYPES.get(self.status, "APIError"),
                           "param": self.param, "code": self.code or self.status}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {
+            "type": ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
+            "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(),
+                            status_code=self.status, headers=self.headers)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

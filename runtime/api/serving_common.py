@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -234,10 +235,32 @@ async def first_delta(state: ServerState, generation: Generation) -> ChoiceDelta
         raise
 
 
+@dataclass(frozen=True)
+class SseFraming:
+    """How a protocol writes its events: OpenAI's bare ``data:`` lines closed by
+    ``[DONE]``, or Anthropic's named events (``event: <type>``, no terminator) whose
+    errors are an ``error`` event in its own shape."""
+
+    named: bool = False
+    done: bytes | None = b"data: [DONE]\n\n"
+
+    def frame(self, payload: dict) -> bytes:
+        data = b"data: " + msgspec.json.encode(payload) + b"\n\n"
+        return b"event: " + payload["type"].encode() + b"\n" + data if self.named else data
+
+    def error(self, exc: APIError) -> dict:
+        return exc.anthropic_body() if self.named else exc.body()
+
+
+OPENAI_SSE = SseFraming()
+ANTHROPIC_SSE = SseFraming(named=True, done=None)
+
+
 def stream_response(state: ServerState, generation: Generation,
                     chunks: Callable[[ChoiceDelta], list[dict]],
                     usage_chunk: Callable[[], dict] | None,
-                    first: ChoiceDelta | None = None) -> StreamingResponse:
+                    first: ChoiceDelta | None = None,
+                    framing: SseFraming = OPENAI_SSE) -> StreamingResponse:
     """SSE: one event per delta. A disconnect makes Starlette cancel this generator (it
     listens for http.disconnect), and ``finally`` aborts the engine requests; an engine
     death ends the stream with an error event. ``first``: a delta already taken from the
@@ -254,12 +277,13 @@ def stream_response(state: ServerState, generation: Generation,
             try:
                 async for delta in all_deltas():
                     for chunk in chunks(delta):
-                        yield _sse(chunk)
+                        yield framing.frame(chunk)
                 if usage_chunk is not None:
-                    yield _sse(usage_chunk())
+                    yield framing.frame(usage_chunk())
             except (EngineDeadError, EngineRequestError, EngineRequestFailed) as exc:
-                yield _sse(engine_error(exc, generation.request_id).body())
-            yield b"data: [DONE]\n\n"
+                yield framing.frame(framing.error(engine_error(exc, generation.request_id)))
+            if framing.done is not None:
+                yield framing.done
         finally:
             # synchronous first: when the ASGI server cancels us on disconnect, awaits here
             # are cancelled too, but the abort has already been sent
@@ -314,10 +338,6 @@ def stalled_send_aborts(send, stall_timeout: float):
             raise ClientStalled() from None
 
     return limited
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 async def _wait_for_disconnect(request: Request) -> None:

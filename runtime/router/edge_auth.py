@@ -16,7 +16,8 @@ from pathlib import Path
 
 from shoal.runtime.kv.block_hash import TENANT_HEADER, tenant_of_key
 
-CLIENT_HEADERS_DROPPED = frozenset({"authorization", TENANT_HEADER})
+CLIENT_HEADERS_DROPPED = frozenset({"authorization", "x-api-key", TENANT_HEADER})
+CLIENT_CREDENTIALS = frozenset({"authorization", "x-api-key"})
 
 
 def read_key_file(path: str) -> list[str]:
@@ -39,11 +40,13 @@ class EdgeAuth:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The tenant a request authenticates as, None if it does not. Every key is
-        compared (constant time each), so timing does not tell which one nearly matched."""
+    def tenant(self, authorization: str | None, x_api_key: str | None = None) -> str | None:
+        """The tenant a request authenticates as, None if it does not: its Bearer token,
+        else its ``x-api-key`` (Anthropic's clients). Every key is compared (constant time
+        each), so timing does not tell which one nearly matched."""
         given = authorization or ""
-        token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
+        token = given[7:].strip().encode() if given[:7].lower() == "bearer " \
+            else (x_api_key or "").strip().encode()
         found = None
         for key, tenant in self._tenants.items():
             if hmac.compare_digest(token, key):
@@ -54,7 +57,7 @@ class EdgeAuth:
                          tenant: str | None) -> list[tuple[str, str]]:
         """The client's headers minus what only the router may say, plus the router's."""
         headers = [(k, v) for k, v in client_headers if k.lower() not in CLIENT_HEADERS_DROPPED
-                   or (k.lower() == "authorization" and not self.enabled
+                   or (k.lower() in CLIENT_CREDENTIALS and not self.enabled
                        and self.upstream_key is None)]  # pass-through mode: no router keys
         if self.upstream_key is not None:
             headers.append(("Authorization", f"Bearer {self.upstream_key}"))

@@ -59,7 +59,8 @@ log = logging.getLogger("shoal.router.proxy")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # placed by their prompt's prefix
 # also forwarded, placed by load alone (a stored response lives in the replica that made it)
-FORWARDED_PATHS = ROUTED_PATHS + ("/v1/responses", "/tokenize", "/detokenize")
+FORWARDED_PATHS = ROUTED_PATHS + ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                                  "/tokenize", "/detokenize")
 RETRY_STATUSES = frozenset({429, 503})  # and only with the retry-safe mark
 ENGINE_DIED_EVENT = b'"code":"' + ENGINE_DIED_CODE.encode() + b'"'  # in a stream's last event
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
@@ -156,9 +157,10 @@ class RouterApp:
         auth = self.settings.auth
         if not auth.enabled:
             return True, None
-        given = next((v.decode("latin-1") for k, v in scope["headers"]
-                      if k == b"authorization"), None)
-        tenant = auth.tenant(given)
+        headers = dict(scope["headers"])
+        given, x_api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+        tenant = auth.tenant(given.decode("latin-1") if given is not None else None,
+                             x_api_key.decode("latin-1") if x_api_key is not None else None)
         return tenant is not None, tenant
 
     async def _unauthorized(self, send: Send) -> None:

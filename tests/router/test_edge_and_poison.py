@@ -30,6 +30,18 @@ def test_upstream_headers_carry_the_routers_credential_and_tenant_only():
                                                          ("x-request-id", "r1")]
 
 
+def test_anthropic_clients_x_api_key_authenticates_and_never_goes_upstream():
+    auth = EdgeAuth(("sk-a",), upstream_key="sk-engine")
+    assert auth.tenant(None, "sk-a") == tenant_of_key("sk-a")
+    assert auth.tenant(None, "sk-b") is None
+    assert auth.tenant("Bearer sk-b", "sk-a") is None  # the Bearer token is the one checked
+    client = [("x-api-key", "sk-a"), ("anthropic-version", "2023-06-01")]
+    assert auth.upstream_headers(client, "key-1") == [
+        ("anthropic-version", "2023-06-01"), ("Authorization", "Bearer sk-engine"),
+        (TENANT_HEADER, "key-1")]
+    assert EdgeAuth().upstream_headers(client, None) == client  # pass-through mode
+
+
 def test_key_file_skips_comments_and_blanks(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# team a\nsk-1\n\n  sk-2  \n")

@@ -229,12 +229,18 @@ def test_a_chat_template_error_through_the_router_is_the_engines_4xx(fleet):
                       timeout=60).status_code == 200
 
 
-def test_responses_and_tokenize_pass_through_the_router(fleet):
+def test_responses_messages_and_tokenize_pass_through_the_router(fleet):
     router, engine = fleet.config.router_url, fleet.config.engine_urls()[0]
     response = httpx.post(f"{router}/v1/responses", timeout=60,
                           json={"input": "hello there", "max_output_tokens": 3})
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "response"
+    message = {"messages": [{"role": "user", "content": "hello"}]}
+    counted = httpx.post(f"{router}/v1/messages/count_tokens", json=message, timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    response = httpx.post(f"{router}/v1/messages", json={**message, "max_tokens": 3},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["type"] == "message"
     body = {"prompt": "the same text either way"}
     routed = httpx.post(f"{router}/tokenize", json=body, timeout=60)
     assert routed.status_code == 200
