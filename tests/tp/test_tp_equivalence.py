@@ -1,7 +1,7 @@
 """TP=2 over gloo produces exactly the greedy tokens of TP=1, for every architecture.
 
-llama tiny has one KV head, so at TP=2 both ranks hold a replica of it; qwen2 and qwen3
-tiny shard their two KV heads. The workload mixes prompt lengths, a shared prefix (prefix
+llama tiny has one KV head, so at TP=2 both ranks hold a replica of it; qwen2, qwen3 and
+qwen2_moe tiny shard their two KV heads. The workload mixes prompt lengths, a shared prefix (prefix
 cache hits), chunked prefill (a 48-token budget) and concurrent decoding.
 """
 
@@ -20,10 +20,12 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tp2_greedy_tokens_equal_tp1(arch, tiny_model_dirs, make_engine, run_to_completion,
-                                      greedy):
-    model_dir = tiny_model_dirs[arch]
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2_moe"])
+def test_tp2_greedy_tokens_equal_tp1(arch, tiny_model_dirs, tiny_moe_model_dirs, make_engine,
+                                      run_to_completion, greedy):
+    """qwen2_moe: each expert's and the shared expert's intermediate dim split over the two
+    ranks, routed and shared partial sums in one all-reduce, a dense layer between."""
+    model_dir = {**tiny_model_dirs, **tiny_moe_model_dirs}[arch]
     requests = [greedy(f"r{i}", p, max_tokens=10 + 3 * i, logprobs=2 if i == 0 else None)
                 for i, p in enumerate(PROMPTS)]
     single = run_to_completion(make_engine(model_dir, tp=1), requests)
