@@ -29,6 +29,7 @@ class EngineConfig:
     max_logprobs: int = 20
     rank_timeout: float = 30.0  # seconds a rank may make no progress before the engine is fatal
     kv_events_endpoint: str | None = None  # zmq PUB address for block stored/removed events
+    grammar_compile_timeout: float = 10.0  # seconds one grammar may compile; over it: a 400
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

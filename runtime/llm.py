@@ -23,7 +23,7 @@ from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, T
 from shoal.runtime.frontend.prompts import ChatPrompt, PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
-from shoal.runtime.sampling_params import SamplingParams, child_params
+from shoal.runtime.sampling_params import InvalidParameter, SamplingParams, child_params
 
 PromptInput = str | list[int]
 
@@ -101,6 +101,8 @@ class LLM:
                 outputs = self.engine.step()
                 failures = self.engine.take_failures()
                 if failures:
+                    if failures[0].param is not None:  # its content: a grammar, say
+                        raise InvalidParameter(failures[0].param, failures[0].message)
                     raise RuntimeError(f"request {failures[0].request_id} failed in the "
                                        "engine (see the log)")
                 for out in outputs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import msgspec
-from shoal.runtime.structured.spec import GrammarSpec
+from shoal.runtime.structured.spec import GrammarSpec, grammar_bounds_error
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -66,8 +66,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # per prompt token (after the first); top alternatives
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
-    structured: GrammarSpec | None = None  # output constrained to a grammar (checked by the
-    # engine core: runtime/structured/spec.py)
+    structured: GrammarSpec | None = None  # output constrained to a grammar (size bounded
+    # here, compiled off the engine loop: runtime/structured/)
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +121,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(all(_is_int(t) and 0 <= t < top for t in self.logit_bias), "logit_bias",
                    f"logit_bias keys must be token ids in [0, {top})")
         self._validate_stops(limits)
+        if self.structured is not None:
+            error = grammar_bounds_error(self.structured)
+            _check(error is None, self.structured.param, error or "")
 
     def _validate_stops(self, limits: RequestLimits) -> None:
         _check(len(self.stop) <= limits.max_stop_strings, "stop",

@@ -86,6 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "when API keys are configured (--metrics-port stays open)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds one request's grammar (structured outputs, tool choice) may "
+                        "take to compile, off the engine loop; longer is a 400 for that "
+                        "request")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="zmq PUB address for KV-cache events, e.g. tcp://*:5557")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
@@ -128,6 +132,8 @@ def _main(args: argparse.Namespace) -> int:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
     except OSError as exc:
         raise SystemExit(f"shoal serve: --api-key-file: {exc}") from None
+    if not args.grammar_compile_timeout > 0:
+        raise SystemExit("shoal serve: --grammar-compile-timeout must be > 0 seconds")
     if args.api_key_file is not None and not api_keys:
         raise SystemExit(f"shoal serve: --api-key-file {args.api_key_file} has no key")
     model = args.model
@@ -146,7 +152,8 @@ def _main(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-        max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint)
+        max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
+        grammar_compile_timeout=args.grammar_compile_timeout)
     settings = ServerSettings(
         model_dir=model, served_model_names=names, api_keys=api_keys,
         max_queued_requests=args.max_queued_requests, max_num_seqs=args.max_num_seqs,

@@ -1,16 +1,22 @@
 """The request's output constraint: ``response_format`` (OpenAI) or ``structured_outputs``
 (vLLM) -> one ``GrammarSpec`` for the sampler.
 
-Only the shape is checked here (one constraint, a schema present, choices non-empty); whether
-the schema, regex or grammar parses is decided by the engine core with xgrammar
-(``runtime/structured/spec.py``), which answers an invalid one with a 400 naming the field.
+Only the shape and size are checked here (one constraint, a schema present, choices
+non-empty, the bounds of ``runtime/structured/spec.py`` before anything is copied); whether
+the schema, regex or grammar parses is decided by the engine core with xgrammar, off its
+loop, which answers an invalid one with a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
 
-from shoal.runtime.structured.spec import GrammarSpec, json_schema_spec
+from shoal.runtime.structured.spec import (
+    MAX_CHOICES,
+    GrammarSpec,
+    grammar_bounds_error,
+    json_schema_spec,
+)
 
 from .errors import bad_request
 from .protocol import ResponseFormat, SamplingFields, StructuredOutputs
@@ -22,11 +28,14 @@ def grammar_for(body: SamplingFields) -> GrammarSpec | None:
     if constrained and body.structured_outputs is not None:
         raise bad_request("give response_format or structured_outputs, not both",
                           "structured_outputs")
+    spec = None
     if fmt is not None and constrained:
-        return _from_response_format(fmt)
-    if body.structured_outputs is not None:
-        return _from_structured_outputs(body.structured_outputs)
-    return None
+        spec = _from_response_format(fmt)
+    elif body.structured_outputs is not None:
+        spec = _from_structured_outputs(body.structured_outputs)
+    if spec is not None and (error := grammar_bounds_error(spec)) is not None:
+        raise bad_request(error, spec.param)
+    return spec
 
 
 def _from_response_format(fmt: ResponseFormat) -> GrammarSpec:
@@ -64,6 +73,9 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec:
     if so.choice is not None:
         if not so.choice:
             raise bad_request("structured_outputs.choice must not be empty", param)
+        if len(so.choice) > MAX_CHOICES:  # before copying a list of any length
+            raise bad_request(f"{param} has {len(so.choice)} entries; at most {MAX_CHOICES} "
+                              "are allowed", param)
         return GrammarSpec(kind="choice", source=json.dumps(so.choice), param=param)
     if so.grammar is not None:
         return GrammarSpec(kind="grammar", source=so.grammar, param=param)

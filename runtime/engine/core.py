@@ -1,8 +1,11 @@
 """EngineCore: validation, the scheduler and the executor, one step at a time.
 
 ``add_request`` validates everything before any state changes (a rejected request leaves
-the scheduler and KV cache exactly as they were); ``step`` runs one scheduler iteration
-and returns the outputs of that step. A step that raises fails the request that caused it
+the scheduler and KV cache exactly as they were); a request with a grammar then waits
+outside the scheduler until its grammar is compiled on a background thread (never on the
+step; over the compile budget or invalid: a 400 through ``take_failures``). ``step`` admits
+the requests whose grammar is ready, runs one scheduler iteration and returns the outputs of
+that step. A step that raises fails the request that caused it
 (``isolation.py``; ``take_failures`` hands them to the loop); only engine faults propagate.
 Tokenizing, detokenizing and I/O live elsewhere.
 """
@@ -23,6 +26,7 @@ from shoal.runtime.kv.events import KVEvent
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.sampling_params import InvalidParameter, RequestLimits
 from shoal.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+from shoal.runtime.structured.compiler import GrammarCompiler
 from shoal.runtime.structured.spec import GrammarError, GrammarSpec, check_grammar
 
 logger = logging.getLogger("shoal.engine.core")
@@ -32,6 +36,7 @@ FAULT_MARKER_ENV = "SHOAL_TEST_FAULT_SALT_MARKER"
 
 DEFAULT_KV_TOKENS_PER_SEQ = 1024  # default budget: room for max_num_seqs sequences of ~1k tokens
 DEFAULT_KV_RAM_SHARE = 0.25  # ... capped at this share of the machine's memory
+GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile (inputs are read between)
 
 
 def default_kv_cache_bytes(max_num_seqs: int, kv_bytes_per_token: int) -> int:
@@ -113,6 +118,8 @@ class EngineCore:
         self._fault_marker = os.environ.get(FAULT_MARKER_ENV) or None
         self._faulty: set[str] = set()
         self._fault_log = RateLimitedLog(logger)
+        self._grammars: GrammarCompiler | None = None  # made at the first grammar
+        self._awaiting_grammar: dict[str, EngineCoreRequest] = {}
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
@@ -135,29 +142,73 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
+        spec = request.sampling_params.structured
+        compiler = self._grammar_compiler() if spec is not None else None
+        if spec is not None and compiler is not None and not compiler.backend.cached(spec):
+            failure = compiler.submit(request.request_id, spec)
+            if failure is not None:
+                raise InvalidParameter(failure.param, failure.message)
+            self._awaiting_grammar[request.request_id] = request
+            return
+        if spec is not None and compiler is None:
+            check_structured(spec)
+        self._schedule(request)
+
+    def _schedule(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
         if self._fault_marker and self._fault_marker in (request.cache_salt or ""):
             self._faulty.add(request.request_id)
 
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise InvalidParameter naming what is wrong (the same checks as the API
-        process's, ``validation.py``, plus the grammar, which only the engine side parses);
-        touches no state."""
+        process's, ``validation.py``: a grammar's size is bounded there, and whether it
+        parses is decided when it compiles); touches no state."""
         validate_request(request, self.limits)
-        if request.sampling_params.structured is not None:
-            check_structured(request.sampling_params.structured)
-        if request.request_id in self.scheduler.requests:
+        if (request.request_id in self.scheduler.requests
+                or request.request_id in self._awaiting_grammar):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._grammars is not None:
+            self._grammars.cancel(request_ids)
+        for request_id in request_ids:
+            self._awaiting_grammar.pop(request_id, None)
         self.scheduler.abort_requests(request_ids)
         self.isolation.forget(request_ids)
         self._faulty.difference_update(request_ids)
 
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        """None where the executor has no backend here (test fakes): then the spec is
+        parsed now and the worker compiles it on the step, as before."""
+        if self._grammars is None:
+            get_backend = getattr(self.executor, "grammar_backend", None)
+            backend = get_backend() if get_backend is not None else None
+            if backend is None:
+                return None
+            self._grammars = GrammarCompiler(backend, self.config.grammar_compile_timeout)
+        return self._grammars
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled enter the scheduler; failed ones become 400s."""
+        if self._grammars is None or not self._awaiting_grammar:
+            return
+        ready, failed = self._grammars.poll()
+        for request_id in ready:
+            request = self._awaiting_grammar.pop(request_id, None)
+            if request is not None:
+                self._schedule(request)
+        for failure in failed:
+            if self._awaiting_grammar.pop(failure.request_id, None) is not None:
+                self._failures.append(RequestFailure(failure.request_id, failure.message,
+                                                     param=failure.param))
+
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            if self._grammars is not None and self._awaiting_grammar:
+                self._grammars.wait(GRAMMAR_WAIT_S)  # nothing to run but compiles: no spin
             return []
         plan = scheduled.plan
         try:
@@ -185,10 +236,12 @@ class EngineCore:
         return failures
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_waiting += len(self._awaiting_grammar)  # waiting for their grammar
+        return stats
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.scheduler.kv.drain_events()
@@ -200,6 +253,8 @@ class EngineCore:
         self.scheduler.check_invariants()
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()
 
 

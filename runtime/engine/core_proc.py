@@ -89,6 +89,9 @@ def _phase_reporting(executor, startup: _Startup):
             startup.begin("capturing")
             executor.initialize_kv_cache(num_blocks)
 
+        def grammar_backend(self):
+            return executor.grammar_backend()
+
         def execute(self, plan):
             return executor.execute(plan)
 
@@ -228,7 +231,8 @@ class EngineLoop:
             for failure in self.core.take_failures():
                 self._stats_dirty = True
                 self.send(CoreMessageType.REQUEST_ERROR, RequestError(
-                    failure.request_id, "request", failure.message, internal=True))
+                    failure.request_id, failure.param or "request", failure.message,
+                    internal=failure.param is None))
             if self.publisher is not None:
                 self.publisher.publish(self.core.drain_kv_events())
             self._send_outputs(outputs)
@@ -279,12 +283,13 @@ class EngineLoop:
         except ValueError as exc:
             self.send(CoreMessageType.REQUEST_ERROR,
                       RequestError(request.request_id, "request", str(exc)))
-        except Exception:  # a request's data must never end the loop
+        except Exception:  # a request's data must never end the loop: its content is the
+            # cause, so a 4xx (an SDK would retry a 5xx, through a router on another replica)
             self._arrival_log.log(logging.ERROR, "arrival", "request %s failed on arrival",
                                   request.request_id, exc_info=sys.exc_info()[1])
             self.send(CoreMessageType.REQUEST_ERROR, RequestError(
-                request.request_id, "request", "the request failed in the engine",
-                internal=True))
+                request.request_id, "request", f"the engine could not accept request "
+                f"{request.request_id}; the details are in the server log"))
 
     def _utility(self, call: UtilityCall) -> None:
         if call.method == "shutdown":  # the API process has drained: exit 0

@@ -1,8 +1,8 @@
 """Failure isolation: a step that raises fails the request that caused it, not the engine.
 
 A step runs many requests at once, so an exception does not say whose data tripped it. When
-a step with one request fails, that request fails alone (its blocks freed, an error to its
-stream). When a step with several fails, all of them become suspects: they are preempted
+a step with one request fails, that request fails alone (its blocks freed, a 400 to its
+stream: run alone, its content is the cause). When a step with several fails, all of them become suspects: they are preempted
 (recomputed later, their outputs kept) and the scheduler runs with ``max_num_seqs = 1``
 until every suspect has run one step alone, so a second failure names its culprit exactly.
 Real engine faults stay fatal: out of memory, a failed rank, an executor whose health check
@@ -18,10 +18,13 @@ from shoal.runtime.scheduler.scheduler import Scheduler
 
 @dataclass(frozen=True)
 class RequestFailure:
-    """One request failed inside the engine; the client gets a generic 500, the log the rest."""
+    """One request failed inside the engine. ``param`` set: its content is the cause (it
+    failed alone, or its grammar did not compile), a 400 naming it; None: a generic 500. The
+    log has the rest."""
 
     request_id: str
     message: str
+    param: str | None = None
 
 
 def is_engine_fault(exc: BaseException) -> bool:
@@ -46,7 +49,11 @@ class StepIsolation:
             self.scheduler.revoke([], finished_for_worker)
             self.scheduler.abort_requests(req_ids)
             self._restore_if_cleared()
-            return [RequestFailure(req_ids[0], "the request failed in the engine")]
+            # it failed alone: its content is the cause, so a 4xx (SDKs retry a 5xx, and
+            # through a router the retry would land on, and fail, another replica)
+            return [RequestFailure(req_ids[0], f"request {req_ids[0]} failed in the engine "
+                                   "when run alone; the details are in the server log",
+                                   param="request")]
         self.suspects.update(req_ids)
         self.scheduler.revoke(req_ids, finished_for_worker)
         if self.saved_max_num_seqs is None:

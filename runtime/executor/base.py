@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import StepPlan, StepResult
+from shoal.runtime.structured.backend import GrammarBackend
 
 
 class Executor(ABC):
@@ -29,6 +30,12 @@ class Executor(ABC):
     def profile_num_kv_blocks(self) -> int | None:
         """KV blocks that fit the device after a profiled max-size step (GPU); None when the
         engine's configured budget applies (CPU)."""
+        return None
+
+    def grammar_backend(self) -> GrammarBackend | None:
+        """Where the engine core compiles grammars before scheduling their requests (off its
+        loop: ``runtime/structured/compiler.py``); the worker's own in one process, so the
+        step finds them compiled. None: the worker compiles on the step."""
         return None
 
     @abstractmethod

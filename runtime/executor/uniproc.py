@@ -6,6 +6,7 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import StepPlan, StepResult
+from shoal.runtime.structured.backend import GrammarBackend
 
 
 class UniProcExecutor(Executor):
@@ -31,6 +32,9 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
         self.worker.warmup()
+
+    def grammar_backend(self) -> GrammarBackend | None:
+        return self.worker.grammars()  # shared: what the core compiles, the step finds
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)

@@ -14,13 +14,20 @@ transformers), so the worker builds it during its warm-up, before the engine rep
 (``prepare``): built on a thread after /ready it held the GIL against the engine loop for
 those seconds, and the first requests a new replica served were twice as slow (16 requests
 at once: TTFT p50 1.94 s right after /ready, 0.76 s 30 s later). Compiled grammars are
-cached per spec (LRU).
+cached per spec (LRU), bounded in entries and in bytes (xgrammar reports each one's size: a
+5,000-string choice list is ~28 MB on a 151k vocabulary).
+
+The engine core compiles a request's grammar before scheduling it, off its loop
+(``compiler.py``, through ``compiled``); in one process with the worker (TP = 1) the step then
+finds it here. A miss (evicted meanwhile, or a rank in its own process) compiles on the step,
+as before, in at most the compile budget the spec already passed once.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -28,11 +35,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from shoal.runtime.structured.spec import GrammarSpec, choice_ebnf
+from shoal.runtime.structured.spec import GrammarError, GrammarSpec, choice_ebnf, first_line
 
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
+CACHE_BYTES = 512 * 1024 * 1024
+# xgrammar compiles with threads of its own; leave cores to the engine loop beside it
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarMatcher:
@@ -57,14 +67,26 @@ class GrammarMatcher:
 
 
 class GrammarBackend:
-    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.cache_bytes = cache_bytes
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         self.compile_seconds = 0.0  # total, for logs and tests
+
+    def cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return (spec.kind, spec.source) in self._cache
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
     def matcher(self, spec: GrammarSpec, replay: Sequence[int] = ()) -> GrammarMatcher:
         import xgrammar as xgr
@@ -76,21 +98,32 @@ class GrammarBackend:
         return matcher
 
     def compiled(self, spec: GrammarSpec) -> Any:
+        """The spec compiled against the vocabulary (cached); GrammarError naming the field
+        when it does not parse."""
         key = (spec.kind, spec.source)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+                return hit[0]
         started = time.perf_counter()
-        grammar = self._compile(spec)
+        try:
+            grammar = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
+            raise GrammarError(f"invalid {spec.kind} for {spec.param}: "
+                               f"{first_line(exc)}") from exc
         elapsed = time.perf_counter() - started
         self.compile_seconds += elapsed
-        log.debug("compiled a %s grammar in %.1f ms", spec.kind, elapsed * 1e3)
+        size = int(getattr(grammar, "memory_size_bytes", 0))
+        log.debug("compiled a %s grammar in %.1f ms (%d bytes)", spec.kind, elapsed * 1e3, size)
         with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = (grammar, size)
+                self._cached_bytes += size
+            while self._cache and (len(self._cache) > CACHE_SIZE
+                                   or self._cached_bytes > self.cache_bytes):
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped
         return grammar
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
@@ -132,6 +165,10 @@ class GrammarBackend:
         return True
 
     def _get_compiler(self) -> Any:
+        with self._compiler_lock:  # the engine's compile thread and the step may both ask
+            return self._build_compiler()
+
+    def _build_compiler(self) -> Any:
         if self._compiler is None:
             import xgrammar as xgr
             from transformers import AutoTokenizer
@@ -140,7 +177,8 @@ class GrammarBackend:
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
+                                                 cache_enabled=False)
             log.info("grammar compiler ready in %.2f s (vocabulary of %d)",
                      time.perf_counter() - started, self.vocab_size)
         return self._compiler
