@@ -58,6 +58,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None,  # attend to the last this-many positions only
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

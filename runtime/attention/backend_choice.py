@@ -5,14 +5,28 @@ decode kernel (``cpu``) when it builds here and the model is float32, else torch
 An explicit choice is honoured where it can run at all, and refused with a reason where it
 cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
 CUDA or the interpreter (``TRITON_INTERPRET=1``, tests).
+
+Models need features of attention (``BACKEND_FEATURES``): a backend ``auto`` would pick that
+lacks one is passed over for the next that has it, with a log line saying so; an explicit
+choice that lacks one is refused, naming the feature.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
+logger = logging.getLogger(__name__)
+
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
+# what each backend's kernels implement beyond causal attention over paged KV
+BACKEND_FEATURES: dict[str, frozenset[str]] = {
+    "torch": frozenset({"sliding_window", "softcap"}),
+    "cpu": frozenset({"sliding_window"}),
+    "triton": frozenset({"sliding_window"}),
+    "flashinfer": frozenset({"sliding_window", "softcap"}),
+}
 
 
 def choose_attention_backend(
@@ -23,23 +37,33 @@ def choose_attention_backend(
     triton_interpreted: bool = False,
     cpu_kernel: str | None = "not checked",
     dtype_is_float32: bool = True,
+    needs: frozenset[str] = frozenset(),
 ) -> str:
     """Resolve ``--attention-backend`` to a concrete backend name, or raise ValueError.
 
-    ``cpu_kernel``: None when the native CPU decode kernel loads here, else why it does not."""
+    ``cpu_kernel``: None when the native CPU decode kernel loads here, else why it does not.
+    ``needs``: the model's attention features (``BACKEND_FEATURES``' keys)."""
     if requested not in BACKEND_NAMES:
         raise ValueError(
             f"unknown attention backend {requested!r}; choose one of {', '.join(BACKEND_NAMES)}"
         )
     on_cuda = device_type == "cuda"
     if requested == "auto":
+        candidates = []
         if on_cuda and flashinfer_available:
-            return "flashinfer"
+            candidates.append("flashinfer")
         if on_cuda and triton_available:
-            return "triton"
+            candidates.append("triton")
         if device_type == "cpu" and cpu_kernel is None and dtype_is_float32:
-            return "cpu"
-        return "torch"
+            candidates.append("cpu")
+        candidates.append("torch")
+        for name in candidates:
+            missing = sorted(needs - BACKEND_FEATURES[name])
+            if not missing:
+                return name
+            logger.warning("attention backend %s passed over: the model needs %s, which its "
+                        "kernels do not implement", name, ", ".join(missing))
+        raise ValueError(f"no attention backend implements {', '.join(sorted(needs))}")
     if requested == "cpu":
         if device_type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU, not {device_type}")
@@ -61,6 +85,12 @@ def choose_attention_backend(
                 f"the triton attention backend needs a CUDA device, not {device_type} "
                 "(or TRITON_INTERPRET=1 for tests)"
             )
+    missing = sorted(needs - BACKEND_FEATURES[requested])
+    if missing:
+        able = [n for n, f in BACKEND_FEATURES.items() if needs <= f]
+        raise ValueError(f"the {requested} attention backend does not implement "
+                         f"{', '.join(missing)}, which this model needs; backends that do: "
+                         f"{', '.join(able)}")
     return requested
 
 
@@ -80,7 +110,8 @@ def cpu_kernel_status() -> str | None:
     return unavailable_reason()
 
 
-def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool = True) -> str:
+def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool = True,
+                      needs: frozenset[str] = frozenset()) -> str:
     """The rule applied to this machine (the CPU kernel is built only when it could run)."""
     wants_cpu_kernel = device_type == "cpu" and requested in ("auto", "cpu")
     return choose_attention_backend(
@@ -91,4 +122,5 @@ def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool =
         triton_interpreted=triton_interpreted(),
         cpu_kernel=cpu_kernel_status() if wants_cpu_kernel else "not on CPU",
         dtype_is_float32=dtype_is_float32,
+        needs=needs,
     )

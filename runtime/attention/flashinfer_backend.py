@@ -84,6 +84,7 @@ class FlashInferBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         step = meta.extra
         if not isinstance(step, _StepPlans):
@@ -92,7 +93,7 @@ class FlashInferBackend:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         key = (meta.is_pure_decode, q.shape[1], num_kv_heads, head_dim, q.dtype, k_cache.dtype,
-               float(scale), sliding_window)
+               float(scale), sliding_window, softcap)
         wrapper = step.planned.get(key)
         if wrapper is None:
             wrapper = self._plan(key, step.csr, meta, q, k_cache)
@@ -101,7 +102,7 @@ class FlashInferBackend:
 
     def _plan(self, key: tuple, csr: PagedKVCSR, meta: AttentionMetadata, q: torch.Tensor,
               k_cache: torch.Tensor) -> Any:
-        pure_decode, num_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale, window = key
+        pure_decode, num_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale, window, cap = key
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
         wrapper = self._wrappers.get(key)
@@ -112,7 +113,7 @@ class FlashInferBackend:
             self._wrappers[key] = wrapper
         window_left = -1 if window is None else window - 1  # flashinfer counts keys before the query
         common = dict(sm_scale=scale, window_left=window_left, q_data_type=q_dtype,
-                      kv_data_type=kv_dtype)
+                      kv_data_type=kv_dtype, logits_soft_cap=cap or 0.0)
         if pure_decode:
             wrapper.plan(csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len, num_heads,
                          num_kv_heads, head_dim, meta.block_size, **common)

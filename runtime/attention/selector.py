@@ -47,9 +47,10 @@ _BACKENDS: dict[str, Callable[[torch.dtype], AttentionBackend]] = {
 }
 
 
-def get_attention_backend(name: str, device: torch.device,
-                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """The backend for ``name`` on ``device`` for a ``dtype`` model; ValueError says why a
-    choice cannot run."""
-    chosen = choose_for_device(name, device.type, dtype_is_float32=dtype == torch.float32)
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                          needs: frozenset[str] = frozenset()) -> AttentionBackend:
+    """The backend for ``name`` on ``device`` for a ``dtype`` model whose attention needs
+    ``needs`` (``backend_choice.BACKEND_FEATURES``); ValueError says why a choice cannot run."""
+    chosen = choose_for_device(name, device.type, dtype_is_float32=dtype == torch.float32,
+                               needs=needs)
     return _BACKENDS[chosen](dtype)

@@ -45,12 +45,17 @@ class _DecodeChunk:
         [Bc, kv_heads, S], and the score mask [Bc, 1, 1, S]; built by the first layer."""
         key = (num_kv_heads, window)
         if key not in self.prepared:
-            heads = torch.arange(num_kv_heads, device=self.slots.device)
-            index = (self.slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
             positions = torch.arange(self.slots.shape[1], device=self.slots.device)
             invalid = positions[None, :] >= self.seq_lens[:, None]
+            slots = self.slots
             if window is not None:
                 invalid |= positions[None, :] <= self.seq_lens[:, None] - 1 - window
+                # positions outside the window (or past the end) read the window's first slot
+                # instead, masked anyway: a windowed layer never touches a block outside it
+                first = torch.clamp(self.seq_lens - window, min=0)
+                slots = torch.where(invalid, slots.gather(1, first[:, None]), slots)
+            heads = torch.arange(num_kv_heads, device=slots.device)
+            index = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
             self.prepared[key] = (index, invalid[:, None, None, :])
         return self.prepared[key]
 
@@ -87,16 +92,16 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         plan = step_plan(self, meta, TorchAttentionPlan)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
             result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
-                                  scale, sliding_window)
+                                  scale, sliding_window, softcap)
             out.index_copy_(0, chunk.token_idx, result)
         attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                        sliding_window)
+                        sliding_window, softcap)
         return out
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +114,8 @@ class TorchAttentionBackend:
         return buf[:numel], buf[numel:2 * numel]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                chunk: _DecodeChunk, scale: float, sliding_window: int | None) -> torch.Tensor:
+                chunk: _DecodeChunk, scale: float, sliding_window: int | None,
+                softcap: float | None = None) -> torch.Tensor:
         """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
@@ -122,6 +128,8 @@ class TorchAttentionBackend:
         values = v_buf.view(batch, num_kv_heads, span, head_dim)
         qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, G, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap).mul_(softcap)
         scores.masked_fill_(invalid, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
@@ -137,11 +145,12 @@ def step_plan(backend: AttentionBackend, meta: AttentionMetadata, kind: type[Pla
 
 def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    spans: list[PrefillSpan], scale: float, sliding_window: int | None) -> None:
+                    spans: list[PrefillSpan], scale: float, sliding_window: int | None,
+                    softcap: float | None = None) -> None:
     """Each prefill chunk's attention into its rows of ``out``."""
     for p in spans:
         out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
-                                               sliding_window)
+                                               sliding_window, softcap)
 
 
 def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
@@ -193,34 +202,49 @@ def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChun
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSpan,
-                      scale: float, sliding_window: int | None) -> torch.Tensor:
+                      scale: float, sliding_window: int | None,
+                      softcap: float | None = None) -> torch.Tensor:
     """One request's chunk of queries (rows ``p.start:p.end`` of the flat q/k/v) attending
-    causally over its cached prefix and itself."""
+    causally over its cached prefix and itself; with a window, over only the keys of the
+    blocks the window reaches."""
     q, k, v = q[p.start:p.end], k[p.start:p.end], v[p.start:p.end]
     block_tables, block_size = meta.block_tables, meta.block_size
     query_len = p.end - p.start
     prefix = p.seq_len - query_len
+    key_start = 0  # the first key position any query of the chunk may see
+    if sliding_window is not None:
+        key_start = max(0, prefix - sliding_window + 1) // block_size * block_size
     if prefix == 0:
         keys, values = k, v
     else:
         nb = -(-p.seq_len // block_size)
-        blocks = block_tables[p.row, :nb].long()
-        keys = k_cache[blocks].flatten(0, 1)[: p.seq_len]
-        values = v_cache[blocks].flatten(0, 1)[: p.seq_len]
+        blocks = block_tables[p.row, key_start // block_size:nb].long()
+        keys = k_cache[blocks].flatten(0, 1)[: p.seq_len - key_start]
+        values = v_cache[blocks].flatten(0, 1)[: p.seq_len - key_start]
+    if prefix == 0:
+        key_start = 0
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hk, S, D]
     vh = values.transpose(0, 1).unsqueeze(0)
     gqa = qh.shape[1] != kh.shape[1]
-    if prefix == 0 and sliding_window is None:
+    if prefix == 0 and sliding_window is None and softcap is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=gqa)
-    else:
-        q_pos = torch.arange(prefix, p.seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(p.seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
+        return out.squeeze(0).transpose(0, 1)
+    q_pos = torch.arange(prefix, p.seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(key_start, p.seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    if softcap is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale,
                                              enable_gqa=gqa)
+    else:  # SDPA has no softcap: the scores written out, capped, masked, softmaxed
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, vh)
     return out.squeeze(0).transpose(0, 1)
-

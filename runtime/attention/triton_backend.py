@@ -39,7 +39,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # the backend choice routes softcapped models elsewhere
+            raise ValueError("the triton attention backend does not softcap attention logits")
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(
             q,

@@ -1,172 +1,236 @@
-"""One decoder-only transformer covering Llama 2/3, Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer, assembled from the config's features, not from its name.
 
-The differences are config switches, not classes: qkv bias (Qwen2), q/k RMSNorm and an
-explicit head_dim (Qwen3), tied embeddings, rope scaling, sliding window (Mistral). Batches
-are flat: ``input_ids[T]`` and ``positions[T]`` hold every scheduled token of every request;
-the attention backend finds request boundaries and KV pages in ``AttentionMetadata``.
+What varies between families is a switch in ``ModelConfig`` (read by ``config.py`` from
+transformers' config classes, plus ``families.py`` for what only the modeling code says):
+where the norms sit (pre, post, sandwich), q/k norms (per head or over the projection),
+biases, the activation, embedding / residual / logit multipliers, the attention scale and
+logit softcaps, each layer's sliding window and rope table (or none). The feed-forward slot
+is filled per layer by ``mlp.build_mlp``. Kernels are chosen once (``ops.Kernels``); no layer
+asks which device or backend it runs on.
+
+Batches are flat: ``input_ids[T]`` and ``positions[T]`` hold every scheduled token of every
+request; the attention backend finds request boundaries and KV pages in ``AttentionMetadata``.
 """
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.config import ModelConfig
-from shoal.runtime.model.layers import (
-    RMSNorm,
-    RotaryEmbedding,
-    native_cpu_ops,
-    silu_and_mul,
-)
+from shoal.runtime.model.layers import RMSNorm, RotaryEmbedding, _param
 from shoal.runtime.model.linear import (
-    ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shoal.runtime.model.moe import SparseMoeBlock
+from shoal.runtime.model.mlp import build_mlp
+from shoal.runtime.model.ops import Kernels, kernels_for
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [T, 1, head_dim/2]
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [T, 1, rotary_dim/2]
+
+
+class WholeProjectionNorm(nn.Module):
+    """OLMo 2's q/k norm: RMS over all heads of the projection, not per head. Under tensor
+    parallelism each rank holds some heads, so the sum of squares is all-reduced."""
+
+    def __init__(self, local_size: int, total_size: int, eps: float, parallel: ParallelContext,
+                 dtype: torch.dtype, device: torch.device | str, start: int):
+        super().__init__()
+        self.eps, self.total_size, self.parallel = eps, total_size, parallel
+        self.weight = _param((local_size,), dtype, device)
+
+        def load(param: nn.Parameter, st_slice, _shard: object) -> None:
+            param.data.copy_(st_slice[start:start + local_size])
+
+        self.weight.weight_loader = load  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, local_size]``."""
+        xf = x.float()
+        sum_sq = self.parallel.all_reduce(xf.square().sum(-1, keepdim=True))
+        return (xf * torch.rsqrt(sum_sq / self.total_size + self.eps)).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
-                 native_cpu: bool = False):
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelContext,
+                 rotary: RotaryEmbedding | None, backend: AttentionBackend, kernels: Kernels,
+                 dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
-                                          config.num_kv_heads, config.attention_bias, parallel,
+        self.head_dim = head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads,
+                                          config.num_kv_heads, config.qkv_bias, parallel,
                                           dtype, device)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
-                                        False, parallel, dtype, device)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) \
-            if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device) \
-            if config.qk_norm else None
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size,
+                                        config.o_proj_bias, parallel, dtype, device)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm == "per_head":
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device, kernels,
+                                  config.norm_weight_offset)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device, kernels,
+                                  config.norm_weight_offset)
+        elif config.qk_norm == "whole":
+            qkv = self.qkv_proj
+            self.q_norm = WholeProjectionNorm(qkv.q_size, config.num_heads * head_dim,
+                                              config.rms_norm_eps, parallel, dtype, device,
+                                              parallel.rank * qkv.q_size)
+            self.k_norm = WholeProjectionNorm(qkv.kv_size, config.num_kv_heads * head_dim,
+                                              config.rms_norm_eps, parallel, dtype, device,
+                                              qkv.kv_head_start * head_dim)
+        self.whole_norm = config.qk_norm == "whole"
         self.rotary = rotary
         self.backend = backend
-        self.native = native_cpu_ops(native_cpu)  # CPU: rotary in place, one pass
-        self.scale = config.head_dim ** -0.5
-        self.sliding_window = config.sliding_window
-        # CUDA: q/k norm + rotary as one Triton kernel per tensor instead of ~12 small ops
-        self.fused_qk_norm_rotary = None
-        if config.qk_norm and torch.device(device).type == "cuda" and find_spec("triton"):
-            from shoal.kernels.qk_norm_rotary import qk_norm_rotary
-
-            self.fused_qk_norm_rotary = qk_norm_rotary
+        self.kernels = kernels
+        self.scale = config.attention_scale or head_dim ** -0.5
+        self.sliding_window = config.layer_windows[layer_index]
+        self.softcap = config.attn_logit_softcap
+        self.query_beta = config.query_scaling_beta
+        self.query_original = config.query_scaling_original
+        whole_neox = rotary is not None and rotary.whole_head_neox(head_dim)
+        # CUDA: per-head q/k norm + rotary as one Triton kernel per tensor instead of ~12 ops
+        self.fused_qk_norm_rotary = kernels.qk_norm_rotary \
+            if whole_neox and config.qk_norm == "per_head" else None
+        # native CPU: rotary in place, one pass (q's and k's heads side by side in qkv rows)
+        self.rotate_in_place = whole_neox and kernels.rotates_in_place
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rope: RopeTables | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        q_flat, k_flat = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        if self.whole_norm:
+            assert self.q_norm is not None and self.k_norm is not None
+            q_flat, k_flat = self.q_norm(q_flat), self.k_norm(k_flat)
+        q = q_flat.reshape(-1, self.num_heads, self.head_dim)
+        k = k_flat.reshape(-1, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.fused_qk_norm_rotary is not None and self.q_norm is not None \
-                and self.k_norm is not None:
+        per_head_norm = self.q_norm is not None and not self.whole_norm
+        if self.rotary is not None and rope is None:
+            rope = self.rotary.cos_sin(positions)
+        if self.fused_qk_norm_rotary is not None and self.rotary is not None:
             fused, cos, sin = self.fused_qk_norm_rotary, self.rotary.cos, self.rotary.sin
+            assert self.q_norm is not None and self.k_norm is not None
             q = fused(q, self.q_norm.weight, positions, cos, sin, self.q_norm.eps)
             k = fused(k, self.k_norm.weight, positions, cos, sin, self.k_norm.eps)
-        elif self.native is not None:
-            cos, sin = (table[:, 0] for table in rope or self.rotary.cos_sin(positions))
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-                self.native.rotary_neox_(q, cos, sin)
-                self.native.rotary_neox_(k, cos, sin)
-            else:  # q's and k's heads sit side by side in each qkv row: one call rotates both
-                heads = self.num_heads + self.num_kv_heads
-                self.native.rotary_neox_(qkv[:, :q_size + kv_size].view(-1, heads, self.head_dim),
-                                         cos, sin)
         else:
-            if self.q_norm is not None and self.k_norm is not None:
+            if per_head_norm:
+                assert self.q_norm is not None and self.k_norm is not None
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = RotaryEmbedding.rotate(rope or self.rotary.cos_sin(positions), q, k)
+            if rope is not None and self.rotary is not None:
+                q, k = self._rotate(qkv, q, k, rope, per_head_norm or self.whole_norm)
+        if self.query_beta is not None:  # Ministral 3: queries sharpened far into the context
+            far = torch.floor(positions.float() / self.query_original)
+            q = q * (1 + self.query_beta * torch.log1p(far)).to(q.dtype)[:, None, None]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype,
-                 device: torch.device | str, native_cpu: bool = False):
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False,
-                                                 parallel, dtype, device)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, parallel, dtype,
-                                           device)
-        self.act_fn = silu_and_mul  # CUDA: one Triton kernel instead of two ops; CPU: one pass
-        if torch.device(device).type == "cuda" and find_spec("triton"):
-            from shoal.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
-
-            self.act_fn = fused_silu_and_mul
-        native = native_cpu_ops(native_cpu)
-        if native is not None:
-            self.act_fn = native.silu_and_mul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def _rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RopeTables,
+                normed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.rotary is not None
+        native = self.kernels.native
+        if not self.rotate_in_place or native is None:
+            return self.rotary.rotate(rope, q, k)
+        cos, sin = rope[0][:, 0], rope[1][:, 0]
+        if normed:  # q and k are fresh tensors
+            native.rotary_neox_(q, cos, sin)
+            native.rotary_neox_(k, cos, sin)
+        else:  # q's and k's heads sit side by side in each qkv row: one call rotates both
+            q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+            heads = self.num_heads + self.num_kv_heads
+            native.rotary_neox_(qkv[:, :q_size + kv_size].view(-1, heads, self.head_dim),
+                                cos, sin)
+        return q, k
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelContext, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
-                 native: bool = False, layer: int = 0):
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelContext,
+                 rotary: RotaryEmbedding | None, backend: AttentionBackend, kernels: Kernels,
+                 dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.self_attn = Attention(config, parallel, rotary, backend, dtype, device, native)
-        self.mlp: nn.Module = MLP(config, parallel, dtype, device, native)
-        if config.moe is not None and config.moe.is_sparse(layer):  # the MoE block's slot
-            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, parallel, dtype, device,
-                                      native)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device,
-                                       native)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
-                                                device, native)
+        self.self_attn = Attention(config, layer_index, parallel, rotary, backend, kernels,
+                                   dtype, device)
+        self.mlp = build_mlp(config, layer_index, parallel, kernels, dtype, device)
+        self.rope_key = config.layer_ropes[layer_index]
+        self.residual_multiplier = config.residual_multiplier
+        # the norms keep their checkpoint names as attributes; ``roles`` says which is which
+        self.roles = config.norms
+        for name in config.norms.names():
+            self.add_module(name, RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                          device, kernels, config.norm_weight_offset))
+
+    def _norm(self, name: str | None) -> RMSNorm | None:
+        return None if name is None else getattr(self, name)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata,
                 rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden``: the previous layer's output (layer 0: the embeddings, ``residual`` None);
-        ``residual``: the stream it is added to. Returns this layer's (output, residual)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """``hidden``: the previous sub-block's output, not yet added to ``residual`` (layer
+        0: the embeddings, ``residual`` None). Returns this layer's (output, residual)."""
+        x, residual = _join(self._norm(self.roles.attn_in), hidden, residual)
+        hidden = self._leave(self._norm(self.roles.attn_out),
+                             self.self_attn(positions, x, kv_cache, meta, rope))
+        x, residual = _join(self._norm(self.roles.mlp_in), hidden, residual)
+        return self._leave(self._norm(self.roles.mlp_out), self.mlp(x)), residual
+
+    def _leave(self, norm: RMSNorm | None, out: torch.Tensor) -> torch.Tensor:
+        """A sub-block's output as it joins the residual stream."""
+        if norm is not None:
+            out = norm(out)
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+
+
+def _join(norm: RMSNorm | None, hidden: torch.Tensor, residual: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add ``hidden`` to the residual stream; return the next sub-block's input (normalised
+    if the family normalises inputs) and the stream."""
+    if residual is None:
+        return (hidden if norm is None else norm(hidden)), hidden
+    if norm is None:
+        residual = hidden + residual
+        return residual, residual
+    return norm(hidden, residual)  # the add fused into the norm
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, backend: AttentionBackend,
-                 max_positions: int, dtype: torch.dtype, device: torch.device | str):
+                 max_positions: int, dtype: torch.dtype, device: torch.device | str,
+                 kernels: Kernels):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    parallel, dtype, device)
-        # one table shared by all layers; computed in float32, stored in the model dtype
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                 config.rope_scaling, dtype, device)
-        self.rotary = rotary
-        # the native cpu attention backend brings the native position-wise ops along
-        native = backend.name == "cpu"
+        self.embed_scale = config.embed_scale
+        # one table per distinct rope (Gemma 3: local and global), shared by its layers
+        self.rotary = nn.ModuleDict({
+            key: RotaryEmbedding(spec, max_positions, dtype, device, config.hf_config)
+            for key, spec in config.ropes.items() if key in set(config.layer_ropes)})
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel, rotary, backend, dtype, device, native, layer)
-            for layer in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, native)
+            DecoderLayer(config, i, parallel,
+                         self.rotary[key] if key is not None else None, backend, kernels,
+                         dtype, device)
+            for i, key in enumerate(config.layer_ropes))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels,
+                            config.norm_weight_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.cos_sin(positions)  # looked up once per step, not once per layer
+        if self.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        # looked up once per step, not once per layer
+        ropes: dict[str, RopeTables] = {}
+        for key, rotary in self.rotary.items():
+            assert isinstance(rotary, RotaryEmbedding)
+            ropes[key] = rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            rope = ropes[layer.rope_key] if layer.rope_key is not None else None
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rope)
         return self.norm(hidden, residual)[0]
 
@@ -182,37 +246,34 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, backend: AttentionBackend,
-                 max_positions: int, dtype: torch.dtype, device: torch.device | str):
+                 max_positions: int, dtype: torch.dtype, device: torch.device | str,
+                 kernels: Kernels | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, parallel, backend, max_positions, dtype, device)
+        self.kernels = kernels or kernels_for(device, dtype, backend.name)
+        self.model = DecoderModel(config, parallel, backend, max_positions, dtype, device,
+                                  self.kernels)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel, dtype,
                                       device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_softcap = config.final_logit_softcap
+        self.logits_divisor = config.logits_divisor
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_rows)
-
-
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
-    "LlamaForCausalLM": DecoderForCausalLM,
-    "MistralForCausalLM": DecoderForCausalLM,
-    "Qwen2ForCausalLM": DecoderForCausalLM,
-    "Qwen3ForCausalLM": DecoderForCausalLM,
-    "MixtralForCausalLM": DecoderForCausalLM,
-    "Qwen2MoeForCausalLM": DecoderForCausalLM,
-    "Qwen3MoeForCausalLM": DecoderForCausalLM,
-}
+        logits = self.lm_head.compute_logits(hidden_rows)
+        if self.logits_divisor != 1.0:  # Granite
+            logits = logits / self.logits_divisor
+        if self.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def model_class(architecture: str) -> type[DecoderForCausalLM]:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+    """Every supported architecture is this one decoder; ``config.load_model_config`` has
+    already refused the others, naming the field."""
+    return DecoderForCausalLM

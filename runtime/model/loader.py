@@ -47,9 +47,19 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
                                      f"{type(model).__name__} (looked for {name!r})")
                 param = params[name]
                 loader = getattr(param, "weight_loader", _load_replicated)
-                filled = loader(param, f.get_slice(ckpt_name), shard)
-                # stacked experts' loaders say which shards a (possibly fused) tensor filled
-                loaded.update((name, s) for s in filled or [shard])
+                fused = _fused_parts(model, name, shard)
+                if fused is None:
+                    filled = loader(param, f.get_slice(ckpt_name), shard)
+                    # stacked experts' loaders say which shards a (possibly fused) tensor filled
+                    loaded.update((name, s) for s in filled or [shard])
+                    continue
+                # a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): read whole,
+                # each part handed to the packed layer's loader as if stored separately
+                tensor, start = f.get_tensor(ckpt_name), 0
+                for part, rows in fused:
+                    loader(param, tensor.narrow(0, start, rows), part)
+                    loaded.add((name, part))
+                    start += rows
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"
@@ -65,9 +75,43 @@ def _load_replicated(param: torch.nn.Parameter, st_slice, _shard: object) -> Non
     param.data.copy_(tensor)
 
 
+def _fused_parts(model: DecoderForCausalLM, name: str,
+                 shard: object) -> list[tuple[object, int]] | None:
+    """The (shard id, rows) a fused checkpoint tensor stacks, or None when it is not fused."""
+    if shard is not None:
+        return None
+    c = model.config
+    if ".qkv_proj." in name:
+        kv = c.num_kv_heads * c.head_dim
+        return [("q", c.num_heads * c.head_dim), ("k", kv), ("v", kv)]
+    if ".gate_up_proj." in name:
+        return [(0, c.intermediate_size), (1, c.intermediate_size)]
+    return None
+
+
+def _unwrapped(ckpt_name: str, prefix: str | None) -> str | None:
+    """A text-only wrapper's tensor under the names of a plain ``*ForCausalLM`` (None: a part
+    of the wrapper the text model does not use, e.g. the vision tower). transformers 5 saves
+    ``model.language_model.X`` and ``lm_head``; older releases ``language_model.model.X``
+    and ``language_model.lm_head``."""
+    if prefix is None:
+        return ckpt_name
+    if ckpt_name.startswith("lm_head."):
+        return ckpt_name
+    for old, new in ((f"model.{prefix}.", "model."), (f"{prefix}.model.", "model."),
+                     (f"{prefix}.lm_head.", "lm_head.")):
+        if ckpt_name.startswith(old):
+            return new + ckpt_name[len(old):]
+    return None
+
+
 def _target(model: DecoderForCausalLM, ckpt_name: str) -> tuple[str, object] | None:
     if "rotary_emb" in ckpt_name:
         return None
+    unwrapped = _unwrapped(ckpt_name, model.config.weight_prefix)
+    if unwrapped is None:
+        return None
+    ckpt_name = unwrapped
     if ckpt_name.startswith("lm_head.") and model.config.tie_word_embeddings:
         return None  # same tensor as the embedding
     moe = expert_checkpoint_target(ckpt_name)
@@ -101,6 +145,6 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
     cls = model_class(config.architecture)
     model = cls(config, parallel, backend, max_positions, dtype, device)
     load_weights(model, model_dir)
-    if device.type == "cpu":
+    if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     return model.eval()

@@ -19,8 +19,8 @@ import re
 from importlib.util import find_spec
 
 import torch
-from shoal.kernels.moe_grouped import grouped_experts, silu_and_mul_torch
-from shoal.runtime.model.layers import _param, native_cpu_ops
+from shoal.kernels.moe_grouped import grouped_experts
+from shoal.runtime.model.layers import _param
 from shoal.runtime.model.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -30,6 +30,7 @@ from shoal.runtime.model.linear import (
 )
 from shoal.runtime.model.moe_config import MoeConfig
 from shoal.runtime.model.moe_router import Routing, route
+from shoal.runtime.model.ops import Kernels, kernels_for
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
@@ -42,15 +43,9 @@ def choose_moe_impl(device_type: str, has_triton: bool) -> str:
     return "triton" if device_type == "cuda" and has_triton else "grouped"
 
 
-def _activation(device: torch.device | str, native_cpu: bool):
-    native = native_cpu_ops(native_cpu)
-    if native is not None:
-        return native.silu_and_mul
-    if torch.device(device).type == "cuda" and find_spec("triton"):
-        from shoal.kernels.silu_and_mul import silu_and_mul
-
-        return silu_and_mul
-    return silu_and_mul_torch
+def _activation(device: torch.device | str, dtype: torch.dtype, kernels: Kernels | None):
+    """SiLU-and-mul as ``ops.choose_kernels`` picked it for the model."""
+    return (kernels or kernels_for(device, dtype, "torch")).gated_activation("silu")
 
 
 class Router(nn.Module):
@@ -77,7 +72,7 @@ class FusedExperts(nn.Module):
     """All routed experts of one layer, this rank's slice of each one's intermediate dim."""
 
     def __init__(self, moe: MoeConfig, hidden: int, parallel: ParallelContext,
-                 dtype: torch.dtype, device: torch.device | str, native_cpu: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, kernels: Kernels | None = None):
         super().__init__()
         self.num_experts, self.size = moe.num_experts, moe.intermediate_size
         self.start, end = parallel.shard_range(moe.intermediate_size)
@@ -92,7 +87,7 @@ class FusedExperts(nn.Module):
             param.weight_loader = loader  # type: ignore[attr-defined]
             param.expected_shards = shards  # type: ignore[attr-defined]
         self.impl = choose_moe_impl(torch.device(device).type, find_spec("triton") is not None)
-        self.act = _activation(device, native_cpu)
+        self.act = _activation(device, dtype, kernels)
 
     def _load_gate_up(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
         lo, hi, size = self.start, self.start + self.local, self.size
@@ -156,12 +151,12 @@ class SharedExpert(nn.Module):
     ``shared_experts``), split over ranks like the dense MLP; returns a partial sum."""
 
     def __init__(self, hidden: int, size: int, parallel: ParallelContext, dtype: torch.dtype,
-                 device: torch.device | str, native_cpu: bool = False):
+                 device: torch.device | str, kernels: Kernels | None = None):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [size, size], False, parallel, dtype,
                                                  device)
         self.down_proj = _PartialRowLinear(size, hidden, False, parallel, dtype, device)
-        self.act = _activation(device, native_cpu)
+        self.act = _activation(device, dtype, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -169,13 +164,13 @@ class SharedExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoeConfig, hidden: int, parallel: ParallelContext,
-                 dtype: torch.dtype, device: torch.device | str, native_cpu: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, kernels: Kernels | None = None):
         super().__init__()
         self.parallel = parallel
         self.gate = Router(moe, hidden, dtype, device)
-        self.experts = FusedExperts(moe, hidden, parallel, dtype, device, native_cpu)
+        self.experts = FusedExperts(moe, hidden, parallel, dtype, device, kernels)
         self.shared_expert = SharedExpert(hidden, moe.shared_intermediate_size, parallel,
-                                          dtype, device, native_cpu) \
+                                          dtype, device, kernels) \
             if moe.shared_intermediate_size else None
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype, device) \
             if moe.shared_expert_gated else None

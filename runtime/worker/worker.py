@@ -76,7 +76,8 @@ class Worker:
         from shoal.runtime.model.loader import build_model
 
         mc = self.model_config()
-        backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype)
+        backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype,
+                                        mc.attention_features)
         max_positions = max(self.max_model_len, mc.max_position_embeddings)
         with torch.no_grad():  # not inference_mode: parameters stay ordinary tensors
             model = build_model(mc, self.config.model, backend, self.parallel, max_positions,

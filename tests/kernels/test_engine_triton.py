@@ -87,10 +87,10 @@ def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, c
     activation as Triton kernels;
     here they are switched on by hand (interpreted) to prove the wiring: same greedy tokens
     and top-2 margins as the torch ops."""
-    from shoal.kernels.qk_norm_rotary import qk_norm_rotary
-    from shoal.kernels.rms_norm import rms_norm
-    from shoal.kernels.silu_and_mul import silu_and_mul
+    from dataclasses import replace
+
     from shoal.runtime.model.layers import RMSNorm
+    from shoal.runtime.model.ops import Kernels
 
     gen = torch.Generator().manual_seed(5)
     prompts = {"a": torch.randint(3, 1024, (9,), generator=gen).tolist(),
@@ -101,13 +101,17 @@ def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, c
         layers = worker.runner.model.model.layers
         assert all(layer.self_attn.fused_qk_norm_rotary is None for layer in layers)  # CPU default
         norms = [m for m in worker.runner.model.modules() if isinstance(m, RMSNorm)]
-        assert len(norms) == 4 * len(layers) + 1 and all(n.fused is None for n in norms)
-        if fused:
+        assert len(norms) == 4 * len(layers) + 1
+        assert worker.runner.model.kernels.choice.norm == "torch"
+        if fused:  # what choose_kernels picks on CUDA with Triton
+            choice = replace(worker.runner.model.kernels.choice, norm="triton",
+                             silu_and_mul="triton", qk_norm_rotary="triton")
+            kernels = Kernels(choice)
             for layer in layers:
-                layer.self_attn.fused_qk_norm_rotary = qk_norm_rotary
-                layer.mlp.act_fn = silu_and_mul
+                layer.self_attn.fused_qk_norm_rotary = kernels.qk_norm_rotary
+                layer.mlp.act_fn = kernels.gated_activation("silu")
             for norm in norms:
-                norm.fused = rms_norm
+                norm.kernels = kernels
         runs[fused] = continuous_batch(worker, BLOCK_SIZE, token_budget=16, max_new=4).run(prompts)
 
     for req in prompts:

@@ -208,14 +208,14 @@ def test_silu_and_mul_matches_torch(rows, size):
 
 def test_rotary_in_place_equals_the_torch_rotation():
     tokens, q_heads, kv_heads, head_dim = 9, 4, 2, 32
-    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None, torch.float32, "cpu")
+    rotary = RotaryEmbedding.default(head_dim, 64, 10000.0, torch.float32, "cpu")
     cos, sin = rotary.cos_sin(torch.randint(0, 64, (tokens,)))
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim)
     q = qkv[:, :q_heads * head_dim].view(tokens, q_heads, head_dim)
     k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads,
                                                                          head_dim)
     v_before = qkv[:, (q_heads + kv_heads) * head_dim:].clone()
-    expected_q, expected_k = RotaryEmbedding.rotate((cos, sin), q, k)
+    expected_q, expected_k = rotary.rotate((cos, sin), q, k)
 
     both = qkv[:, :(q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
     cpu_ops.rotary_neox_(both, cos[:, 0], sin[:, 0])

@@ -35,7 +35,7 @@ def test_matches_the_models_qk_norm_and_rotary_layers(rng):
 
     norm = RMSNorm(32, 1e-6, torch.float32, "cpu")
     norm.weight.data = 1 + 0.1 * torch.randn(32, generator=rng)
-    rotary = RotaryEmbedding(32, 128, 1e6, None, torch.float32, "cpu")
+    rotary = RotaryEmbedding.default(32, 128, 1e6, torch.float32, "cpu")
     q = torch.randn(7, 4, 32, generator=rng)
     k = torch.randn(7, 2, 32, generator=rng)
     positions = torch.randint(0, 128, (7,), generator=rng)

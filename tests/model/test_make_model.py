@@ -45,11 +45,11 @@ def test_chat_template_renders_chatml_with_generation_prompt(tiny_qwen3):
 
 def test_architecture_specifics(tiny_model_dirs, small_qwen3):
     llama = load_model_config(tiny_model_dirs["llama"])
-    assert llama.num_kv_heads == 1 and llama.rope_scaling["rope_type"] == "llama3"
+    assert llama.num_kv_heads == 1 and llama.ropes["default"].rope_type == "llama3"
     qwen2 = load_model_config(tiny_model_dirs["qwen2"])
-    assert qwen2.tie_word_embeddings and qwen2.attention_bias
+    assert qwen2.tie_word_embeddings and qwen2.qkv_bias and not qwen2.o_proj_bias
     for qwen3 in (load_model_config(tiny_model_dirs["qwen3"]), load_model_config(small_qwen3)):
-        assert qwen3.qk_norm and qwen3.head_dim != qwen3.hidden_size // qwen3.num_heads
+        assert qwen3.qk_norm == "per_head" and qwen3.head_dim != qwen3.hidden_size // qwen3.num_heads
     assert llama.eos_token_ids == mm.EOS_TOKEN_IDS
 
 

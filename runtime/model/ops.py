@@ -1,0 +1,139 @@
+"""Kernels chosen once: which implementation runs each op, decided per device and dtype.
+
+``choose_kernels`` is the pure rule (tested without a GPU); ``Kernels`` binds the chosen
+implementations, and the model's layers call them without ever asking which device or backend
+they run on. The rule:
+
+- native CPU ops (``shoal.kernels.cpu_ops``: norm with the residual add, SiLU-and-mul, neox
+  rotary in place) where the native ``cpu`` attention backend runs (float32 on CPU, the
+  library built); the ``torch`` backend keeps the whole model in plain torch, a reference;
+- Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with Triton;
+- oneDNN-packed linear weights on CPU in float32 (``linear.pack_cpu_linear_weights``);
+- torch everywhere else, and for every shape a kernel does not take (an activation other
+  than SiLU, partial or interleaved rotary, a 3-d norm input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.util import find_spec
+
+import torch
+import torch.nn.functional as F
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+# transformers' ACT2FN names -> the same function in torch
+ACTIVATION_FNS: dict[str, Activation] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": _relu2,
+}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    norm: str  # "native_cpu" | "triton" | "torch"
+    silu_and_mul: str  # "native_cpu" | "triton" | "torch"
+    rotary: str  # "native_cpu" (neox, whole head, in place) | "torch"
+    qk_norm_rotary: str  # "triton" (per-head norm + neox rotary, one kernel) | "torch"
+    linear: str  # "onednn" (packed weights) | "torch"
+    attention: str  # the attention backend's name
+
+
+def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
+                   triton_available: bool, onednn_available: bool) -> KernelChoice:
+    native = attention == "cpu"  # that backend runs only where the native library loaded
+    triton = device_type == "cuda" and triton_available
+    fast = "native_cpu" if native else "triton" if triton else "torch"
+    return KernelChoice(
+        norm=fast, silu_and_mul=fast,
+        rotary="native_cpu" if native else "torch",
+        qk_norm_rotary="triton" if triton else "torch",
+        linear="onednn" if device_type == "cpu" and dtype == torch.float32
+        and onednn_available else "torch",
+        attention=attention)
+
+
+def kernels_for(device: torch.device | str, dtype: torch.dtype, attention: str) -> Kernels:
+    device_type = torch.device(device).type
+    return Kernels(choose_kernels(device_type, dtype, attention, find_spec("triton") is not None,
+                                  torch.backends.mkldnn.is_available()))
+
+
+class Kernels:
+    """The chosen implementations, bound once; what the layers call."""
+
+    def __init__(self, choice: KernelChoice) -> None:
+        self.choice = choice
+        self.native = None
+        if "native_cpu" in (choice.norm, choice.silu_and_mul, choice.rotary):
+            from shoal.kernels import cpu_ops
+
+            self.native = cpu_ops
+        self._triton_norm = self._triton_silu = self.qk_norm_rotary = None
+        if choice.norm == "triton":
+            from shoal.kernels.rms_norm import rms_norm
+
+            self._triton_norm = rms_norm
+        if choice.silu_and_mul == "triton":
+            from shoal.kernels.silu_and_mul import silu_and_mul
+
+            self._triton_silu = silu_and_mul
+        if choice.qk_norm_rotary == "triton":
+            from shoal.kernels.qk_norm_rotary import qk_norm_rotary
+
+            self.qk_norm_rotary = qk_norm_rotary
+
+    @property
+    def rotates_in_place(self) -> bool:
+        return self.choice.rotary == "native_cpu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """``norm(x) * weight``; with ``residual``: ``(norm(x + residual), x + residual)``
+        (the native kernel updates ``residual`` in place)."""
+        if self.native is not None and self.choice.norm == "native_cpu" and x.dim() == 2:
+            return (self.native.rms_norm(x, weight, eps) if residual is None
+                    else (self.native.rms_norm(x, weight, eps, residual), residual))
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual, weight, eps), residual
+        return self._norm(x, weight, eps)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._triton_norm is not None:
+            return self._triton_norm(x, weight, eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # half precision: normalise in float32 like the reference implementation, then cast
+        return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+    def gated_activation(self, activation: str) -> Activation:
+        """``act(gate) * up`` on ``[gate | up]`` rows."""
+        if activation in ("silu", "swish"):
+            if self.native is not None and self.choice.silu_and_mul == "native_cpu":
+                return self.native.silu_and_mul
+            if self._triton_silu is not None:
+                return self._triton_silu
+        act = ACTIVATION_FNS[activation]
+
+        def gated(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return act(gate) * up
+
+        return gated
+
+    def activation(self, activation: str) -> Activation:
+        return ACTIVATION_FNS[activation]
