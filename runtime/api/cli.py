@@ -94,6 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="zmq PUB address for KV-cache events, e.g. tcp://*:5557")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
                    help="also export metrics under this runtime's names")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split the model's <think>...</think> span off as reasoning_content "
+                        "(chat), reasoning items (Responses), thinking blocks (Messages); "
+                        "structured outputs and forced tools start after it")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_main)
@@ -167,7 +171,8 @@ def _main(args: argparse.Namespace) -> int:
         cache_sharing=args.cache_sharing,
         tenant_header=args.tenant_header.lower() if args.tenant_header else None,
         stream_stall_timeout=args.stream_stall_timeout,
-        metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth)
+        metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth,
+        reasoning_parser=args.reasoning_parser)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)

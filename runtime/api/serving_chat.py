@@ -11,14 +11,24 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from msgspec.structs import replace
 from shoal.runtime.frontend.chat_template import ChatTemplateError
 from shoal.runtime.frontend.prompts import ChatPrompt
+from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
 from .logprobs_format import chat_logprobs, token_names, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
+from .reasoning import (
+    THINK_END,
+    ReasoningFormat,
+    ReasoningStream,
+    reasoning_fields,
+    reasoning_format,
+    reasoning_token_count,
+)
 from .serving_common import (
     check_prompt_text,
     first_delta,
@@ -88,9 +98,34 @@ def output_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> GrammarSp
     return grammar
 
 
-def assistant_message(text: str, policy: ToolPolicy, finish: str | None
-                      ) -> tuple[dict[str, Any], str | None]:
-    """The message for a finished choice and its finish_reason."""
+def with_reasoning(state: ServerState, params: SamplingParams, prompt: PromptInput
+                   ) -> tuple[ReasoningFormat | None, SamplingParams]:
+    """The request's reasoning format (``--reasoning-parser``), and its params with the
+    grammar (structured output, a forced tool) starting after ``</think>`` when the span
+    may come first: a thinking model is not constrained from its first token."""
+    fmt = reasoning_format(state.settings.reasoning_parser, prompt.text)
+    if fmt is None or params.structured is None or not fmt.grammar_deferred:
+        return fmt, params
+    marker = tuple(state.tokenizer.encode(THINK_END, add_special_tokens=False))
+    return fmt, replace(params, structured=replace(params.structured, start_after=marker))
+
+
+def reasoning_tokens(state: ServerState, choice: Choice, fmt: ReasoningFormat | None) -> int:
+    if fmt is None:
+        return 0
+    reasoning, _ = fmt.split(choice.text)
+    return reasoning_token_count(choice.token_ids, state.tokenizer.encode(
+        THINK_END, add_special_tokens=False), reasoning is not None)
+
+
+def assistant_message(text: str, policy: ToolPolicy, finish: str | None,
+                      fmt: ReasoningFormat | None = None) -> tuple[dict[str, Any], str | None]:
+    """The message for a finished choice and its finish_reason; with a reasoning format,
+    the ``<think>`` span is split off first (tool calls are read from the rest)."""
+    if fmt is not None:
+        reasoning, text = fmt.split(text)
+        plain, finish = assistant_message(text, policy, finish)
+        return {**plain, **reasoning_fields(reasoning or "")}, finish
     if policy.mode == "none":
         return {"role": "assistant", "content": text}, finish
     if policy.constrained:
@@ -128,12 +163,20 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         add_special_tokens=body.add_special_tokens,
         allow_special_tokens_in_content=body.allow_special_tokens_in_content)),
         body.truncate_prompt_tokens, state)
+    fmt, params = with_reasoning(state, params, prompt)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.settings.model_name
     names = token_names(state.tokenizer, body.return_tokens_as_token_ids)
 
+    def chat_usage(gen: Generation) -> dict:
+        out = usage(gen)
+        if fmt is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_tokens(state, c, fmt) for c in gen.choices)}
+        return out
+
     def choice_json(choice: Choice) -> dict:
-        message, finish = assistant_message(choice.text, policy, choice.finish_reason)
+        message, finish = assistant_message(choice.text, policy, choice.finish_reason, fmt)
         out = {"index": choice.index, "message": message,
                "logprobs": chat_logprobs(names, choice.token_ids, choice.logprobs,
                                          top_k) if body.logprobs else None,
@@ -145,7 +188,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     def respond(gen: Generation) -> dict:
         out = {"id": gen.request_id, "object": "chat.completion", "created": created,
                "model": model, "choices": [choice_json(c) for c in gen.choices],
-               "usage": usage(gen)}
+               "usage": chat_usage(gen)}
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt.token_ids
         if body.prompt_logprobs is not None:  # vLLM: once per response, the prompt's
@@ -161,6 +204,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     first = await first_delta(state, generation) if grammar is not None else None
     started: set[int] = set()
     tool_streams: dict[int, ToolDeltaStream] = {}
+    reasoning_streams: dict[int, ReasoningStream] = {}
 
     def chunk(choice: dict) -> dict:
         return {"id": generation.request_id, "object": "chat.completion.chunk",
@@ -171,6 +215,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if delta.index not in started:  # the role comes first, once per choice
             started.add(delta.index)
             tool_streams[delta.index] = ToolDeltaStream(policy)
+            if fmt is not None:
+                reasoning_streams[delta.index] = ReasoningStream(fmt)
             first = chunk({"index": delta.index,
                            "delta": {"role": "assistant", "content": ""},
                            "logprobs": None, "finish_reason": None})
@@ -178,10 +224,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                 first["prompt_token_ids"] = prompt.token_ids
             out.append(first)
         tools = tool_streams[delta.index]
-        fields = tools.feed(delta.text)
+        fields = stream_fields(tools, reasoning_streams.get(delta.index), delta)
         finish = delta.finish_reason
         if finish is not None:
-            fields = merge_fields(fields, tools.finish())
             finish = tool_finish(policy, finish, tools.num_calls > 0)
         if not fields and finish is None and not (body.return_token_ids or body.logprobs):
             return out
@@ -197,11 +242,27 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
     def usage_chunk() -> dict:
         return {"id": generation.request_id, "object": "chat.completion.chunk",
-                "created": created, "model": model, "choices": [], "usage": usage(generation)}
+                "created": created, "model": model, "choices": [],
+                "usage": chat_usage(generation)}
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return stream_response(state, generation, chunks, usage_chunk if include_usage else None,
                            first)
+
+
+def stream_fields(tools: ToolDeltaStream, reasoning: ReasoningStream | None,
+                  delta: ChoiceDelta) -> dict[str, Any]:
+    """One delta's message fields: its reasoning (split off first), then the content and
+    tool calls read from the rest; at the end, whatever either held back."""
+    thought, text = reasoning.feed(delta.text) if reasoning is not None else ("", delta.text)
+    fields = tools.feed(text)
+    if delta.finish_reason is not None:
+        if reasoning is not None:
+            more_thought, more_text = reasoning.finish()
+            thought += more_thought
+            fields = merge_fields(fields, tools.feed(more_text))
+        fields = merge_fields(fields, tools.finish())
+    return {**reasoning_fields(thought), **fields}
 
 
 def merge_fields(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,15 @@ from .anthropic_protocol import (
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation
 from .protocol import ChatTool
-from .serving_chat import assistant_message, chat_prompt, output_grammar, render_chat
+from .reasoning import ReasoningFormat, ReasoningStream
+from .serving_chat import (
+    assistant_message,
+    chat_prompt,
+    output_grammar,
+    render_chat,
+    stream_fields,
+    with_reasoning,
+)
 from .serving_common import (
     ANTHROPIC_SSE,
     first_delta,
@@ -116,13 +124,14 @@ async def create_message(request: Request, state: ServerState) -> Response:
     prompt = await render_chat(state, chat_prompt(
         chat.messages, tools=_template_tools(chat.tools),
         template_kwargs=chat.chat_template_kwargs))
+    fmt, params = with_reasoning(state, params, prompt)
     generation = start_generation(request, state, "msg", [prompt], params, chat)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.settings.model_name
 
     def message(gen: Generation) -> dict[str, Any]:
         choice = gen.choices[0]
-        chat_message, _ = assistant_message(choice.text, policy, choice.finish_reason)
+        chat_message, _ = assistant_message(choice.text, policy, choice.finish_reason, fmt)
         blocks = content_blocks(chat_message)
         reason, sequence = stop_reason(choice, any(b["type"] == "tool_use" for b in blocks))
         return {"id": message_id, "type": "message", "role": "assistant", "model": model,
@@ -133,7 +142,7 @@ async def create_message(request: Request, state: ServerState) -> Response:
         return await run_to_completion(request, state, generation, message)
 
     first = await first_delta(state, generation) if grammar is not None else None
-    events = MessageEvents(message_id, model, policy)
+    events = MessageEvents(message_id, model, policy, fmt)
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
         return events.feed(generation.choices[0], delta)
@@ -145,10 +154,12 @@ class MessageEvents:
     """One message's stream events, from the chat path's delta fields: a new content block
     each time the kind of output changes (text, a tool call), closed before the next."""
 
-    def __init__(self, message_id: str, model: str, policy: ToolPolicy) -> None:
+    def __init__(self, message_id: str, model: str, policy: ToolPolicy,
+                 fmt: ReasoningFormat | None = None) -> None:
         self.message_id = message_id
         self.model = model
         self.tools = ToolDeltaStream(policy)
+        self.reasoning = ReasoningStream(fmt) if fmt is not None else None
         self.started = False
         self.index = -1  # the open block's index (-1: none yet)
         self.open_kind: str | None = None  # "text" | "thinking" | "tool_use"
@@ -163,12 +174,7 @@ class MessageEvents:
                      "model": self.model, "content": [], "stop_reason": None,
                      "stop_sequence": None, "usage": {**usage(choice), "output_tokens": 0}}
             out += [{"type": "message_start", "message": start}, {"type": "ping"}]
-        fields = self.tools.feed(delta.text)
-        if delta.finish_reason is not None:
-            more = self.tools.finish()
-            fields = {"content": fields.get("content", "") + more.get("content", ""),
-                      "tool_calls": fields.get("tool_calls", []) + more.get("tool_calls", [])}
-        out += self.fields(fields)
+        out += self.fields(stream_fields(self.tools, self.reasoning, delta))
         if delta.finish_reason is not None:
             out += self.close()
             reason, sequence = stop_reason(choice, self.num_calls > 0)

@@ -31,15 +31,18 @@ from .protocol import (
     ToolCallFunction,
     ToolChoiceFunction,
 )
+from .reasoning import ReasoningFormat, ReasoningStream
 from .responses_events import ResponseEvents, message_item, response_object
 from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
 from .responses_store import ResponseStore
 from .serving_chat import (
     assistant_message,
     chat_prompt,
-    merge_fields,
     output_grammar,
+    reasoning_tokens,
     render_chat,
+    stream_fields,
+    with_reasoning,
 )
 from .serving_common import (
     first_delta,
@@ -123,6 +126,7 @@ async def create_response(request: Request, state: ServerState,
     template_tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools \
         else None
     prompt = await render_chat(state, chat_prompt(chat.messages, tools=template_tools))
+    fmt, params = with_reasoning(state, params, prompt)
     generation = start_generation(request, state, "resp", [prompt], params, chat)
     response_id = f"resp_{uuid.uuid4().hex}"
     created, model = now_s(), state.settings.model_name
@@ -137,25 +141,25 @@ async def create_response(request: Request, state: ServerState,
     def finished(gen: Generation, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         choice = gen.choices[0]
         if output is None:
-            message, _ = assistant_message(choice.text, policy, choice.finish_reason)
+            message, _ = assistant_message(choice.text, policy, choice.finish_reason, fmt)
             output = output_items(message)
+        output = reasoning_items(choice.text, fmt) + output
         store.put(response_id, messages + [assistant_turn(output)])
         return response_object(response_id, created, model, echo, output,
-                               choice.finish_reason, usage(gen))
+                               choice.finish_reason,
+                               usage(gen, reasoning_tokens(state, choice, fmt)))
 
     if not body.stream:
         return await run_to_completion(request, state, generation, finished)
 
     first = await first_delta(state, generation) if grammar is not None else None
     tools = ToolDeltaStream(policy)
+    reasoning = ReasoningStream(fmt) if fmt is not None else None
     events = ResponseEvents(response_object(response_id, created, model, echo, [], None, None))
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
         out = events.start() if not events.started else []
-        fields = tools.feed(delta.text)
-        if delta.finish_reason is not None:
-            fields = merge_fields(fields, tools.finish())
-        out += events.fields(fields)
+        out += events.fields(stream_fields(tools, reasoning, delta))
         if delta.finish_reason is not None:
             out += events.finish(lambda items: finished(generation, items))
         return out
@@ -184,10 +188,21 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def reasoning_items(text: str, fmt: ReasoningFormat | None) -> list[dict[str, Any]]:
+    """The ``<think>`` span as a reasoning output item (``--reasoning-parser``); in a stream
+    it comes whole in response.completed (no reasoning_text deltas yet)."""
+    reasoning = fmt.split(text)[0] if fmt is not None else None
+    if not reasoning:
+        return []
+    return [{"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": reasoning}],
+             "status": "completed"}]
+
+
+def usage(gen: Generation, reasoning_tokens: int = 0) -> dict[str, Any]:
     choice = gen.choices[0]
     prompt, completion = len(choice.prompt.token_ids), len(choice.token_ids)
     return {"input_tokens": prompt, "output_tokens": completion,
             "total_tokens": prompt + completion,
             "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}

@@ -38,6 +38,7 @@ class ServerSettings:
     tenant_header: str | None = None  # trusted header naming the tenant (set by the router)
     stream_stall_timeout: float = 30.0  # seconds one SSE write may block before the abort
     metrics_auth: bool = False  # /metrics on the main port requires the API key
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span split off
 
     @property
     def model_name(self) -> str:

@@ -5,7 +5,8 @@ preemption, when the output so far and the generator offset come with it) and dr
 the plan lists it in ``finished_req_ids``. Penalty bookkeeping (prompt mask, output counts)
 exists only for requests that use a penalty, so plain requests cost nothing per token. A
 request with a grammar (``params.structured``) holds its matcher here: rebuilt by replaying
-the output so far whenever the state is rebuilt, advanced by every token ``append``s.
+the output so far whenever the state is rebuilt, advanced by every token ``append``s; a
+grammar with ``start_after`` (reasoning models) starts once the output has written it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from shoal.runtime.sample.metadata import SamplingMetadata
 from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend, GrammarMatcher
+from shoal.runtime.structured.spec import grammar_start
 
 
 @dataclass
@@ -30,6 +32,8 @@ class RequestSamplingState:
     # the prompt, while its tokens' logprobs are still to be computed (prompt_logprobs)
     prompt_for_logprobs: list[int] | None = None
     grammar: GrammarMatcher | None = None
+    # a grammar that starts after a marker (reasoning models), until the output writes it
+    pending_grammar: GrammarBackend | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -45,6 +49,20 @@ class RequestSamplingState:
             # only possible when every allowed token was also banned (min_tokens vs a
             # grammar that must end now): the sampler had nothing legal left to pick
             self.grammar = None
+        elif self.pending_grammar is not None:
+            self._start_grammar(self.pending_grammar)
+
+    def _start_grammar(self, grammars: GrammarBackend) -> None:
+        """The matcher, once the output has reached where the grammar begins (replaying
+        what came after it); until then the tokens are free (the reasoning span)."""
+        spec = self.params.structured
+        assert spec is not None
+        start = grammar_start(spec, self.output_token_ids)
+        if start is None:
+            self.pending_grammar = grammars
+            return
+        self.pending_grammar = None
+        self.grammar = grammars.matcher(spec, self.output_token_ids[start:])
 
 
 def new_request_state(params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -58,7 +76,7 @@ def new_request_state(params: SamplingParams, prompt_token_ids: Sequence[int],
     if params.structured is not None:
         if grammars is None:
             raise ValueError("a request with structured output needs a grammar backend")
-        state.grammar = grammars.matcher(params.structured, output_token_ids)
+        state._start_grammar(grammars)
     if params.seed is not None and not params.greedy:
         state.generator = torch.Generator(device=device).manual_seed(params.seed)
         # resume the stream where it was before a preemption: replay each earlier draw of

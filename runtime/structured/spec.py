@@ -24,6 +24,21 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: GrammarKind
     source: str = ""  # schema JSON text, regex, EBNF, or a JSON list of choices
     param: str = "structured_outputs"  # the request field it came from (for errors)
+    # reasoning models: the constraint starts after the output has written these tokens
+    # (the reasoning span's end, ``</think>``); empty: from the first token
+    start_after: tuple[int, ...] = ()
+
+
+def grammar_start(spec: GrammarSpec, output_token_ids: list[int]) -> int | None:
+    """Where in the output the constrained part begins: 0 without ``start_after``, else just
+    after its first occurrence; None while the output has not written it yet."""
+    marker = list(spec.start_after)
+    if not marker:
+        return 0
+    for end in range(len(marker), len(output_token_ids) + 1):
+        if output_token_ids[end - len(marker):end] == marker:
+            return end
+    return None
 
 
 class GrammarError(ValueError):

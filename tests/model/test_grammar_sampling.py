@@ -109,3 +109,26 @@ def test_a_compiler_that_cannot_be_built_does_not_stop_the_worker(tmp_path, capl
     assert "preparing the grammar compiler failed" in caplog.text
     with pytest.raises(ValueError):  # a structured request gets the error
         backend.compiled(GrammarSpec(kind="regex", source="[a-z]"))
+
+
+def test_a_grammar_after_a_marker_leaves_the_reasoning_free_then_constrains(grammars,
+                                                                            tokenizer) -> None:
+    """Reasoning models: ``start_after`` (the ``</think>`` tokens) frees every token before
+    it, and the output after it matches the grammar, also when the state is rebuilt."""
+    marker = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    spec = GrammarSpec(kind="choice", source='["alpha", "beta"]', start_after=marker)
+    params = SamplingParams(temperature=1.0, structured=spec)
+    state = new_request_state(params, [5], [], 0, [1, 2], grammars.vocab_size, CPU, grammars)
+    free = run([state], grammars, 12, seed=3)[0]
+    assert state.grammar is None and state.pending_grammar is not None
+    assert not all(tokenizer.decode([t]) in "alphabeta" for t in free)  # not constrained
+    for token in marker:  # the model writes the end of its reasoning
+        state.append(token)
+    assert state.grammar is not None
+    after = run([state], grammars, 10, seed=4)[0]
+    assert tokenizer.decode(after) in ("alpha", "beta")
+    rebuilt = new_request_state(params, [5], free + list(marker) + after[:1], 0, [1, 2],
+                                grammars.vocab_size, CPU, grammars)
+    assert rebuilt.grammar is not None and rebuilt.pending_grammar is None
+    rest = run([rebuilt], grammars, 10, seed=5)[0]
+    assert tokenizer.decode(after[:1] + rest) in ("alpha", "beta")
