@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.shoal-setup
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint typecheck bench clean images image-test
+.PHONY: setup serve test test-fast lint typecheck bench clean images image-test gpu-check
 
 setup: $(STAMP)
 
@@ -28,6 +28,26 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# gpu-check: compile every Triton kernel variant for Hopper (sm_90a) with the GPU machine's
+# triton and the CUDA image's (read from Dockerfile.runtime), each in its own venv holding only
+# triton; torch and shoal come from $(VENV) through a .pth file. No GPU needed. CI runs it.
+GPUCHECK_TRITON ?= 3.6.0 $(shell sed -n 's/.*TRITON_VERSION="\([0-9.]*\)".*/\1/p' Dockerfile.runtime)
+GPUCHECK_ARGS   ?=
+
+gpu-check: setup
+	@set -e; for version in $(GPUCHECK_TRITON); do \
+	  venv=$(VENV)-gpucheck-$$version; \
+	  if [ ! -f $$venv/.stamp ]; then \
+	    $(PY) -m venv $$venv; \
+	    $$venv/bin/pip install -q triton==$$version; \
+	    main=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	    own=$$($$venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	    echo "import site; site.addsitedir('$$(cd $$main && pwd)')" > $$own/shoal-main-venv.pth; \
+	    touch $$venv/.stamp; \
+	  fi; \
+	  $$venv/bin/python -P -m shoal.kernels.gpu_check --expect-triton $$version $(GPUCHECK_ARGS); \
+	done
 
 # Images: `make images` builds both (VARIANT=cpu for the CPU runtime; IMAGE_BUILD_ARGS for
 # --build-arg BASE_IMAGE=... etc., see the Dockerfiles' headers). `make image-test` builds them
@@ -55,4 +75,4 @@ bench: setup
 	$(PY) bench/engine_overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV)-gpucheck-* build *.egg-info

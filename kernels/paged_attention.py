@@ -19,6 +19,8 @@ source runs on triton 3.6 (GPU machine) and 3.9 (interpreter here).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    sliding_window,  # ignored unless USE_WINDOW
+    sliding_window,  # keys a query sees, itself included (a huge value when unlimited)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -46,14 +48,14 @@ def _paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
-    GROUP: tl.constexpr,  # query heads per kv head
-    GROUP_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # query tokens per program
+    group,  # query heads per kv head
+    group_pad,  # group rounded up to a power of two
+    block_q,  # query tokens per program: ROWS // group_pad
+    ROWS: tl.constexpr,  # rows of the tile: block_q tokens x group_pad heads
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,  # cache block size
     TILE_N: tl.constexpr,  # keys per loop iteration (power of two, >= 16 for tl.dot on GPU)
-    USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # the interpreter's tl.dot mis-multiplies bfloat16 operands
 ):
@@ -63,17 +65,18 @@ def _paged_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
+    if q_tile * block_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len  # tokens cached before this step's first query
 
-    # row m of the tile = (query token m // GROUP_PAD, head m % GROUP_PAD of this kv group)
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
-    head_in_group = rows % GROUP_PAD
-    head = kv_head * GROUP + head_in_group
-    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    # row m of the tile = (query token m // group_pad, head m % group_pad of this kv group);
+    # only the tile's shape is compiled in, so every GQA group shares one kernel
+    rows = tl.arange(0, ROWS)
+    q_idx = q_tile * block_q + rows // group_pad
+    head_in_group = rows % group_pad
+    head = kv_head * group + head_in_group
+    row_valid = (q_idx < q_len) & (head_in_group < group)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
 
@@ -86,18 +89,16 @@ def _paged_attention_kernel(
     q_pos = context_len + q_idx
 
     # keys this tile can see: up to its last query, back to the window of its first
-    last_q = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    last_q = tl.minimum(q_len, (q_tile + 1) * block_q) - 1
     kv_end = context_len + last_q + 1
-    kv_start = 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+    kv_start = tl.maximum(context_len + q_tile * block_q - sliding_window + 1, 0)
     tile_start = kv_start // TILE_N
     tile_end = (kv_end + TILE_N - 1) // TILE_N
 
     # finite start for the running max: a tile with every key masked gives p = 0, not NaN
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, TILE_N)
     head_base = kv_head.to(tl.int64) * stride_ch
 
@@ -116,8 +117,7 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        if USE_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -140,10 +140,61 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _tile_rows(max_query_len: int, group_pad: int) -> int:
-    """Rows per program: 16 (tl.dot's minimum on GPU) for decode, 64 for prefill tiles."""
-    rows = 16 if max_query_len * group_pad <= 16 else 64
-    return max(rows, group_pad)
+NO_WINDOW = 1 << 30  # the window of a model without one: longer than any context
+
+
+@dataclass(frozen=True)
+class AttentionTile:
+    """The launcher's choice for a batch: the compiled tile (``constexprs``) and the runtime
+    values that fit the batch's GQA group into it."""
+
+    group: int  # query heads per kv head
+    group_pad: int  # padded to a power of two
+    rows: int  # query rows per program: block_q tokens x group_pad heads
+    block_d: int
+    tile_n: int  # keys per loop iteration
+    num_warps: int = 4
+
+    @property
+    def block_q(self) -> int:  # query tokens per program
+        return self.rows // self.group_pad
+
+    def constexprs(self, head_dim: int, block_size: int, dtype: torch.dtype,
+                   device_type: str) -> dict:
+        return dict(
+            ROWS=self.rows,
+            HEAD_DIM=head_dim,
+            BLOCK_D=self.block_d,
+            PAGE=block_size,
+            TILE_N=self.tile_n,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            DOT_IN_FP32=device_type == "cpu" and dtype == torch.bfloat16,
+        )
+
+
+def choose_tile(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype,
+                device_type: str, key_tile: int | None = None) -> AttentionTile:
+    """Rows per program: 16 (tl.dot's minimum on GPU) for decode, 64 for prefill tiles.
+    Keys per iteration: 64 on GPU for 16-bit K/V, where wider tiles keep more bytes in flight;
+    float32 tiles (no tensor cores: the product lives in registers) take 32, or 16 for a
+    256-wide prefill tile, and a prefill tile of float32 or of 256-wide heads runs on 8 warps:
+    each the widest that compiles for sm_90a with at most ~100 bytes spilled (make gpu-check).
+    Under the interpreter: 16."""
+    group_pad = triton.next_power_of_2(group)
+    rows = max(16 if max_query_len * group_pad <= 16 else 64, group_pad)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    wide = dtype == torch.float32 or block_d >= 256
+    if key_tile is None:
+        if device_type != "cuda":
+            key_tile = 16
+        elif dtype != torch.float32:
+            key_tile = 64
+        else:
+            key_tile = 16 if rows >= 64 and block_d >= 256 else 32
+    if key_tile < 16 or key_tile & (key_tile - 1):
+        raise ValueError(f"key_tile must be a power of two >= 16, got {key_tile}")
+    return AttentionTile(group=group, group_pad=group_pad, rows=rows, block_d=block_d,
+                         tile_n=key_tile, num_warps=8 if rows >= 64 and wide else 4)
 
 
 def paged_attention(
@@ -161,8 +212,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context; see module doc.
 
-    ``key_tile``: keys per loop iteration, a power of two >= 16 (default: 64 on GPU, where
-    wider tiles keep more bytes in flight, 16 under the interpreter).
+    ``key_tile``: keys per loop iteration, a power of two >= 16 (default: ``choose_tile``'s).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -188,12 +238,8 @@ def paged_attention(
         block_tables = block_tables.contiguous()
 
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    block_q = _tile_rows(max_query_len, group_pad) // group_pad
-    tile_n = key_tile or (64 if q.device.type == "cuda" else 16)
-    if tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"key_tile must be a power of two >= 16, got {tile_n}")
-    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
+    tile = choose_tile(max_query_len, group, head_dim, q.dtype, q.device.type, key_tile)
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), tile.block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         out,
@@ -203,7 +249,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale * LOG2_E,
-        sliding_window or 0,
+        sliding_window or NO_WINDOW,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -212,15 +258,41 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        PAGE=block_size,
-        TILE_N=tile_n,
-        USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_IN_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        tile.group,
+        tile.group_pad,
+        tile.block_q,
+        **tile.constexprs(head_dim, block_size, q.dtype, q.device.type),
+        num_warps=tile.num_warps,
     )
     return out
+
+
+PREFILL_QUERY_LEN = 512  # any chunk long enough for the prefill tile
+
+
+def gpu_variants() -> list:
+    """Every kernel the launcher picks on a GPU: decode and prefill tiles over head dims, GQA
+    groups and K/V dtypes (``make gpu-check``). The sliding window, the group and the cache
+    strides are runtime values, so window on and off share each kernel."""
+    from shoal.kernels.gpu_check import variants as v
+
+    out = []
+    for head_dim in v.HEAD_DIMS:
+        for group in v.GQA_GROUPS:
+            for dtype in v.KV_DTYPES:
+                for block_size in v.BLOCK_SIZES:
+                    for mode, query_len in (("decode", 1), ("prefill", PREFILL_QUERY_LEN)):
+                        tile = choose_tile(query_len, group, head_dim, dtype, "cuda")
+                        constexprs = tile.constexprs(head_dim, block_size, dtype, "cuda")
+                        kv = v.triton_type(dtype)
+                        pointers = dict(q_ptr=kv, out_ptr=kv, k_cache_ptr=kv, v_cache_ptr=kv,
+                                        block_tables_ptr="i32", query_start_loc_ptr="i32",
+                                        seq_lens_ptr="i32")
+                        sig = v.signature(_paged_attention_kernel, constexprs, pointers,
+                                          floats=("qk_scale",))
+                        out.append(v.KernelVariant(
+                            f"paged_attention {mode} {kv} d{head_dim} rows{tile.rows}",
+                            _paged_attention_kernel, sig, constexprs, num_warps=tile.num_warps,
+                            unaligned=("stride_bt",),
+                            tags=dict(wgmma_expected=mode == "prefill" and dtype != torch.float32)))
+    return v.unique(out)

@@ -62,6 +62,13 @@ def _qk_norm_rotary_kernel(
     tl.store(out_base + HALF + dims, (n2 * cos + n1 * sin).to(out_ty), mask=mask)
 
 
+def launch_config(num_heads: int, head_dim: int) -> dict:
+    """The launcher's constexprs: all of a token's heads in one program."""
+    half = head_dim // 2
+    return dict(num_heads=num_heads, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+                BLOCK_HALF=triton.next_power_of_2(half))
+
+
 def qk_norm_rotary(
     x: torch.Tensor,  # [T, num_heads, head_dim]
     weight: torch.Tensor,  # [head_dim]
@@ -88,14 +95,30 @@ def qk_norm_rotary(
     check_launchable(x, weight, positions, cos, sin, out)
     if any(t.stride(-1) != 1 for t in (x, out, cos, sin)):
         raise ValueError("x, out, cos and sin must be contiguous in their last dimension")
-    half = head_dim // 2
     _qk_norm_rotary_kernel[(num_tokens,)](
         x, out, weight.contiguous(), positions, cos, sin,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         eps,
-        num_heads=num_heads,
-        HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        **launch_config(num_heads, head_dim),
     )
     return out
+
+
+def gpu_variants() -> list:
+    """Query and key heads per rank of every model shape and TP size, in every model dtype;
+    the cos/sin tables are float32 (the rotary embedding's)."""
+    from shoal.kernels.gpu_check import variants as v
+
+    out = []
+    for model, tp in v.sharded_shapes():
+        for heads in (model.num_heads // tp, max(model.num_kv_heads // tp, 1)):
+            for dtype in v.KV_DTYPES:
+                ty = v.triton_type(dtype)
+                constexprs = launch_config(heads, model.head_dim)
+                pointers = dict(x_ptr=ty, out_ptr=ty, weight_ptr=ty, positions_ptr="i64",
+                                cos_ptr="fp32", sin_ptr="fp32")
+                sig = v.signature(_qk_norm_rotary_kernel, constexprs, pointers, floats=("eps",))
+                out.append(v.KernelVariant(f"qk_norm_rotary {ty} heads{heads} d{model.head_dim}",
+                                           _qk_norm_rotary_kernel, sig, constexprs,
+                                           tags=dict(dtype=ty)))
+    return v.unique(out)

@@ -53,6 +53,13 @@ def _reshape_and_cache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_config(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """The launcher's constexprs: one program per token, all of its kv heads."""
+    return dict(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads),
+                BLOCK_D=triton.next_power_of_2(head_dim))
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -86,9 +93,26 @@ def reshape_and_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        **launch_config(num_kv_heads, head_dim, k_cache.shape[1]),
     )
+
+
+def gpu_variants() -> list:
+    """kv heads per rank of every model shape and TP size, every cache dtype, the engine's
+    block sizes; the step's K/V arrive in the model dtype."""
+    from shoal.kernels.gpu_check import variants as v
+
+    out = []
+    for model, tp in v.sharded_shapes():
+        for dtype in v.KV_DTYPES:
+            for block_size in v.BLOCK_SIZES:
+                ty = v.triton_type(dtype)
+                heads = max(model.num_kv_heads // tp, 1)
+                constexprs = launch_config(heads, model.head_dim, block_size)
+                pointers = dict(key_ptr=ty, value_ptr=ty, k_cache_ptr=ty, v_cache_ptr=ty,
+                                slot_mapping_ptr="i64")
+                sig = v.signature(_reshape_and_cache_kernel, constexprs, pointers)
+                out.append(v.KernelVariant(
+                    f"reshape_and_cache {ty} kv_heads{heads} d{model.head_dim} page{block_size}",
+                    _reshape_and_cache_kernel, sig, constexprs, tags=dict(dtype=ty)))
+    return v.unique(out)

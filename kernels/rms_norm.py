@@ -33,6 +33,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_config(size: int) -> dict:
+    """The launcher's choice for rows of ``size``: one program per row, the whole row in one
+    block, more warps for wider rows."""
+    block = triton.next_power_of_2(size)
+    return dict(N=size, BLOCK_N=block, num_warps=min(max(block // 256, 1), 8))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` (any leading shape); ``out``: same shape,
@@ -51,9 +58,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows.shape[0] == 0:
         return out
     check_launchable(rows, weight, out_rows)
-    block = triton.next_power_of_2(size)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, out_rows, weight.contiguous(), rows.stride(0), out_rows.stride(0), eps,
-        N=size, BLOCK_N=block, num_warps=min(max(block // 256, 1), 8),
+        **launch_config(size),
     )
     return out
+
+
+def gpu_variants() -> list:
+    """The model's norms (hidden size; head dim for q/k norms outside the fused kernel) in
+    every model dtype (``make gpu-check``)."""
+    from shoal.kernels.gpu_check import variants as v
+
+    sizes = sorted({m.hidden for m in v.MODEL_SHAPES} | set(v.HEAD_DIMS))
+    out = []
+    for size in sizes:
+        for dtype in v.KV_DTYPES:
+            config = launch_config(size)
+            num_warps = config.pop("num_warps")
+            ty = v.triton_type(dtype)
+            sig = v.signature(_rms_norm_kernel, config,
+                              dict(x_ptr=ty, out_ptr=ty, weight_ptr=ty), floats=("eps",))
+            out.append(v.KernelVariant(f"rms_norm {ty} n{size}", _rms_norm_kernel, sig, config,
+                                       num_warps=num_warps, tags=dict(dtype=ty)))
+    return v.unique(out)

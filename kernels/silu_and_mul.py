@@ -28,6 +28,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N, BLOCK_N: tl.co
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def block_for(size: int) -> int:
+    """The launcher's choice: columns per program for a ``size``-wide intermediate."""
+    return min(BLOCK, triton.next_power_of_2(size))
+
+
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., 2 * I]`` (gate half, then up half) -> ``[..., I]`` (``out``: contiguous)."""
     if gate_up.shape[-1] % 2:
@@ -44,7 +49,22 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     out_rows = out.view(-1, size)
     if rows.shape[0] and size:
         check_launchable(rows, out_rows)
-        block = min(BLOCK, triton.next_power_of_2(size))
+        block = block_for(size)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
             rows, out_rows, rows.stride(0), out_rows.stride(0), size, BLOCK_N=block)
     return out
+
+
+def gpu_variants() -> list:
+    """Every model's intermediate size per tensor-parallel rank, in every model dtype."""
+    from shoal.kernels.gpu_check import variants as v
+
+    out = []
+    for model, tp in v.sharded_shapes():
+        for dtype in v.KV_DTYPES:
+            ty = v.triton_type(dtype)
+            constexprs = dict(BLOCK_N=block_for(model.intermediate // tp))
+            sig = v.signature(_silu_and_mul_kernel, constexprs, dict(x_ptr=ty, out_ptr=ty))
+            out.append(v.KernelVariant(f"silu_and_mul {ty} block{constexprs['BLOCK_N']}",
+                                       _silu_and_mul_kernel, sig, constexprs, tags=dict(dtype=ty)))
+    return v.unique(out)

@@ -1,6 +1,7 @@
 """Which attention backend runs: a pure rule, so it is tested without a GPU.
 
-``auto``: flashinfer when it imports on a CUDA device, else triton on CUDA; on CPU the native
+``auto``: triton on CUDA (flashinfer only when asked for: it has never been measured on a
+device here, runs decode without CUDA graphs and syncs the host each step); on CPU the native
 decode kernel (``cpu``) when it builds here and the model is float32, else torch.
 An explicit choice is honoured where it can run at all, and refused with a reason where it
 cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
@@ -49,9 +50,7 @@ def choose_attention_backend(
         )
     on_cuda = device_type == "cuda"
     if requested == "auto":
-        candidates = []
-        if on_cuda and flashinfer_available:
-            candidates.append("flashinfer")
+        candidates = []  # flashinfer never: see the module's doc
         if on_cuda and triton_available:
             candidates.append("triton")
         if device_type == "cpu" and cpu_kernel is None and dtype_is_float32:
@@ -124,3 +123,10 @@ def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool =
         dtype_is_float32=dtype_is_float32,
         needs=needs,
     )
+
+
+def fused_triton_ops(backend: str, device_type: str) -> bool:
+    """Whether the model's position-wise ops (RMSNorm, SiLU-and-mul, qk-norm + rotary) run as
+    Triton kernels: with the triton attention backend on CUDA, so that ``--attention-backend
+    torch`` (or flashinfer) runs no Triton code at all and a Triton failure has a way around."""
+    return backend == "triton" and device_type == "cuda"

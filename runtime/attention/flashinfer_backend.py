@@ -107,9 +107,13 @@ class FlashInferBackend:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
         wrapper = self._wrappers.get(key)
         if wrapper is None:
-            cls = (self._flashinfer.BatchDecodeWithPagedKVCacheWrapper if pure_decode
-                   else self._flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-            wrapper = cls(self._workspace, "NHD")
+            if pure_decode:
+                # tensor cores: flashinfer's CUDA-core decode kernels exist for GQA groups 1, 2,
+                # 3, 4 and 8 only, so a group of 5 or 7 (Qwen3-14B, Qwen2.5-7B) would fail there
+                wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=True)
+            else:
+                wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
             self._wrappers[key] = wrapper
         window_left = -1 if window is None else window - 1  # flashinfer counts keys before the query
         common = dict(sm_scale=scale, window_left=window_left, q_data_type=q_dtype,

@@ -1,7 +1,7 @@
 """Pick the attention backend by name (``--attention-backend``).
 
 What ``auto`` means and which explicit choices can run where is the pure rule in
-``backend_choice.py`` (flashinfer if it imports on CUDA, else triton on CUDA; on CPU the
+``backend_choice.py`` (triton on CUDA, flashinfer only when asked for; on CPU the
 native decode kernel for float32 models when it builds, else torch).
 Backends are imported only once chosen: flashinfer only on CUDA, triton only when asked for.
 """

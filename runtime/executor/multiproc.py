@@ -34,6 +34,7 @@ from shoal.runtime.distributed.plan_wire import PlanEncoder
 from shoal.runtime.distributed.result_wire import decode_result
 from shoal.runtime.distributed.shardability import check_shardable
 from shoal.runtime.executor.base import Executor
+from shoal.runtime.executor.preflight import check_gpus_for_ranks
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.worker import worker_proc as wp
@@ -101,6 +102,18 @@ def _likely_culprit(stalled: list[_Rank]) -> int:
     return stalled[0].rank if stopped is None else stopped
 
 
+def _resolved_device(name: str) -> str:
+    from shoal.runtime.worker.worker import resolve_device
+
+    return str(resolve_device(name))
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class _Rank:
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection) -> None:
         self.rank = rank
@@ -121,6 +134,7 @@ class MultiprocExecutor(Executor):
         self.rank_timeout = float(config.rank_timeout)
         self._model_config = load_model_config(config.model)
         check_shardable(self._model_config, self.world_size)  # before any process starts
+        check_gpus_for_ranks(self.world_size, _resolved_device(config.device), _visible_gpus())
         self._encoder = PlanEncoder(config.block_size)
         self._failure: RankFailure | None = None
         self._closed = False

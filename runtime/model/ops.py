@@ -7,7 +7,8 @@ they run on. The rule:
 - native CPU ops (``shoal.kernels.cpu_ops``: norm with the residual add, SiLU-and-mul, neox
   rotary in place) where the native ``cpu`` attention backend runs (float32 on CPU, the
   library built); the ``torch`` backend keeps the whole model in plain torch, a reference;
-- Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with Triton;
+- Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with the
+  triton attention backend;
 - oneDNN-packed linear weights on CPU in float32 (``linear.pack_cpu_linear_weights``);
 - torch everywhere else, and for every shape a kernel does not take (an activation other
   than SiLU, partial or interleaved rotary, a 3-d norm input).
@@ -21,6 +22,7 @@ from importlib.util import find_spec
 
 import torch
 import torch.nn.functional as F
+from shoal.runtime.attention.backend_choice import fused_triton_ops
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,7 +57,9 @@ class KernelChoice:
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
                    triton_available: bool, onednn_available: bool) -> KernelChoice:
     native = attention == "cpu"  # that backend runs only where the native library loaded
-    triton = device_type == "cuda" and triton_available
+    # Triton only with the triton attention backend (backend_choice.fused_triton_ops), so
+    # --attention-backend torch runs no Triton code: the way around a Triton failure
+    triton = triton_available and fused_triton_ops(attention, device_type)
     fast = "native_cpu" if native else "triton" if triton else "torch"
     return KernelChoice(
         norm=fast, silu_and_mul=fast,

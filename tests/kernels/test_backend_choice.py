@@ -1,4 +1,5 @@
-"""--attention-backend resolution: auto prefers flashinfer, then triton, on CUDA; torch on CPU."""
+"""--attention-backend resolution: auto is triton on CUDA (flashinfer only when asked for, until
+it has been measured on a device); torch on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from shoal.runtime.attention.backend_choice import choose_attention_backend
 @pytest.mark.parametrize(
     "device,flashinfer,triton,expected",
     [
-        ("cuda", True, True, "flashinfer"),
+        ("cuda", True, True, "triton"),
         ("cuda", False, True, "triton"),
         ("cuda", False, False, "torch"),
         ("cpu", True, True, "torch"),
@@ -54,3 +55,16 @@ def test_selector_builds_the_chosen_backend_and_refuses_flashinfer_on_cpu():
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"  # interpreter on
     with pytest.raises(ValueError, match="CUDA"):
         get_attention_backend("flashinfer", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("backend,device,fused", [
+    ("triton", "cuda", True),
+    ("torch", "cuda", False),  # --attention-backend torch: no Triton code runs
+    ("flashinfer", "cuda", False),
+    ("triton", "cpu", False),  # the interpreter runs attention only
+    ("cpu", "cpu", False),
+])
+def test_fused_triton_ops_follow_the_attention_backend(backend, device, fused):
+    from shoal.runtime.attention.backend_choice import fused_triton_ops
+
+    assert fused_triton_ops(backend, device) is fused

@@ -8,6 +8,7 @@ position is a near-tie (then the rest of that request is no longer comparable).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.worker.worker import Worker
@@ -117,3 +118,27 @@ def test_the_models_fused_kernel_path_decodes_like_the_unfused_one(tiny_qwen3, c
     for req in prompts:
         assert runs[True][req][0] == runs[False][req][0]
         torch.testing.assert_close(runs[True][req][1], runs[False][req][1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_fused_position_wise_kernels_follow_the_attention_backend(tiny_qwen3, monkeypatch,
+                                                                      backend):
+    """choose_kernels asks backend_choice.fused_triton_ops (triton backend on CUDA); with its
+    device test lifted (CPU here), the triton backend brings every fused kernel into the model
+    and the torch backend none, so --attention-backend torch runs no Triton code."""
+    import shoal.runtime.model.ops as ops
+    from shoal.runtime.model.ops import choose_kernels
+
+    for name in ("torch", "flashinfer"):
+        choice = choose_kernels("cuda", torch.bfloat16, name, True, False)
+        assert (choice.norm, choice.silu_and_mul, choice.qk_norm_rotary) == ("torch",) * 3
+    choice = choose_kernels("cuda", torch.bfloat16, "triton", True, False)
+    assert (choice.norm, choice.silu_and_mul, choice.qk_norm_rotary) == ("triton",) * 3
+
+    monkeypatch.setattr(ops, "fused_triton_ops", lambda name, device: name == "triton")
+    worker = _worker(tiny_qwen3, backend)
+    model = worker.runner.model
+    fused = backend == "triton"
+    assert (model.kernels.choice.norm == "triton") == fused
+    assert all((layer.self_attn.fused_qk_norm_rotary is not None) == fused
+               for layer in model.model.layers)

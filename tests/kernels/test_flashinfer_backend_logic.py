@@ -19,9 +19,12 @@ from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 class _FakeWrapper:
     plans: list[tuple[str, dict]] = []
 
-    def __init__(self, workspace, layout):
+    def __init__(self, workspace, layout, **kwargs):
         assert layout == "NHD"
         self.kind = "decode" if "Decode" in type(self).__name__ else "prefill"
+        # flashinfer's CUDA-core decode runs GQA groups 1, 2, 3, 4 and 8 only; its tensor-core
+        # decode runs any group (Qwen2.5-7B's 7, Qwen3-14B's 5)
+        assert self.kind == "prefill" or kwargs == {"use_tensor_cores": True}, kwargs
 
     def plan(self, *args, **kwargs):
         if self.kind == "prefill":
