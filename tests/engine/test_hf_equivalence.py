@@ -139,3 +139,27 @@ def test_small_qwen3_everything_at_once_matches_hf(small_qwen3, hf_greedy, asser
     stats = core.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert check(hf_greedy(small_qwen3), assert_matches_hf, arrivals, outputs) <= 1
+
+
+FAMILIES = ["gemma2", "gemma3", "gemma3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
+            "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_family_everything_at_once_matches_hf(family, hf_greedy, assert_matches_hf):
+    """A tiny checkpoint of each family transformers' classes made (runtime/model/
+    make_family_model.py: sliding windows of 16, softcaps, multipliers, longrope, yarn, no-rope
+    layers, ...): shared prefixes, chunked prefill and preemption in one run, past the window."""
+    from shoal.runtime.model.make_family_model import cached_family_model
+
+    model_dir = cached_family_model(family)
+    rng = random.Random(6)
+    system = random_prompt(rng, 37)
+    arrivals = [(2 * i, f"r{i}", (system if i % 2 else []) + random_prompt(rng, rng.randint(3, 40)),
+                 rng.randint(8, 24)) for i in range(6)]
+    core = engine(model_dir, block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
+                  max_model_len=128)
+    outputs = run(core, arrivals)
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert check(hf_greedy(model_dir), assert_matches_hf, arrivals, outputs) <= 1
