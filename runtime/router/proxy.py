@@ -62,6 +62,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # placed by their pr
 FORWARDED_PATHS = ROUTED_PATHS + ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
                                   "/tokenize", "/detokenize")
 RETRY_STATUSES = frozenset({429, 503})  # and only with the retry-safe mark
+FINGERPRINT_INLINE_BYTES = 64 * 1024  # larger bodies are fingerprinted on a thread
 ENGINE_DIED_EVENT = b'"code":"' + ENGINE_DIED_CODE.encode() + b'"'  # in a stream's last event
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer",
                         "upgrade", "proxy-authenticate", "proxy-authorization"})
@@ -252,8 +253,11 @@ class RouterApp:
                 self.metrics.no_replica.inc()
                 await error_response(send, 503, refused.message, refused.retry_after_s)
                 return None
-        request_key = fingerprint(tenant, path, body)
-        quarantine = self.failed.lookup(request_key, time.monotonic())
+        # a parse and a re-serialisation of the body: only while something is quarantined
+        # (else when this request fails), and off the event loop when the body is large
+        request_key = await self._fingerprint(tenant, path, body) if len(self.failed) else None
+        quarantine = (self.failed.lookup(request_key, time.monotonic())
+                      if request_key is not None else None)
         tried: set[str] = set()
         if quarantine is not None:  # only the replica it already failed on may see it again
             tried = {url for url in self.pool.replicas if url != quarantine.replica}
@@ -311,9 +315,11 @@ class RouterApp:
                 if outcome is ClientStalled:
                     return outcome
                 if failed or outcome is not None:
+                    request_key = request_key or await self._fingerprint(tenant, path, body)
                     self._failed(request_key, replica.url, str(outcome or "5xx"))
                 return outcome
             except UpstreamFailed as exc:
+                request_key = request_key or await self._fingerprint(tenant, path, body)
                 self._failed(request_key, replica.url, "timeout" if exc.status == 504
                              else "connection")
                 await error_response(send, exc.status, str(exc))
@@ -334,6 +340,12 @@ class RouterApp:
         self.metrics.no_replica.inc()
         await error_response(send, 503, f"no replica could take the request ({last_error})")
         return None
+
+    @staticmethod
+    async def _fingerprint(tenant: str | None, path: str, body: bytes) -> bytes:
+        if len(body) > FINGERPRINT_INLINE_BYTES:
+            return await asyncio.to_thread(fingerprint, tenant, path, body)
+        return fingerprint(tenant, path, body)
 
     def _failed(self, request_key: bytes, replica: str, reason: str) -> None:
         self.metrics.upstream_failures.labels(reason).inc()

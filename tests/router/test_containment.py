@@ -205,9 +205,14 @@ def test_engine_killed_by_one_request_costs_only_its_replica(fleet, free_port, w
     r = outcome["response"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_died", r.text
     assert metric(router, "shoal:router_retries_total") == 0
-    # the same request again (what an SDK's retry sends): never to the other replica
-    again = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
-    assert again.status_code == 503, again.text
+    # the same request again (what an SDK's retry sends), and variants that differ only in
+    # what cannot change execution (issue 36: a new user walked the fleet): never to the
+    # other replica
+    variants = [body, {**body, "user": "someone-else"},
+                {"user": "x", "metadata": {"run": "2"}, **dict(reversed(body.items()))}]
+    for variant in variants:
+        again = httpx.post(f"{router}/v1/completions", json=variant, timeout=60)
+        assert again.status_code == 503, (variant, again.text)
     assert metric(survivor, "shoal:num_requests_running") == 0
     assert metric(survivor, "shoal:request_success_total") == served_before[survivor]
     # the other replica keeps serving everyone else

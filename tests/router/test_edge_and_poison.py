@@ -61,6 +61,34 @@ def test_a_failed_request_is_held_to_its_replica_for_the_window_only():
     assert len(failed) == 2 and failed.lookup(bytes([0]), now=1.0) is None
 
 
+def test_the_quarantine_key_is_the_requests_meaning_not_its_bytes():
+    def key(body: bytes, tenant: str = "t1") -> bytes:
+        return fingerprint(tenant, "/v1/completions", body)
+
+    poison = key(b'{"prompt": "x", "max_tokens": 5, "structured_outputs": {"choice": ["a"]}}')
+    for variant in (  # only fields that change nothing the engine computes, or the layout
+            b'{"max_tokens":5,"prompt":"x","structured_outputs":{"choice":["a"]},"user":"u2"}',
+            b'{"prompt": "x", "max_tokens": 5, "structured_outputs": {"choice": ["a"]}, '
+            b'"metadata": {"k": "v"}, "stream": true, "stream_options": {"include_usage": true},'
+            b' "request_id": "r-9", "store": false}'):
+        assert key(variant) == poison, variant
+    for different in (
+            b'{"prompt": "y", "max_tokens": 5, "structured_outputs": {"choice": ["a"]}}',
+            b'{"prompt": "x", "max_tokens": 6, "structured_outputs": {"choice": ["a"]}}',
+            b'{"prompt": "x", "max_tokens": 5, "structured_outputs": {"choice": ["a"], '
+            b'"user": "nested fields count"}}'):
+        assert key(different) != poison, different
+    # another tenant's identical request is not held back by this one's failure
+    assert key(b'{"prompt": "x", "max_tokens": 5, "structured_outputs": {"choice": ["a"]}}',
+               tenant="t2") != poison
+    # what the stdlib cannot decode is keyed by its bytes, and never raises
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert key(deep) == key(deep) != key(deep + b" ")
+    long_int = b'{"prompt": [' + b"9" * 5000 + b"]}"
+    assert key(long_int) == key(long_int)
+    assert key(b"\xff not json") != key(b"\xfe not json")
+
+
 def test_log_lines_are_rate_limited_per_message():
     limiter = RateLimitedLog(window=60.0, burst=3)
 
