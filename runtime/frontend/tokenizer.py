@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.runtime.frontend.gguf_tokenizer import gguf_tokenizer
+from shoal.runtime.model_source import gguf_file
 from tokenizers import Tokenizer as HFTokenizer
 
 DEFAULT_TEMPLATE = "default"
@@ -31,8 +33,8 @@ def _token_content(value: object) -> str | None:
     return None
 
 
-def load_chat_templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
-    """Template name -> jinja source; the unnamed one is ``default``."""
+def configured_chat_templates(config: dict[str, Any]) -> dict[str, str]:
+    """tokenizer_config's ``chat_template``: a string, or the named-templates list."""
     templates: dict[str, str] = {}
     configured = config.get("chat_template")
     if isinstance(configured, str):
@@ -40,6 +42,12 @@ def load_chat_templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
     elif isinstance(configured, list):  # [{"name": ..., "template": ...}, ...]
         templates.update({t["name"]: t["template"] for t in configured
                           if isinstance(t, dict) and isinstance(t.get("template"), str)})
+    return templates
+
+
+def load_chat_templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Template name -> jinja source; the unnamed one is ``default``."""
+    templates = configured_chat_templates(config)
     files: dict[str, str] = {}
     if (root / "chat_template.jinja").is_file():
         files[DEFAULT_TEMPLATE] = (root / "chat_template.jinja").read_text(encoding="utf-8")
@@ -65,25 +73,35 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """From an HF checkpoint directory, or a GGUF file (or the directory holding one)."""
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            source, config = gguf_tokenizer(gguf)
+            return cls._build(source, config, configured_chat_templates(config))
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{root} has no tokenizer.json")
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        return cls._build(path.read_text(encoding="utf-8"), config,
+                          load_chat_templates(root, config))
+
+    @classmethod
+    def _build(cls, source: str, config: dict[str, Any],
+               chat_templates: dict[str, str]) -> Tokenizer:
         tokens = {k: _token_content(config.get(k))
                   for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         backends = []
         for plain in (False, True):
-            backend = HFTokenizer.from_file(str(path))
+            backend = HFTokenizer.from_str(source)
             backend.encode_special_tokens = plain
             backends.append(backend)
         special = {int(i) for i, tok in config.get("added_tokens_decoder", {}).items()
                    if isinstance(tok, dict) and tok.get("special")}
         special |= {i for i, tok in backends[0].get_added_tokens_decoder().items()
                     if tok.special}
-        return cls(backend=backends[0], plain_backend=backends[1],
-                   chat_templates=load_chat_templates(root, config),
+        return cls(backend=backends[0], plain_backend=backends[1], chat_templates=chat_templates,
                    special_token_ids=frozenset(special), **tokens)
 
     @property

@@ -20,6 +20,7 @@ import torch
 from shoal.runtime.model.families import PRE_NORM, Family, NormPlacement, QKNorm, family_for
 from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
 from shoal.runtime.model.rope import RopeSpec, rope_specs
+from shoal.runtime.model_source import gguf_file
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # hidden_act / hidden_activation values the MLP implements (transformers' ACT2FN names)
@@ -111,11 +112,14 @@ def _eos_ids(raw: dict, generation: dict) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def _hf_config(model_dir: Path, architecture: str):
+def _hf_config(source: Path | dict, architecture: str):
+    """transformers' config of a checkpoint directory, or of a config dict."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        if isinstance(source, dict):
+            return AutoConfig.for_model(**source)
+        return AutoConfig.from_pretrained(str(source))
     except (ValueError, KeyError) as exc:  # an unknown model_type, a malformed field
         raise ValueError(f"unsupported architecture {architecture!r}: transformers cannot "
                          f"read its config.json ({exc})") from None
@@ -168,6 +172,12 @@ def _optional(text, name: str) -> float | None:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    gguf = gguf_file(model_dir)
+    if gguf is not None:  # config from the file's metadata
+        from shoal.runtime.model.gguf_checkpoint import open_gguf
+
+        raw = open_gguf(gguf).hf_config()
+        return model_config_from_dict(raw, {}, gguf, _hf_config(raw, raw["architectures"][0]))
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -178,8 +188,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not archs:
         raise ValueError(f"{config_path}: 'architectures' is missing")
-    architecture = archs[0]
-    hf = _hf_config(model_dir, architecture)
+    return model_config_from_dict(raw, generation, config_path, _hf_config(model_dir, archs[0]))
+
+
+def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -> ModelConfig:
+    """``raw`` is config.json's content (or the same built from a GGUF's metadata), ``hf``
+    transformers' config object of it."""
+    architecture = raw["architectures"][0]
     text = _text_config(hf, architecture)
     family = family_for(architecture, text.model_type)
     nested = text is not hf

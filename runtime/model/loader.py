@@ -1,4 +1,5 @@
-"""Build a model and fill it from safetensors, one shard-sized read per tensor.
+"""Build a model and fill it from safetensors (one shard-sized read per tensor) or a GGUF
+file (one dequantized tensor at a time, runtime/model/gguf_checkpoint.py).
 
 Parameters are allocated once, uninitialised, in the target dtype and device; each
 checkpoint tensor is opened lazily (``safe_open`` + ``get_slice``) and only this rank's part
@@ -8,16 +9,20 @@ is read and copied in, so loading never holds a second full copy of the weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
+from shoal.runtime.model.gguf_checkpoint import open_gguf
 from shoal.runtime.model.linear import pack_cpu_linear_weights
 from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
+from shoal.runtime.model_source import gguf_file
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -31,35 +36,48 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """(HF tensor name, lazily read tensor) for every tensor of the checkpoint: safetensors
+    slices, or a GGUF file's tensors dequantized to float32 one at a time."""
+    gguf = gguf_file(model_dir)
+    if gguf is not None:
+        for tensor in open_gguf(gguf).tensors():
+            yield tensor.hf_name, tensor.dequantize()
+        open_gguf.cache_clear()  # unmap the file: the parameters hold the values now
+        return
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield ckpt_name, f.get_slice(ckpt_name)
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, shard) for name, shard in _expected_shards(model)}
     loaded: set[tuple[str, object]] = set()
-    for path in checkpoint_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = _target(model, ckpt_name)
-                if target is None:
-                    continue
-                name, shard = target
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter in "
-                                     f"{type(model).__name__} (looked for {name!r})")
-                param = params[name]
-                loader = getattr(param, "weight_loader", _load_replicated)
-                fused = _fused_parts(model, name, shard)
-                if fused is None:
-                    filled = loader(param, f.get_slice(ckpt_name), shard)
-                    # stacked experts' loaders say which shards a (possibly fused) tensor filled
-                    loaded.update((name, s) for s in filled or [shard])
-                    continue
-                # a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): read whole,
-                # each part handed to the packed layer's loader as if stored separately
-                tensor, start = f.get_tensor(ckpt_name), 0
-                for part, rows in fused:
-                    loader(param, tensor.narrow(0, start, rows), part)
-                    loaded.add((name, part))
-                    start += rows
+    for ckpt_name, st_slice in checkpoint_tensors(model_dir):
+        target = _target(model, ckpt_name)
+        if target is None:
+            continue
+        name, shard = target
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter in "
+                             f"{type(model).__name__} (looked for {name!r})")
+        param = params[name]
+        loader = getattr(param, "weight_loader", _load_replicated)
+        fused = _fused_parts(model, name, shard)
+        if fused is None:
+            filled = loader(param, st_slice, shard)
+            # stacked experts' loaders say which shards a (possibly fused) tensor filled
+            loaded.update((name, s) for s in filled or [shard])
+            continue
+        # a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): read whole,
+        # each part handed to the packed layer's loader as if stored separately
+        tensor, start = st_slice[:], 0
+        for part, rows in fused:
+            loader(param, tensor.narrow(0, start, rows), part)
+            loaded.add((name, part))
+            start += rows
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from shoal.runtime.model_source import gguf_file
 from shoal.runtime.structured.spec import GrammarError, GrammarSpec, choice_ebnf, first_line
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,9 @@ class GrammarBackend:
             from transformers import AutoTokenizer
 
             started = time.perf_counter()
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            gguf = gguf_file(self.model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if gguf is None else \
+                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,

@@ -1,0 +1,144 @@
+"""Writing small GGUF files from the tiny HF checkpoints, as llama.cpp's convert_hf_to_gguf
+does (its metadata keys, tensor names, the llama q/k row permutation, the tokenizer as
+tokens + merges + token types), with the ``gguf`` package's writer and quantizers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_PARTS[module]}.{kind}"
+
+
+def permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's half-split rotary rows -> interleaved pairs."""
+    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def write_gguf(model_dir: Path, out: Path, arch: str, quant: str = "Q8_0",
+               add_bos: bool = False, tensor_types: dict[str, str] | None = None) -> Path:
+    """``model_dir`` (a make-model checkpoint) as a GGUF at ``out``: 2-D weights in ``quant``
+    (``tensor_types`` overrides by GGUF name), norms and biases F32. ``arch`` is written as
+    the GGUF architecture (a name the loader does not know tests its refusal)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    state = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 1e4))))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    _write_tokenizer(writer, model_dir, tok, tok_config, config, arch, add_bos)
+
+    permuted = arch == "llama"
+    for hf_name, tensor in state.items():
+        values = tensor.float().numpy()
+        if permuted and ".q_proj." in hf_name:
+            values = permute(values, heads)
+        elif permuted and ".k_proj." in hf_name:
+            values = permute(values, kv_heads)
+        name = gguf_name(hf_name)
+        qtype = Q[(tensor_types or {}).get(name, quant if values.ndim == 2 else "F32")]
+        if qtype == Q.F32:
+            writer.add_tensor(name, values)
+        elif qtype == Q.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, _blocks(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _blocks(values: np.ndarray, qtype) -> np.ndarray:
+    from gguf import quants
+
+    try:
+        return quants.quantize(values, qtype)
+    except NotImplementedError:  # types without a quantizer: zero blocks of the right size
+        block, type_size = quants.GGML_QUANT_SIZES[qtype]
+        return np.zeros((values.shape[0], values.shape[1] // block * type_size), np.uint8)
+
+
+def _write_tokenizer(writer, model_dir: Path, tok: dict, tok_config: dict, config: dict,
+                     arch: str, add_bos: bool) -> None:
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [""] * config["vocab_size"]
+    types = [5] * config["vocab_size"]  # UNUSED padding past the trained vocabulary
+    for text, index in vocab.items():
+        tokens[index] = text
+        types[index] = 3 if text in special else 1  # CONTROL / NORMAL
+    for index, text in enumerate(tokens):
+        if not text:
+            tokens[index] = f"[PAD{index}]"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    bos = tok_config.get("bos_token") or tok_config.get("pad_token")
+    writer.add_bos_token_id(vocab[bos])
+    writer.add_eos_token_id(config["eos_token_id"] if isinstance(config["eos_token_id"], int)
+                            else config["eos_token_id"][0])
+    writer.add_add_bos_token(add_bos)
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        template = template[0]["template"]
+    if (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template is not None:
+        writer.add_chat_template(template)
+
+
+def hf_from_gguf(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own loading of the file: (model, tokenizer), the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer

@@ -1,0 +1,157 @@
+"""GGUF checkpoints against transformers' own GGUF loading (the reference): config, tokenizer
+ids, dequantized weights, and greedy output of the engine on the file; refusals by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from .gguf_files import hf_from_gguf, write_gguf
+
+pytest.importorskip("gguf")
+
+TEXTS = ["Hello world, what is the capital of France?", "  two  spaces\nand a newline\t tab",
+         "numbers 1234567 and ünïcödé — dashes", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory, tiny_llama: Path, tiny_qwen2: Path,
+               tiny_qwen3: Path) -> dict[str, Path]:
+    """llama: Q8_0 + one Q4_1, with add_bos; qwen2: Q4_0 + F16; f32-*: in F32, where
+    dequantization is exact, so it must give back the safetensors weights. (transformers
+    cannot load a qwen3 GGUF whose head_dim is not hidden/heads, as the tiny one's: it ignores
+    attention.key_length, so qwen3 is checked by the F32 round trip only.)"""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for name, model, arch, quant, types, bos in [
+            ("llama", tiny_llama, "llama", "Q8_0", {"blk.0.ffn_up.weight": "Q4_1"}, True),
+            ("qwen2", tiny_qwen2, "qwen2", "Q4_0", {"blk.1.attn_v.weight": "F16"}, False),
+            ("f32-llama", tiny_llama, "llama", "F32", None, False),
+            ("f32-qwen2", tiny_qwen2, "qwen2", "F32", None, False),
+            ("f32-qwen3", tiny_qwen3, "qwen3", "F32", None, False)]:
+        folder = root / name
+        folder.mkdir()
+        out[name] = write_gguf(model, folder / f"{name}.gguf", arch, quant, bos, types)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_weights_and_config_equal_transformers_loading(gguf_files, name: str) -> None:
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.model.gguf_checkpoint import GGUFCheckpoint
+
+    path = gguf_files[name]
+    reference, _ = hf_from_gguf(path)
+    expected = reference.state_dict()
+    tensors = GGUFCheckpoint(path).tensors()
+    assert {t.hf_name for t in tensors} == {k for k in expected
+                                            if not (k == "lm_head.weight"
+                                                    and reference.config.tie_word_embeddings)}
+    for tensor in tensors:
+        assert torch.equal(tensor.dequantize(), expected[tensor.hf_name]), tensor.hf_name
+    config = load_model_config(path)
+    ref = reference.config
+    assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.intermediate_size) == (
+        ref.vocab_size, ref.hidden_size, ref.num_hidden_layers, ref.num_attention_heads,
+        ref.num_key_value_heads,
+        getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads,
+        ref.intermediate_size)
+    assert config.tie_word_embeddings == ref.tie_word_embeddings
+    assert config.hf_config.rope_parameters == ref.rope_parameters
+    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+    assert config.eos_token_ids == [ref.eos_token_id]
+
+
+def test_raw_blocks_stay_reachable(gguf_files) -> None:
+    """The quantized blocks are there as stored, for a loader that keeps them quantized."""
+    from shoal.runtime.model.gguf_checkpoint import GGUFCheckpoint
+
+    by_name = {t.hf_name: t for t in GGUFCheckpoint(gguf_files["llama"]).tensors()}
+    q = by_name["model.layers.0.self_attn.q_proj.weight"]
+    assert q.ggml_type == "Q8_0" and q.blocks.dtype.name == "uint8"
+    assert q.shape == (64, 64) and q.blocks.shape == (64, 64 // 32 * 34)  # 34-byte blocks
+    assert by_name["model.layers.0.mlp.up_proj.weight"].ggml_type == "Q4_1"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_f32_file_gives_back_the_checkpoint(gguf_files, tiny_model_dirs, arch: str) -> None:
+    """Exact values: the names map right and llama's q/k permutation is undone."""
+    from safetensors.torch import load_file
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.model.gguf_checkpoint import GGUFCheckpoint
+
+    model_dir = tiny_model_dirs[arch]
+    original = load_file(str(next(model_dir.glob("*.safetensors"))))
+    tensors = GGUFCheckpoint(gguf_files[f"f32-{arch}"]).tensors()
+    assert {t.hf_name for t in tensors} == set(original)
+    for tensor in tensors:
+        assert torch.equal(tensor.dequantize(), original[tensor.hf_name].float()), tensor.hf_name
+    from_gguf = load_model_config(gguf_files[f"f32-{arch}"])
+    from_dir = load_model_config(model_dir)
+    for key in ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "intermediate_size", "tie_word_embeddings",
+                "qkv_bias", "qk_norm", "hidden_act"):
+        assert getattr(from_gguf, key) == getattr(from_dir, key), key
+    # GGUF stores these as float32
+    assert from_gguf.rms_norm_eps == pytest.approx(from_dir.rms_norm_eps, rel=1e-6)
+    theta = from_dir.hf_config.rope_parameters["rope_theta"]
+    assert from_gguf.hf_config.rope_parameters["rope_theta"] == pytest.approx(theta, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_token_ids_and_chat_template_equal_transformers(gguf_files, name: str) -> None:
+    from shoal.runtime.frontend.tokenizer import Tokenizer
+
+    path = gguf_files[name]
+    _, reference = hf_from_gguf(path)
+    for source in (path, path.parent):  # the file, or the directory holding it
+        tokenizer = Tokenizer.from_dir(source)
+        for text in TEXTS:
+            assert tokenizer.backend.encode(text).ids == reference(text).input_ids, text
+        assert tokenizer.chat_template == reference.chat_template
+        assert tokenizer.eos_token == reference.eos_token
+    if name == "llama":  # the file says add_bos_token: both put BOS first
+        assert reference(TEXTS[0]).input_ids[0] == reference.bos_token_id
+
+
+def test_engine_greedy_equals_transformers_on_the_file(gguf_files) -> None:
+    """The served path on a GGUF (config, tokenizer, weights from the file) matches HF's
+    GGUF loading token for token (float32)."""
+    from shoal.runtime.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    path = gguf_files["llama"]
+    reference, tokenizer = hf_from_gguf(path)
+    llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64)
+    prompts = ["Once upon a time", "The weather today"]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                   ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert output.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=12, do_sample=False,
+                                          min_new_tokens=12)[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == expected
+
+
+def test_unsupported_architecture_and_tensor_type_are_refused_by_name(
+        tmp_path, tiny_qwen2: Path, tiny_llama: Path) -> None:
+    from shoal.runtime.model.config import load_model_config
+
+    phi = write_gguf(tiny_qwen2, tmp_path / "phi.gguf", "phi2")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi2'"):
+        load_model_config(phi)
+    iq = write_gguf(tiny_llama, tmp_path / "iq.gguf", "llama",
+                    tensor_types={"blk.0.ffn_down.weight": "Q8_1"})
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight has unsupported GGUF "
+                                         "tensor type Q8_1"):
+        load_model_config(iq)
+    (tmp_path / "two").mkdir()
+    for copy in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / copy).write_bytes(iq.read_bytes())
+    with pytest.raises(ValueError, match="several GGUF files"):
+        load_model_config(tmp_path / "two")
