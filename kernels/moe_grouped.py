@@ -10,6 +10,7 @@ read in place through transposed views.
 Weights in the checkpoint's ``[out, in]`` orientation, stacked over experts:
   w13: [E, 2 * I, H]   each expert's gate rows, then its up rows
   w2:  [E, H, I]
+  b13, b2 (optional, gpt-oss): [E, 2I], [E, H] biases of the two projections
 """
 
 from __future__ import annotations
@@ -35,19 +36,37 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int
     return order, counts.cumsum(0).to(torch.int32)
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """gpt-oss's activation on ``[gate | up]`` rows."""
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+    return act
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch
+                    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for ``x [T, H]``, where
-    ``expert_e(x) = w2[e] @ act(w13[e] @ x)``. Returns ``[T, H]`` in ``x``'s dtype."""
+    ``expert_e(x) = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]``. Returns ``[T, H]`` in ``x``'s
+    dtype."""
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
     order, ends = sort_by_expert(topk_ids, w13.shape[0])
     rows = x[order // top_k]  # [N, H], each expert's rows contiguous
-    hidden = act(torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends))
-    out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
+    if b13 is not None or b2 is not None:
+        row_expert = topk_ids.reshape(-1)[order]
+    if b13 is not None:
+        gate_up += b13[row_expert]
+    out = torch._grouped_mm(act(gate_up), w2.transpose(1, 2), offs=ends)
+    if b2 is not None:
+        out += b2[row_expert]
     out = out * topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
     unsorted = torch.empty_like(out)
     unsorted[order] = out

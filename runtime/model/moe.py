@@ -19,7 +19,7 @@ import re
 from importlib.util import find_spec
 
 import torch
-from shoal.kernels.moe_grouped import grouped_experts
+from shoal.kernels.moe_grouped import clamped_swiglu, grouped_experts
 from shoal.runtime.model.layers import _param
 from shoal.runtime.model.linear import (
     ColumnParallelLinear,
@@ -49,14 +49,15 @@ def _activation(device: torch.device | str, dtype: torch.dtype, kernels: Kernels
 
 
 class Router(nn.Module):
-    """``weight [E, H]`` (checkpoint ``mlp.gate.weight``) and, for DeepSeek-V3 / GLM-4.5,
-    the float32 ``e_score_correction_bias [E]``."""
+    """``weight [E, H]`` (checkpoint ``mlp.gate.weight``; gpt-oss: ``mlp.router.weight`` and
+    a ``bias``) and, for DeepSeek-V3 / GLM-4.5, the float32 ``e_score_correction_bias [E]``."""
 
     def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__()
         self.moe = moe
         self.weight = _param((moe.num_experts, hidden), dtype, device)
+        self.bias = _param((moe.num_experts,), dtype, device) if moe.router_bias else None
         self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, device) \
             if moe.correction_bias else None
 
@@ -64,7 +65,7 @@ class Router(nn.Module):
         if self.moe.scoring == "sigmoid":  # DeepSeek / GLM score in float32 throughout
             logits = torch.nn.functional.linear(x.float(), self.weight.float())
         else:
-            logits = torch.nn.functional.linear(x, self.weight)
+            logits = torch.nn.functional.linear(x, self.weight, self.bias)
         return route(self.moe, logits, self.e_score_correction_bias)
 
 
@@ -79,18 +80,39 @@ class FusedExperts(nn.Module):
         self.local = end - self.start
         self.gate_up_proj = _param((moe.num_experts, 2 * self.local, hidden), dtype, device)
         self.down_proj = _param((moe.num_experts, hidden, self.local), dtype, device)
+        # gpt-oss: [E, in, out] tensors with gate/up columns interleaved, always one tensor
+        self.interleaved = moe.gpt_oss_swiglu is not None
         experts = range(moe.num_experts)
         for param, loader, shards in (
                 (self.gate_up_proj, self._load_gate_up,
                  [(e, kind) for e in experts for kind in ("gate", "up")]),
                 (self.down_proj, self._load_down, [(e, "down") for e in experts])):
             param.weight_loader = loader  # type: ignore[attr-defined]
-            param.expected_shards = shards  # type: ignore[attr-defined]
-        self.impl = choose_moe_impl(torch.device(device).type, find_spec("triton") is not None)
-        self.act = _activation(device, dtype, kernels)
+            param.expected_shards = ["fused"] if self.interleaved \
+                else shards  # type: ignore[attr-defined]
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        self.rank = parallel.rank
+        if moe.gpt_oss_swiglu is not None:
+            self.gate_up_proj_bias = _param((moe.num_experts, 2 * self.local), dtype, device)
+            self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias  # type: ignore
+            self.down_proj_bias = _param((moe.num_experts, hidden), dtype, device)
+            self.act = clamped_swiglu(*moe.gpt_oss_swiglu)
+            self.impl = "grouped"  # the Triton kernel has no biases nor this activation
+        else:
+            self.act = _activation(device, dtype, kernels)
+            self.impl = choose_moe_impl(torch.device(device).type,
+                                        find_spec("triton") is not None)
 
     def _load_gate_up(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
         lo, hi, size = self.start, self.start + self.local, self.size
+        if self.interleaved:  # [E, H, 2I], column 2j: gate j, 2j + 1: up j
+            columns = _last_dim(st_slice, 2 * lo, 2 * hi)
+            _copy(param.data[:, :self.local], columns[..., 0::2].transpose(1, 2),
+                  "experts.gate_up_proj (gate)")
+            _copy(param.data[:, self.local:], columns[..., 1::2].transpose(1, 2),
+                  "experts.gate_up_proj (up)")
+            return ["fused"]
         if shard == "fused":  # [E, 2I, H]: all gate rows, then all up rows, per expert
             _copy(param.data[:, :self.local], _slice3(st_slice, lo, hi), "experts.gate_up_proj")
             _copy(param.data[:, self.local:], _slice3(st_slice, size + lo, size + hi),
@@ -103,12 +125,18 @@ class FusedExperts(nn.Module):
               f"expert {expert} {kind}_proj")
         return [shard]
 
+    def _load_gate_up_bias(self, param: nn.Parameter, st_slice, _shard: object) -> None:
+        columns = _last_dim(st_slice, 2 * self.start, 2 * (self.start + self.local))
+        _copy(param.data, torch.cat([columns[:, 0::2], columns[:, 1::2]], dim=1),
+              "experts.gate_up_proj_bias")
+
     def _load_down(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
         lo, hi = self.start, self.start + self.local
+        if self.interleaved:  # [E, I, H]
+            _copy(param.data, _slice3(st_slice, lo, hi).transpose(1, 2), "experts.down_proj")
+            return ["fused"]
         if shard == "fused":  # [E, H, I]
-            tensor = st_slice.narrow(2, lo, hi - lo) if isinstance(st_slice, torch.Tensor) \
-                else st_slice[:, :, lo:hi]
-            _copy(param.data, tensor, "experts.down_proj")
+            _copy(param.data, _last_dim(st_slice, lo, hi), "experts.down_proj")
             return param.expected_shards  # type: ignore[attr-defined]
         assert isinstance(shard, tuple)
         expert = shard[0]
@@ -122,7 +150,10 @@ class FusedExperts(nn.Module):
             from shoal.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+        # the down bias once over the ranks' partial sums: on rank 0 only
+        b2 = self.down_proj_bias if self.rank == 0 else None
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,
+                               self.gate_up_proj_bias, b2)
 
 
 def _slice3(st_slice, lo: int, hi: int) -> torch.Tensor:
@@ -130,6 +161,13 @@ def _slice3(st_slice, lo: int, hi: int) -> torch.Tensor:
     if isinstance(st_slice, torch.Tensor):
         return st_slice.narrow(1, lo, hi - lo)
     return st_slice[:, lo:hi]
+
+
+def _last_dim(st_slice, lo: int, hi: int) -> torch.Tensor:
+    """[lo, hi) of the last dimension of a 2-d or 3-d checkpoint tensor."""
+    if isinstance(st_slice, torch.Tensor):
+        return st_slice.narrow(-1, lo, hi - lo)
+    return st_slice[:, lo:hi] if len(st_slice.get_shape()) == 2 else st_slice[:, :, lo:hi]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -193,11 +231,11 @@ _KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 def expert_checkpoint_target(ckpt_name: str) -> tuple[str, object] | None:
     """(parameter name, shard) for a checkpoint tensor of an MoE block's routed experts, or
-    None for any other tensor. Also renames Mixtral's ``block_sparse_moe`` to ``mlp`` and
-    DeepSeek's ``shared_experts`` to ``shared_expert`` (returned with shard None when the
+    None for any other tensor. Also renames Mixtral's ``block_sparse_moe`` to ``mlp``,
+    DeepSeek's ``shared_experts`` to ``shared_expert`` and gpt-oss's ``router`` to ``gate`` (returned with shard None when the
     tensor is not a routed expert's, for the caller's usual mapping)."""
-    name = ckpt_name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_experts.",
-                                                                    ".mlp.shared_expert.")
+    name = ckpt_name.replace(".block_sparse_moe.", ".mlp.").replace(
+        ".mlp.shared_experts.", ".mlp.shared_expert.").replace(".mlp.router.", ".mlp.gate.")
     match = _PER_EXPERT.match(name)
     if match:
         prefix, expert, proj = match.groups()

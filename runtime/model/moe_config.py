@@ -18,7 +18,9 @@ class MoeConfig:
     top_k: int
     intermediate_size: int  # one routed expert's
     norm_topk_prob: bool  # renormalise the chosen k weights to sum to 1
-    scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3 / GLM-4.5)
+    # "softmax", "sigmoid" (DeepSeek-V3 / GLM-4.5) or "topk_softmax" (gpt-oss: the k best
+    # logits, then a softmax over those k)
+    scoring: str = "softmax"
     n_group: int = 1  # sigmoid: experts fall in n_group groups; topk_group of them compete
     topk_group: int = 1
     correction_bias: bool = False  # sigmoid: e_score_correction_bias shifts the choice only
@@ -28,6 +30,11 @@ class MoeConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
     first_k_dense_replace: int = 0
+    router_bias: bool = False  # gpt-oss
+    # gpt-oss experts: (alpha, limit) of the clamped SwiGLU ``(up + 1) * g * sigmoid(alpha * g)``
+    # (g = gate clamped above at limit, up clamped to +-limit); biases on both projections;
+    # checkpoint tensors [E, in, out] with gate and up columns interleaved
+    gpt_oss_swiglu: tuple[float, float] | None = None
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has the MoE block in its MLP slot."""
@@ -49,8 +56,9 @@ def parse_moe_config(raw: dict, architecture: str) -> MoeConfig | None:
     if num_experts == 0:
         return None
     model_type = raw.get("model_type", "")
+    gpt_oss = model_type == "gpt_oss"
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and not gpt_oss:
         raise ValueError(f"{architecture}: hidden_act={act!r} is not supported for experts "
                          "(supported: silu)")
     top_k = int(raw["num_experts_per_tok"])
@@ -59,9 +67,9 @@ def parse_moe_config(raw: dict, architecture: str) -> MoeConfig | None:
                          f"1..{num_experts}")
     # Mixtral's experts are as wide as its (otherwise unused) dense intermediate_size
     size = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
-    scoring = raw.get("scoring_func", "sigmoid" if model_type in ("deepseek_v3", "glm4_moe")
-                      else "softmax")
-    if scoring not in ("softmax", "sigmoid"):
+    scoring = "topk_softmax" if gpt_oss else raw.get(
+        "scoring_func", "sigmoid" if model_type in ("deepseek_v3", "glm4_moe") else "softmax")
+    if scoring not in ("softmax", "sigmoid", "topk_softmax"):
         raise ValueError(f"{architecture}: scoring_func={scoring!r} is not supported "
                          "(supported: softmax, sigmoid)")
     n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
@@ -92,4 +100,7 @@ def parse_moe_config(raw: dict, architecture: str) -> MoeConfig | None:
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        router_bias=gpt_oss,
+        gpt_oss_swiglu=(float(raw.get("swiglu_alpha", 1.702)),
+                        float(raw.get("swiglu_limit", 7.0))) if gpt_oss else None,
     )

@@ -5,6 +5,7 @@ implementations do), returning ``(weights [T, k] float32, ids [T, k] int64)``:
 
 - ``softmax_topk``: softmax over all experts, the k largest, optionally renormalised to sum
   to 1 (Mixtral always; Qwen2/3-MoE by ``norm_topk_prob``).
+- ``topk_softmax``: gpt-oss. The k largest logits, then a softmax over those k.
 - ``grouped_sigmoid_topk``: DeepSeek-V3 / GLM-4.5. Sigmoid scores; a correction bias shifts
   which experts are chosen but not their weights; experts fall in ``n_group`` groups, each
   group scored by the sum of its two best, and only the ``topk_group`` best groups compete;
@@ -25,6 +26,11 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int) -> Routing:
+    values, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids
 
 
 def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -54,6 +60,8 @@ def route(config: MoeConfig, logits: torch.Tensor,
         return grouped_sigmoid_topk(logits, config.top_k, config.n_group, config.topk_group,
                                     correction_bias, config.norm_topk_prob,
                                     config.routed_scaling_factor)
+    if config.scoring == "topk_softmax":
+        return topk_softmax(logits, config.top_k)
     weights, ids = softmax_topk(logits, config.top_k, config.norm_topk_prob)
     return weights * config.routed_scaling_factor if config.routed_scaling_factor != 1.0 \
         else weights, ids

@@ -185,3 +185,48 @@ def test_tp2_splits_every_experts_intermediate_dim():
     assert shard_problems(config, 4) == [
         "expert intermediate size 6 does not divide across 4 ranks",
         "shared expert intermediate size 10 does not divide across 4 ranks"]
+
+
+def _load_into(block: SparseMoeBlock, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """What the loader does for one MoE block's checkpoint tensors."""
+    params = dict(block.named_parameters())
+    for ckpt_name, tensor in tensors.items():
+        name, shard = expert_checkpoint_target(prefix + ckpt_name) or (prefix + ckpt_name, None)
+        param = params[name.removeprefix(prefix)]
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor, shard)
+
+
+def test_gpt_oss_experts_match_transformers_at_tp1_and_split_over_two_ranks():
+    """Clamped SwiGLU with biases, the router's bias and softmax over the chosen k, the
+    interleaved [E, in, out] tensors; two ranks' partial sums add up to the whole."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    hf_config = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=6,
+                             num_experts_per_tok=2, swiglu_limit=1.5)
+    torch.manual_seed(0)
+    reference = GptOssMLP(hf_config)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(std=0.5)
+    moe = parse_moe_config(hf_config.to_dict(), "GptOssForCausalLM")
+    assert moe is not None and moe.gpt_oss_swiglu == (1.702, 1.5)
+    tensors = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    x = torch.randn(40, 32) * 2  # large enough that the clamps bind
+    want, _ = reference(x.unsqueeze(0))
+
+    whole = SparseMoeBlock(moe, 32, ParallelContext(), torch.float32, "cpu")
+    _load_into(whole, tensors, "model.layers.0.mlp.")
+    torch.testing.assert_close(whole(x), want[0], rtol=1e-5, atol=1e-5)
+
+    partials = []
+    for rank in range(2):
+        block = SparseMoeBlock(moe, 32, ParallelContext(rank=rank, world_size=2),
+                               torch.float32, "cpu")
+        _load_into(block, tensors, "model.layers.0.mlp.")
+        partials.append(block.experts(x, block.gate(x)))
+    torch.testing.assert_close(partials[0] + partials[1], want[0], rtol=1e-5, atol=1e-5)
