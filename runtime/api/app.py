@@ -178,6 +178,11 @@ def build_app(state: ServerState) -> FastAPI:
             tokenizer_body.append(json.dumps(state.tokenizer.to_wire()).encode())
         return Response(tokenizer_body[0], media_type="application/json")
 
+    @app.get("/version")
+    async def version() -> dict:
+        """As vLLM's: the server's version (open, like the probes)."""
+        return {"version": __version__}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """Liveness: the engine process answers heartbeats (checked in the background)."""

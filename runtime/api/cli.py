@@ -94,6 +94,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="zmq PUB address for KV-cache events, e.g. tcp://*:5557")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
                    help="also export metrics under this runtime's names")
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: sampling defaults (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens) from the model's "
+                        "generation_config.json, a request's own fields winning; none: "
+                        "neutral defaults; or a directory holding a generation_config.json")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split the model's <think>...</think> span off as reasoning_content "
                         "(chat), reasoning items (Responses), thinking blocks (Messages); "
@@ -158,6 +163,12 @@ def _main(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
         grammar_compile_timeout=args.grammar_compile_timeout)
+    from .sampling_defaults import load_sampling_defaults
+
+    try:
+        sampling_defaults = load_sampling_defaults(model, args.generation_config)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"shoal serve: {exc}") from None
     settings = ServerSettings(
         model_dir=model, served_model_names=names, api_keys=api_keys,
         max_queued_requests=args.max_queued_requests, max_num_seqs=args.max_num_seqs,
@@ -172,7 +183,7 @@ def _main(args: argparse.Namespace) -> int:
         tenant_header=args.tenant_header.lower() if args.tenant_header else None,
         stream_stall_timeout=args.stream_stall_timeout,
         metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)

@@ -32,6 +32,7 @@ from .body import decode_json, read_body
 from .errors import APIError, bad_request, engine_died, engine_unavailable, internal_error
 from .generation import ChoiceDelta, Generation, PromptInput
 from .protocol import SamplingFields
+from .sampling_defaults import default_of
 from .state import ServerState
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -118,16 +119,18 @@ def sampling_params(body: SamplingFields, state: ServerState, max_tokens: int | 
                     logprobs: int | None, structured: GrammarSpec | None = None) -> SamplingParams:
     check_fields(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    defaults = state.settings.sampling_defaults  # generation_config.json's
     params = SamplingParams(
         n=body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        min_p=body.min_p or 0.0,
+        temperature=default_of(defaults, "temperature", body.temperature),
+        top_p=default_of(defaults, "top_p", body.top_p),
+        top_k=default_of(defaults, "top_k", body.top_k),
+        min_p=default_of(defaults, "min_p", body.min_p),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stop,
+        repetition_penalty=default_of(defaults, "repetition_penalty", body.repetition_penalty),
+        seed=body.seed, max_tokens=default_of(defaults, "max_tokens", max_tokens),
+        min_tokens=body.min_tokens, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,

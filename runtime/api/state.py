@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from msgspec.structs import replace
 from shoal.runtime.engine.client import AsyncEngineClient
@@ -38,6 +39,8 @@ class ServerSettings:
     tenant_header: str | None = None  # trusted header naming the tenant (set by the router)
     stream_stall_timeout: float = 30.0  # seconds one SSE write may block before the abort
     metrics_auth: bool = False  # /metrics on the main port requires the API key
+    # request defaults from generation_config.json (--generation-config): temperature, ...
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span split off
 
     @property
