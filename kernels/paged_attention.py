@@ -19,6 +19,7 @@ source runs on triton 3.6 (GPU machine) and 3.9 (interpreter here).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ def _paged_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    partial_ptr,  # SPLIT: fp32 [splits, T, H, head_dim], each split's unnormalised output
+    max_ptr,  # SPLIT: fp32 [splits, T, H], each split's running max (base 2)
+    sum_ptr,  # SPLIT: fp32 [splits, T, H], each split's softmax denominator
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     sliding_window,  # keys a query sees, itself included (a huge value when unlimited)
     stride_qt,
@@ -51,6 +55,12 @@ def _paged_attention_kernel(
     group,  # query heads per kv head
     group_pad,  # group rounded up to a power of two
     block_q,  # query tokens per program: ROWS // group_pad
+    num_splits,  # programs sharing one query tile's keys (flash-decoding); 1 = no split
+    min_split_tiles,  # a split walks at least this many key tiles: short contexts use fewer
+    stride_ps,
+    stride_pt,
+    stride_ms,
+    stride_mt,
     ROWS: tl.constexpr,  # rows of the tile: block_q tokens x group_pad heads
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -58,9 +68,11 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per loop iteration (power of two, >= 16 for tl.dot on GPU)
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # the interpreter's tl.dot mis-multiplies bfloat16 operands
+    SPLIT: tl.constexpr,  # write partials for _combine_splits_kernel instead of the output
 ):
     req = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     kv_head = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + req)
@@ -94,6 +106,10 @@ def _paged_attention_kernel(
     kv_start = tl.maximum(context_len + q_tile * block_q - sliding_window + 1, 0)
     tile_start = kv_start // TILE_N
     tile_end = (kv_end + TILE_N - 1) // TILE_N
+    if SPLIT:  # this program's share of the key tiles; a split past the end walks none
+        per_split = tl.maximum(tl.cdiv(tile_end - tile_start, num_splits), min_split_tiles)
+        tile_start = tile_start + split * per_split
+        tile_end = tl.minimum(tile_end, tile_start + per_split)
 
     # finite start for the running max: a tile with every key masked gives p = 0, not NaN
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
@@ -134,10 +150,56 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_i[:, None]
-    o_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLIT:
+        stat_offsets = split * stride_ms + token * stride_mt + head
+        tl.store(max_ptr + stat_offsets, m_i, mask=row_valid)
+        tl.store(sum_ptr + stat_offsets, l_i, mask=row_valid)
+        p_offsets = split * stride_ps + token[:, None] * stride_pt + head[:, None] * HEAD_DIM \
+            + dims[None, :]
+        tl.store(partial_ptr + p_offsets, acc, mask=q_mask)
+    else:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        o_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_ptr,
+    max_ptr,
+    sum_ptr,
+    out_ptr,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ms,
+    stride_mt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """Flash-decoding's reduction, one program per (token, head): rescale every split's
+    partial output to the common max and divide by the rescaled sum of denominators."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, MAX_SPLITS)
+    split_valid = splits < num_splits
+    stat_offsets = splits * stride_ms + token * stride_mt + head
+    m = tl.load(max_ptr + stat_offsets, mask=split_valid, other=-1.0e30)
+    l_s = tl.load(sum_ptr + stat_offsets, mask=split_valid, other=0.0)
+    weight = tl.where(l_s > 0.0, tl.exp2(m - tl.max(m, 0)), 0.0)  # an empty split counts 0
+    total = tl.sum(l_s * weight, 0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    partial = tl.load(partial_ptr + splits[:, None] * stride_ps + token * stride_pt
+                      + head * HEAD_DIM + dims[None, :],
+                      mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 NO_WINDOW = 1 << 30  # the window of a model without one: longer than any context
@@ -197,6 +259,41 @@ def choose_tile(max_query_len: int, group: int, head_dim: int, dtype: torch.dtyp
                          tile_n=key_tile, num_warps=8 if rows >= 64 and wide else 4)
 
 
+MAX_SPLITS = 16
+MIN_SPLIT_KEYS = 256  # keys a split walks at least: below that the reduction costs more
+SPLIT_TARGET_WAVES = 2  # aim for this many programs per SM in a decode launch
+
+
+def choose_splits(max_query_len: int, num_reqs: int, num_kv_heads: int, sm_count: int) -> int:
+    """Flash-decoding: a decode batch of ``num_reqs * num_kv_heads`` programs leaves most of
+    a GPU idle at small batch (1 x 8 on 132 SMs), so each program's keys are split over more
+    programs and their partial softmaxes combined by a second kernel. Chosen from the batch
+    shape alone (never the context lengths, which are on the device), so a captured CUDA graph
+    stays valid for any context; splits with fewer than MIN_SPLIT_KEYS keys to walk get none,
+    so short contexts use few of them."""
+    if max_query_len != 1 or sm_count <= 0:
+        return 1
+    programs = num_reqs * num_kv_heads
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET_WAVES * sm_count // max(programs, 1)))
+
+
+def combine_constexprs(head_dim: int) -> dict:
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+                MAX_SPLITS=MAX_SPLITS)
+
+
+@functools.cache
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (no splitting)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -209,10 +306,13 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     key_tile: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context; see module doc.
 
     ``key_tile``: keys per loop iteration, a power of two >= 16 (default: ``choose_tile``'s).
+    ``num_splits``: programs per query tile splitting its keys, 1..MAX_SPLITS, decode only
+    (default: ``choose_splits``'s).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -239,7 +339,20 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     tile = choose_tile(max_query_len, group, head_dim, q.dtype, q.device.type, key_tile)
-    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), tile.block_q), num_kv_heads)
+    if num_splits is None:
+        num_splits = choose_splits(max_query_len, num_reqs, num_kv_heads, _sm_count(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS or (num_splits > 1 and max_query_len != 1):
+        raise ValueError(f"num_splits must be 1..{MAX_SPLITS}, and 1 unless every query is "
+                         f"one decode token; got {num_splits} at max_query_len {max_query_len}")
+    split = num_splits > 1
+    # the partials: allocated per launch (inside a CUDA graph, from the graph's pool)
+    partial = torch.empty((num_splits, num_tokens, num_heads, head_dim) if split else (1,),
+                          dtype=torch.float32, device=q.device)
+    maxes = torch.empty((num_splits, num_tokens, num_heads) if split else (1,),
+                        dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxes)
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), tile.block_q) * num_splits,
+            num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         out,
@@ -248,6 +361,9 @@ def paged_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        partial,
+        maxes,
+        sums,
         scale * LOG2_E,
         sliding_window or NO_WINDOW,
         q.stride(0),
@@ -261,9 +377,21 @@ def paged_attention(
         tile.group,
         tile.group_pad,
         tile.block_q,
+        num_splits,
+        MIN_SPLIT_KEYS // tile.tile_n,
+        partial.stride(0) if split else 0,
+        partial.stride(1) if split else 0,
+        maxes.stride(0) if split else 0,
+        maxes.stride(1) if split else 0,
         **tile.constexprs(head_dim, block_size, q.dtype, q.device.type),
+        SPLIT=split,
         num_warps=tile.num_warps,
     )
+    if split:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            partial, maxes, sums, out, num_splits, partial.stride(0), partial.stride(1),
+            maxes.stride(0), maxes.stride(1), out.stride(0), out.stride(1),
+            **combine_constexprs(head_dim))
     return out
 
 
@@ -271,28 +399,44 @@ PREFILL_QUERY_LEN = 512  # any chunk long enough for the prefill tile
 
 
 def gpu_variants() -> list:
-    """Every kernel the launcher picks on a GPU: decode and prefill tiles over head dims, GQA
-    groups and K/V dtypes (``make gpu-check``). The sliding window, the group and the cache
-    strides are runtime values, so window on and off share each kernel."""
+    """Every kernel the launcher picks on a GPU: decode (split over the keys or not, as
+    ``choose_splits`` decides for batch sizes 1-512 on an H200) and prefill tiles over head
+    dims, GQA groups and K/V dtypes, and the split reduction (``make gpu-check``). The sliding
+    window, the group and the cache strides are runtime values, so window on and off share
+    each kernel."""
     from shoal.kernels.gpu_check import variants as v
 
+    decode_splits = {choose_splits(1, batch, kv_heads, v.TARGET_SM_COUNT) > 1
+                     for batch in v.BATCH_SIZES for kv_heads in (1, 2, 4, 8)}
     out = []
     for head_dim in v.HEAD_DIMS:
-        for group in v.GQA_GROUPS:
-            for dtype in v.KV_DTYPES:
+        for dtype in v.KV_DTYPES:
+            kv = v.triton_type(dtype)
+            pointers = dict(q_ptr=kv, out_ptr=kv, k_cache_ptr=kv, v_cache_ptr=kv,
+                            block_tables_ptr="i32", query_start_loc_ptr="i32",
+                            seq_lens_ptr="i32", partial_ptr="fp32", max_ptr="fp32",
+                            sum_ptr="fp32")
+            for group in v.GQA_GROUPS:
                 for block_size in v.BLOCK_SIZES:
                     for mode, query_len in (("decode", 1), ("prefill", PREFILL_QUERY_LEN)):
                         tile = choose_tile(query_len, group, head_dim, dtype, "cuda")
-                        constexprs = tile.constexprs(head_dim, block_size, dtype, "cuda")
-                        kv = v.triton_type(dtype)
-                        pointers = dict(q_ptr=kv, out_ptr=kv, k_cache_ptr=kv, v_cache_ptr=kv,
-                                        block_tables_ptr="i32", query_start_loc_ptr="i32",
-                                        seq_lens_ptr="i32")
-                        sig = v.signature(_paged_attention_kernel, constexprs, pointers,
-                                          floats=("qk_scale",))
-                        out.append(v.KernelVariant(
-                            f"paged_attention {mode} {kv} d{head_dim} rows{tile.rows}",
-                            _paged_attention_kernel, sig, constexprs, num_warps=tile.num_warps,
-                            unaligned=("stride_bt",),
-                            tags=dict(wgmma_expected=mode == "prefill" and dtype != torch.float32)))
+                        for split in sorted(decode_splits) if mode == "decode" else [False]:
+                            constexprs = dict(tile.constexprs(head_dim, block_size, dtype, "cuda"),
+                                              SPLIT=split)
+                            sig = v.signature(_paged_attention_kernel, constexprs, pointers,
+                                              floats=("qk_scale",))
+                            out.append(v.KernelVariant(
+                                f"paged_attention {mode}{' split' if split else ''} {kv} "
+                                f"d{head_dim} rows{tile.rows}",
+                                _paged_attention_kernel, sig, constexprs,
+                                num_warps=tile.num_warps, unaligned=("stride_bt",),
+                                tags=dict(wgmma_expected=mode == "prefill"
+                                          and dtype != torch.float32)))
+            if True in decode_splits:
+                constexprs = combine_constexprs(head_dim)
+                sig = v.signature(_combine_splits_kernel, constexprs,
+                                  dict(partial_ptr="fp32", max_ptr="fp32", sum_ptr="fp32",
+                                       out_ptr=kv))
+                out.append(v.KernelVariant(f"paged_attention combine_splits {kv} d{head_dim}",
+                                           _combine_splits_kernel, sig, constexprs))
     return v.unique(out)

@@ -24,6 +24,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    load_format: str = "auto"  # auto: the checkpoint | dummy: random weights from config.json alone
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flashinfer
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_logprobs: int = 20

@@ -37,6 +37,8 @@ GQA_GROUPS = tuple(range(1, 17))
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # model dtype = K/V cache dtype
 BLOCK_SIZES = (16,)  # --block-size default; the cache page is a constexpr of the kernels
 TP_SIZES = (1, 2, 4, 8)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode rows (--max-num-seqs <= 512)
+TARGET_SM_COUNT = 132  # H100/H200 SXM
 
 
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",

@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a tensor-parallel rank may make no progress before the "
                         "engine is declared dead")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights made in memory from config.json alone (no "
+                        "checkpoint; for measuring a model's shapes, as vLLM's)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton", "flashinfer"],
                    help="cpu: native C kernels for attention (decode and prefill) and the position-wise "
@@ -159,7 +162,7 @@ def _main(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
         grammar_compile_timeout=args.grammar_compile_timeout)

@@ -157,12 +157,35 @@ def _expected_shards(model: DecoderForCausalLM) -> list[tuple[str, object]]:
     return out
 
 
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_RANGE = 1e-3  # vLLM's dummy weights: uniform in [-1e-3, 1e-3]
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every floating-point parameter uniform in ``[-DUMMY_RANGE, DUMMY_RANGE]``, made where
+    it lives (no checkpoint, no host copy): the shapes and the speed of a model, not its
+    outputs. Seeded per parameter, so the same seed gives the same weights."""
+    for index, (_, param) in enumerate(sorted(model.named_parameters())):
+        if param.is_floating_point():
+            generator = torch.Generator(device=param.device).manual_seed(seed * 100003 + index)
+            param.data.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+
+
 def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
                 parallel: ParallelContext, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> DecoderForCausalLM:
+                device: torch.device, load_format: str = "auto",
+                seed: int = 0) -> DecoderForCausalLM:
+    """``load_format``: ``auto`` reads the checkpoint in ``model_dir``; ``dummy`` needs only
+    its config.json and fills the weights with small random values."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose one of "
+                         f"{', '.join(LOAD_FORMATS)}")
     cls = model_class(config.architecture)
     model = cls(config, parallel, backend, max_positions, dtype, device)
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir)
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     return model.eval()

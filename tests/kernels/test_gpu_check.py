@@ -51,7 +51,7 @@ def test_fused_moe_variants_are_read_from_its_launcher():
 
 
 def test_attention_variants_are_the_launchers_choices_over_every_group_and_dtype():
-    from shoal.kernels.paged_attention import choose_tile, gpu_variants
+    from shoal.kernels.paged_attention import choose_splits, choose_tile, gpu_variants
 
     variants = gpu_variants()
     compiled = {tuple(sorted(v.constexprs.items())) + (v.num_warps,) for v in variants}
@@ -59,11 +59,17 @@ def test_attention_variants_are_the_launchers_choices_over_every_group_and_dtype
         for group in range(1, 17):
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 for query_len in (1, 8, 2048):
-                    tile = choose_tile(query_len, group, head_dim, dtype, "cuda")
-                    key = tuple(sorted(tile.constexprs(head_dim, 16, dtype, "cuda").items()))
-                    assert key + (tile.num_warps,) in compiled, (head_dim, group, dtype, query_len)
-    assert {v.constexprs["ROWS"] for v in variants} == {16, 64}
-    assert all(v.signature["q_ptr"] == "*" + v.label.split()[2] for v in variants)
+                    for batch in (1, 64):
+                        tile = choose_tile(query_len, group, head_dim, dtype, "cuda")
+                        split = choose_splits(query_len, batch, 8, 132) > 1
+                        key = tuple(sorted(dict(tile.constexprs(head_dim, 16, dtype, "cuda"),
+                                                SPLIT=split).items()))
+                        assert key + (tile.num_warps,) in compiled, (head_dim, group, dtype,
+                                                                     query_len, batch)
+    attention = [v for v in variants if "combine" not in v.label]
+    assert {v.constexprs["ROWS"] for v in attention} == {16, 64}
+    assert all(v.signature["q_ptr"] == "*" + v.label.split()[-3] for v in attention)
+    assert sum("combine_splits" in v.label for v in variants) == 4 * 3
 
 
 def test_ptxas_report_gives_registers_and_spill_bytes():
