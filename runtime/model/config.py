@@ -231,7 +231,7 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
         model_type=text.model_type,
         norms=family.norms,
         norm_weight_offset=family.norm_weight_offset,
-        qk_norm=family.qk_norm,
+        qk_norm=family.qk_norm or ("per_head" if getattr(text, "use_qk_norm", False) else None),
         qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
         o_proj_bias=attention_bias if family.o_proj_bias is None else family.o_proj_bias,
         mlp_bias=bool(getattr(text, "mlp_bias", False)) if family.reads_mlp_bias else False,

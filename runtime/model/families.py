@@ -77,6 +77,8 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(qkv_bias=False, o_proj_bias=False, reads_layer_types=False),
     "qwen2_moe": Family(o_proj_bias=False),  # qkv bias: ``qkv_bias`` (read in config.py)
     "qwen3_moe": Family(qk_norm="per_head"),
+    # GLM-4.5: pre-norm, neox rotary on part of the head, q/k norm when ``use_qk_norm``
+    "glm4_moe": Family(o_proj_bias=False),
 }
 
 # multimodal wrappers whose language model is one of the families above (served text-only)

@@ -3,7 +3,9 @@
 Three families, each exercising a different part of the MoE block: ``qwen3_moe`` (softmax
 top-k renormalised, q/k norm), ``qwen2_moe`` (softmax top-k not renormalised, a gated
 shared expert, a dense layer from ``mlp_only_layers``, qkv bias) and ``mixtral``
-(``block_sparse_moe.experts.N.w1/w2/w3`` tensor names). Sizes: ``tiny`` for tests, ``bench``
+(``block_sparse_moe.experts.N.w1/w2/w3`` tensor names), ``glm4_moe`` (GLM-4.5: sigmoid
+scores, a random correction bias, group-limited top-k, routed scaling, an ungated shared
+expert, a first dense layer, partial rotary, qkv bias and q/k norm). Sizes: ``tiny`` for tests, ``bench``
 a Qwen3-MoE-shaped model scaled to a CPU machine (16 layers, hidden 1024, 64 experts of 256,
 top-8). The tokenizer is the one ``make_model`` trains (Qwen flavour), so the checkpoints
 serve over HTTP like the dense ones.
@@ -30,13 +32,13 @@ from shoal.runtime.model.make_model import (
     train_tokenizer,
 )
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 MOE_SIZES = ("tiny", "bench")
 FORMAT_VERSION = 1
 
 
 def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch not in MOE_ARCHS or size not in MOE_SIZES:
         raise ValueError(f"unknown MoE checkpoint {arch!r}/{size!r}; archs: "
@@ -44,7 +46,7 @@ def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
     tiny = size == "tiny"
     common: dict[str, Any] = dict(
         vocab_size=1024 if tiny else 8192, hidden_size=64 if tiny else 1024,
-        num_hidden_layers=(3 if arch == "qwen2_moe" else 2) if tiny else 16,
+        num_hidden_layers=(3 if arch in ("qwen2_moe", "glm4_moe") else 2) if tiny else 16,
         num_attention_heads=4 if tiny else 16, num_key_value_heads=2 if tiny else 4,
         max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False, bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
@@ -55,6 +57,16 @@ def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
     expert_size = 32 if tiny else 256
     if arch == "mixtral":
         return MixtralConfig(**common, intermediate_size=expert_size, num_local_experts=experts)
+    if arch == "glm4_moe":
+        glm = Glm4MoeConfig(**{**common, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+            intermediate_size=96 if tiny else 2048,
+            moe_intermediate_size=expert_size, n_routed_experts=experts, n_shared_experts=1,
+            n_group=2 if tiny else 8, topk_group=1 if tiny else 4, norm_topk_prob=True,
+            routed_scaling_factor=1.5, first_k_dense_replace=1, attention_bias=True,
+            use_qk_norm=True)
+        glm.head_dim = 32 if tiny else 64
+        return glm
     if arch == "qwen2_moe":
         return Qwen2MoeConfig(**common, intermediate_size=96 if tiny else 2048,
                               moe_intermediate_size=expert_size, num_experts=experts,
@@ -82,6 +94,10 @@ def make_moe_model(arch: str, size: str, out_dir: str | Path, seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _make_confident(model, arch, seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros at init: make it move choices
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
     model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
     model.generation_config.pad_token_id = ENDOFTEXT_ID
     model.to(getattr(torch, dtype)).save_pretrained(out)

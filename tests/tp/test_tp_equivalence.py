@@ -73,3 +73,19 @@ def test_tp2_pads_a_vocabulary_that_does_not_divide(odd_vocab_qwen2, make_engine
         want = [t for o in outs for t in o.new_token_ids]
         got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]
         assert got == want and max(got) < 1001
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_tp2_feature_built_families_equal_tp1(family, make_engine, run_to_completion, greedy):
+    """gemma2: sliding window (16) on alternate layers and softcaps, KV heads split over the
+    ranks; olmo2: q/k norms over the whole projection, whose sum of squares is all-reduced."""
+    from shoal.runtime.model.make_family_model import cached_family_model
+
+    model_dir = cached_family_model(family)
+    requests = [greedy(f"r{i}", p, max_tokens=12 + 2 * i) for i, p in enumerate(PROMPTS)]
+    single = run_to_completion(make_engine(model_dir, tp=1), requests)
+    tensor_parallel = run_to_completion(make_engine(model_dir, tp=2), requests)
+    for req_id, outs in single.items():
+        want = [t for o in outs for t in o.new_token_ids]
+        got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]
+        assert got == want, f"{family} {req_id}: TP=2 diverged from TP=1"
