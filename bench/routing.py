@@ -69,13 +69,14 @@ import httpx
 from shoal.operator.meta import Owner
 from shoal.operator.render_router import router_args
 from shoal.operator.spec import parse_spec
-from shoal.runtime.router.engine_metrics import parse_engine_metrics, parse_samples
 from shoal.runtime.router.local_fleet import (
     FleetConfig,
     LocalFleet,
     engine_host,
     loopback_router_args,
 )
+
+from shoal.contract.metrics import parse_engine_metrics, parse_samples
 
 WORDS = ("ship harbor cargo tide anchor route crane berth manifest pilot ledger customs "
          "freight vessel dock weather schedule container invoice captain").split()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from shoal.operator.prom import parse_engine_metrics
 from shoal.operator.replica import ProbeResult
+
+from shoal.contract.metrics import parse_engine_metrics
 
 
 async def probe_engine(http: httpx.AsyncClient, host: str, port: int) -> ProbeResult:

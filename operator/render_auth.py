@@ -19,10 +19,11 @@ from typing import Any
 
 from shoal.operator.spec import AuthSpec, SecretKey, ServiceSpec
 
+from shoal.contract.headers import TENANT_HEADER
+
 AUTH_MOUNT = "/etc/shoal/auth"
 API_KEYS_FILE = f"{AUTH_MOUNT}/api-keys"
 UPSTREAM_KEY_FILE = f"{AUTH_MOUNT}/upstream-api-key"
-TENANT_HEADER = "x-shoal-tenant"  # the runtime's header (runtime/kv/block_hash.TENANT_HEADER)
 AUTH_VOLUME = "auth"
 SECRET_FILE_MODE = 0o440  # owner and fsGroup (the pod's group) read, nobody writes
 

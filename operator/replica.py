@@ -12,7 +12,8 @@ from shoal.operator.constants import (
     ENGINE_READY_CONDITION,
     FETCH_CONTAINER,
 )
-from shoal.operator.prom import EngineMetrics
+
+from shoal.contract.metrics import EngineMetrics
 
 CRASHLOOP_RESTARTS = 3
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName")

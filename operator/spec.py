@@ -13,7 +13,9 @@ from shoal.operator.constants import DEFAULT_RUNTIME_IMAGE
 from shoal.operator.model_uri import ModelSource, ModelUriError, parse_model_uri
 from shoal.operator.spec_reader import SpecError, SpecReader
 
-ROUTING_POLICIES = ("cache-affinity", "least-load", "round-robin")
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+from shoal.contract.policies import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
+
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 CACHE_SHARING = ("tenant", "global")
@@ -35,7 +37,7 @@ class RuntimeSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     prefix_caching: bool = True
     dtype: str = "auto"
     device: str = "auto"
@@ -163,7 +165,8 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     rt = root.sub("routing")
     routing = RoutingSpec(
         enabled=rt.boolean("enabled", True),
-        policy=rt.string("policy", "cache-affinity", ROUTING_POLICIES) or "cache-affinity",
+        policy=rt.string("policy", DEFAULT_ROUTING_POLICY, ROUTING_POLICIES)
+        or DEFAULT_ROUTING_POLICY,
         replicas=rt.integer("replicas", 1, minimum=1) or 1,
         gateway=_parse_gateway(rt.sub("gateway")),
     )
@@ -244,7 +247,8 @@ def _parse_runtime(r: SpecReader) -> RuntimeSpec:
         max_num_seqs=r.integer("maxNumSeqs", None, minimum=1),
         max_num_batched_tokens=r.integer("maxNumBatchedTokens", None, minimum=16),
         gpu_memory_utilization=r.number("gpuMemoryUtilization", None, 0.0, 1.0, low_open=True),
-        block_size=r.integer("blockSize", 16, minimum=1, maximum=256) or 16,
+        block_size=r.integer("blockSize", DEFAULT_BLOCK_SIZE, minimum=1, maximum=256)
+        or DEFAULT_BLOCK_SIZE,
         prefix_caching=r.boolean("prefixCaching", True),
         dtype=r.string("dtype", "auto", DTYPES) or "auto",
         device=r.string("device", "auto", DEVICES) or "auto",

@@ -23,17 +23,19 @@ uvicorn with the limits a port exposed to many clients needs, enforced while rea
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import resource
 import socket
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import uvicorn
+from shoal.runtime.log_limits import RateLimitedLog
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from shoal.contract.errors import error_json
+from shoal.contract.headers import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -41,13 +43,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# The HTTP contract between engines and the router (docs/architecture.md):
-# on a 429 or 503, this header says that the engine did no work for the request (not ready,
-# draining, queue full, connection cap), so another replica may take it. Without it, a 5xx
-# means the request may have run, and must not be replayed elsewhere.
-RETRY_SAFE_HEADER = "x-shoal-retry-safe"
-# error code of a request that was running when its engine died
-ENGINE_DIED_CODE = "engine_died"
+# The HTTP contract between engines and the router (RETRY_SAFE_HEADER, ENGINE_DIED_CODE) is
+# shoal.contract.headers; re-exported here for the servers that import the listener.
+__all__ = ["ENGINE_DIED_CODE", "RETRY_SAFE_HEADER"]
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
 OVER_CAP_FIRST_REQUEST_TIMEOUT_S = 1.0
@@ -82,17 +80,6 @@ class ListenerLimits:
     @property
     def connection_cap(self) -> int:
         return self.max_connections or default_max_connections()
-
-
-def json_error(status: int, message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
-                                 "param": None, "code": code}}).encode()
-
-
-_ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                431: "RequestHeaderFieldsTooLargeError",
-                429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
-                504: "GatewayTimeoutError"}
 
 
 async def send_json(send: Send, status: int, body: bytes,
@@ -146,7 +133,7 @@ class BodyLimit:
 
     async def _too_large(self, send: Send, size: int) -> None:
         message = f"the request body has at least {size} bytes; the limit is {self.limit}"
-        await send_json(send, 413, json_error(413, message, "request_too_large"),
+        await send_json(send, 413, error_json(413, message, "request_too_large"),
                         [(b"connection", b"close")])
 
 
@@ -180,7 +167,7 @@ def over_cap(app: ASGIApp) -> ASGIApp:
         if scope["type"] == "http" and scope["path"] in PROBE_PATHS:
             await app(scope, receive, send)
             return
-        body = json_error(503, "the server is at its connection limit; retry later",
+        body = error_json(503, "the server is at its connection limit; retry later",
                           "too_many_connections")
         await send_json(send, 503, body, [(b"connection", b"close"), (b"retry-after", b"1"),
                                           (RETRY_SAFE_HEADER.encode(), b"1")])
@@ -262,7 +249,7 @@ def limited_protocol(limits: ListenerLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def _send_431(self) -> None:
-            body = json_error(431, f"the request head is over {limits.max_header_bytes} "
+            body = error_json(431, f"the request head is over {limits.max_header_bytes} "
                                    "bytes", "request_header_too_large")
             self.transport.write(
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: "
@@ -278,37 +265,9 @@ def limited_protocol(limits: ListenerLimits) -> type[HttpToolsProtocol]:
     return LimitedHttpToolsProtocol
 
 
-class RateLimitedLog(logging.Filter):
-    """At most ``burst`` records per message template and logger every ``window`` seconds;
-    the next one let through says how many were dropped meanwhile."""
-
-    def __init__(self, window: float = 10.0, burst: int = 5, max_keys: int = 1024) -> None:
-        super().__init__()
-        self.window, self.burst, self.max_keys = window, burst, max_keys
-        self._seen: dict[tuple[str, object], list[float]] = {}  # key -> [start, count, dropped]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        key = (record.name, record.msg)
-        entry = self._seen.get(key)
-        if entry is None or now - entry[0] >= self.window:
-            dropped = int(entry[2]) if entry is not None else 0
-            if len(self._seen) >= self.max_keys:
-                self._seen.clear()
-            self._seen[key] = [now, 1, 0]
-            if dropped:
-                record.msg = f"{record.msg} [{dropped} similar lines dropped]"
-            return True
-        entry[1] += 1
-        if entry[1] > self.burst:
-            entry[2] += 1
-            return False
-        return True
-
-
 def install_log_limits() -> None:
     """Rate-limit every line the root handlers write (uvicorn's propagate there too)."""
-    limiter = RateLimitedLog()
+    limiter = RateLimitedLog(window_s=10.0, max_causes=1024)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RateLimitedLog) for f in handler.filters):
             handler.addFilter(limiter)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
-from shoal.runtime.kv.block_hash import tenant_of_key
+
+from shoal.contract.tenant import tenant_of_key
 
 from .errors import APIError
 

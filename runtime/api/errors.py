@@ -5,18 +5,9 @@ on the Anthropic routes the same error in Anthropic's shape,
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
-from shoal.runtime.http_listener import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    413: "RequestTooLargeError",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
+from shoal.contract.errors import error_body
+from shoal.contract.headers import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 
 # Anthropic's error types by status (its API reference, "Errors")
 ANTHROPIC_ERROR_TYPES = {
@@ -45,9 +36,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message,
-                          "type": ERROR_TYPES.get(self.status, "APIError"),
-                          "param": self.param, "code": self.code or self.status}}
+        return error_body(self.status, self.message, self.code or self.status, self.param)
 
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {

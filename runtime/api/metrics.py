@@ -25,6 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from shoal.runtime.engine.messages import SchedulerStats
 
+from shoal.contract import metrics as names
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -70,19 +72,19 @@ class EngineStatsCollector(Collector):
         s, labels = self.stats, [self.model_name]
         for p in self.prefixes:
             for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch", s.num_running),
-                ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-                ("kv_cache_usage_perc", "KV-cache usage, 1 = full", s.kv_cache_usage),
+                (names.NUM_REQUESTS_RUNNING, "Requests in the running batch", s.num_running),
+                (names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled", s.num_waiting),
+                (names.KV_CACHE_USAGE, "KV-cache usage, 1 = full", s.kv_cache_usage),
             ):
                 gauge = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
                 gauge.add_metric(labels, value)
                 yield gauge
             for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                (names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache",
                  s.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                (names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache",
                  s.prefix_cache_hits),
-                ("num_preemptions", "Preemptions by the scheduler", s.num_preemptions),
+                (names.NUM_PREEMPTIONS, "Preemptions by the scheduler", s.num_preemptions),
                 ("prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
                 ("generation_tokens", "Tokens generated", s.generation_tokens),
             ):
@@ -108,12 +110,12 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     def __init__(self, model_name: str, compat: list[str] | None = None) -> None:
         self.model_name = model_name
-        self.prefixes = ["shoal", *(compat or [])]
+        self.prefixes = [names.PREFIX, *(compat or [])]
         self.registry = CollectorRegistry()
         self._rendered: bytes | None = None  # the last render while nothing has changed
         self.engine = EngineStatsCollector(self.prefixes, model_name)
         self.registry.register(self.engine)
-        self._success = [Counter(f"{p}:request_success", "Requests finished, by reason",
+        self._success = [Counter(f"{p}:{names.REQUEST_SUCCESS}", "Requests finished, by reason",
                                  ["model_name", "finished_reason"], registry=self.registry)
                          for p in self.prefixes]
         self._ttft = self._histograms("time_to_first_token_seconds",

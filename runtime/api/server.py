@@ -33,6 +33,8 @@ from shoal.runtime.http_listener import (
     uvicorn_config,
 )
 
+from shoal.contract.errors import error_json
+
 from .app import build_app
 from .metrics import ServerMetrics
 from .state import ServerSettings, ServerState
@@ -117,9 +119,7 @@ def metrics_app(app: ASGIApp, state: ServerState) -> ASGIApp:
         elif scope["path"] in PROBE_PATHS:
             await app(scope, receive, send)
         else:
-            await send_json(send, 404, b'{"error": {"message": "only /metrics, /health and '
-                            b'/ready here", "type": "NotFoundError", "param": null, '
-                            b'"code": 404}}')
+            await send_json(send, 404, error_json(404, "only /metrics, /health and /ready here"))
 
     return call
 

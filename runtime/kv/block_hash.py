@@ -13,8 +13,8 @@ block (a second preimage) still takes ~2**64 SHA-256 evaluations. Measured here:
 16-token block against ~0.24 us for xxh64 (``tests/engine/test_block_hash.py`` prints it),
 paid once per full block.
 
-Tenants: ``tenant_cache_salt`` turns a tenant identity (``tenant_of_key`` of an API key, or
-the tenant header a trusted router forwards, which is the same id) into a salt, and ``effective_cache_salt`` combines it with the
+Tenants: ``tenant_cache_salt`` turns a tenant identity (``tenant_of_key`` of an API key in
+``shoal.contract.tenant``, or the tenant header a trusted router forwards, which is the same id) into a salt, and ``effective_cache_salt`` combines it with the
 request's own ``cache_salt``; the engine server and the router's precise mode both call
 these, so their hashes agree.
 """
@@ -30,16 +30,8 @@ import numpy as np
 
 NONE_HASH = 0
 HASH_VERSION = b"shoal-kv-sha256-v1"
-TENANT_HEADER = "x-shoal-tenant"  # what a trusted router forwards (see docs/operations.md)
 
 _sha256 = hashlib.sha256
-
-
-def tenant_of_key(api_key: str) -> str:
-    """A stable, non-reversible tenant id for an API key: what an engine salts a keyed
-    request by, and what an authenticating router forwards in ``TENANT_HEADER``, so a key
-    gets the same cache identity whether its requests come directly or through the router."""
-    return "key-" + _sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def tenant_cache_salt(identity: str) -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from shoal.contract.errors import error_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,7 +47,6 @@ async def respond(send: Send, status: int, body: bytes,
 
 async def error_response(send: Send, status: int, message: str,
                          retry_after_s: int | None = None) -> None:
-    payload = {"error": {"message": message, "type": "router_error", "code": status}}
     extra = [(b"retry-after", str(retry_after_s).encode())] if retry_after_s else None
-    await respond(send, status, json.dumps(payload).encode(), extra_headers=extra)
+    await respond(send, status, error_json(status, message), extra_headers=extra)
 

@@ -10,7 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from shoal.runtime.router.policy import POLICY_NAMES
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+from shoal.contract.policies import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -23,7 +24,7 @@ def _default_namespace() -> str:
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
     """Routing flags shared by ``shoal route`` and ``shoal fleet``."""
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="cache-affinity",
+    parser.add_argument("--policy", choices=ROUTING_POLICIES, default=DEFAULT_ROUTING_POLICY,
                         help="routing policy (default: cache-affinity)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="model dir with the engines' tokenizer: token-precise affinity "
@@ -32,8 +33,9 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="token-precise affinity with the tokenizer and chat template "
                              "fetched from the first ready engine (GET /tokenizer): exactly "
                              "what the engines encode with, no model files in the router")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="the engines' KV block size in tokens (default 16)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="the engines' KV block size in tokens (default "
+                             f"{DEFAULT_BLOCK_SIZE})")
     parser.add_argument("--model-revision", default="",
                         help="the engines' --model-revision (part of every block hash)")
     parser.add_argument("--cache-sharing", default="tenant", choices=["tenant", "global"],

@@ -14,7 +14,8 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.runtime.kv.block_hash import TENANT_HEADER, tenant_of_key
+from shoal.contract.headers import TENANT_HEADER
+from shoal.contract.tenant import tenant_of_key
 
 CLIENT_HEADERS_DROPPED = frozenset({"authorization", "x-api-key", TENANT_HEADER})
 CLIENT_CREDENTIALS = frozenset({"authorization", "x-api-key"})

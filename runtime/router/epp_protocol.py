@@ -23,6 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from shoal.contract.errors import error_json
+
 PROTOCOL_VERSION = "v1.0.0"
 DESTINATION_ENDPOINT_KEY = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
@@ -159,17 +161,12 @@ def response_continue(kind: str) -> ext_proc.ProcessingResponse:
 
 def immediate(refusal: Refusal) -> ext_proc.ProcessingResponse:
     """An OpenAI-style JSON error sent to the client by the data plane itself."""
-    import json
-
     headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
         key="content-type", raw_value=b"application/json"))]
     if refusal.retry_after_s is not None:
         headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
             key="retry-after", raw_value=str(refusal.retry_after_s).encode())))
-    kind = "rate_limit_error" if refusal.status == 429 else "service_unavailable"
-    body = json.dumps({"error": {"message": refusal.message, "type": kind,
-                                 "param": None, "code": refusal.status}})
     return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=refusal.status),  # type: ignore[arg-type]
         headers=ext_proc.HeaderMutation(set_headers=headers),
-        body=body.encode(), details=f"shoal-epp: {refusal.message}"))
+        body=error_json(refusal.status, refusal.message), details=f"shoal-epp: {refusal.message}"))

@@ -14,7 +14,8 @@ from typing import Protocol
 
 from shoal.runtime.router.request_keys import RequestKeys
 
-POLICY_NAMES = ("cache-affinity", "least-load", "round-robin")
+from shoal.contract.policies import ROUTING_POLICIES as POLICY_NAMES
+
 SPILL_LOAD_CAP = "load_cap"  # the best-matching replica was over the load cap
 SPILL_ENGINE_QUEUE = "engine_queue"  # its engine reported a waiting queue
 

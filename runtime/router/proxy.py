@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
-from shoal.runtime.http_listener import ENGINE_DIED_CODE, RETRY_SAFE_HEADER, abort_connection
+from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.router.asgi import (
     ClientGone,
     Receive,
@@ -54,6 +54,9 @@ from shoal.runtime.router.request_keys import (
     request_keys,
 )
 from shoal.runtime.router.router_metrics import RouterMetrics
+
+from shoal.contract.errors import error_json
+from shoal.contract.headers import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 
 log = logging.getLogger("shoal.router.proxy")
 
@@ -166,9 +169,7 @@ class RouterApp:
 
     async def _unauthorized(self, send: Send) -> None:
         self.metrics.unauthorized.inc()
-        body = json.dumps({"error": {"message": "invalid or missing API key",
-                                     "type": "AuthenticationError", "param": None,
-                                     "code": "invalid_api_key"}}).encode()
+        body = error_json(401, "invalid or missing API key", "invalid_api_key")
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

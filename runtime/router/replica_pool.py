@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
-from shoal.runtime.router.engine_metrics import EngineMetrics, parse_engine_metrics
 from shoal.runtime.router.policy import ReplicaSnapshot
+
+from shoal.contract.metrics import EngineMetrics, parse_engine_metrics
 
 log = logging.getLogger("shoal.router.replicas")
 
@@ -38,8 +39,8 @@ class Replica:
     ejections: int = 0
 
     def snapshot(self) -> ReplicaSnapshot:
-        return ReplicaSnapshot(self.url, self.in_flight, int(self.metrics.num_waiting),
-                               int(self.metrics.num_running), self.metrics.kv_usage)
+        return ReplicaSnapshot(self.url, self.in_flight, int(self.metrics.waiting),
+                               int(self.metrics.running), self.metrics.kv_cache_usage)
 
 
 def normalize_url(url: str) -> str:

@@ -24,6 +24,8 @@ import xxhash
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.kv.block_hash import ExtraKeys, effective_cache_salt, hash_prefix_blocks
 
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+
 DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
 MAX_PREFIX_BLOCKS = 4096  # longer prompts are keyed on their first 4096 blocks only
 
@@ -87,7 +89,7 @@ def _content_text(content: Any) -> str:
 
 @dataclass(frozen=True)
 class KeyConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     chars_per_block: int = DEFAULT_CHARS_PER_BLOCK
     model_revision: str = ""
     # the engines' --cache-sharing: tenant salts a request's blocks by its tenant, as they do

@@ -15,6 +15,8 @@ from shoal.runtime.router.proxy import ProxySettings, RouterApp
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import KeyConfig, PromptTokenizer
 
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+
 log = logging.getLogger("shoal.router")
 
 
@@ -30,7 +32,7 @@ class RouterConfig:
     kube_api: str | None = None  # out-of-cluster API server (tests, kubectl proxy)
     tokenizer: str | None = None
     tokenizer_from_engine: bool = False  # fetch the tokenizer from the first ready engine
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     model_revision: str = ""
     chars_per_block: int = 64
     cache_sharing: str = "tenant"  # the engines' --cache-sharing

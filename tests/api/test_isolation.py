@@ -10,7 +10,8 @@ import os
 
 import httpx
 import pytest
-from shoal.runtime.kv.block_hash import tenant_of_key
+
+from shoal.contract.tenant import tenant_of_key
 
 from .test_cancellation import engine_idle, wait_idle_within
 

@@ -284,7 +284,7 @@ async def test_scale_to_zero_and_back_with_held_requests(
         (pod,) = kubelet.pods.values()
         async with httpx.AsyncClient(timeout=5) as http:
             text = (await http.get(f"http://{pod.ip}:{engine_port}/metrics")).text
-        from shoal.runtime.router.engine_metrics import parse_samples
+        from shoal.contract.metrics import parse_samples
 
         assert parse_samples(text)["shoal:request_success_total"] == 10
     finally:

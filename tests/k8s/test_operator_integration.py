@@ -81,7 +81,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 async def engine_totals(pod_ips: list[str], port: int) -> tuple[float, float, float]:
     """(mean KV usage, prefix hit tokens, prefix query tokens) as the engines report them."""
-    from shoal.operator.prom import parse_engine_metrics
+    from shoal.contract.metrics import parse_engine_metrics
 
     async with httpx.AsyncClient(timeout=5) as http:
         scraped = [parse_engine_metrics((await http.get(f"http://{ip}:{port}/metrics")).text)

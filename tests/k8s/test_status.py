@@ -6,10 +6,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from shoal.operator.prom import EngineMetrics, parse_engine_metrics
 from shoal.operator.reconcile import gate_patches, new_failures
 from shoal.operator.replica import ProbeResult, observe_replica, probe_target
 from shoal.operator.status import aggregate_metrics, build_status, decide_phase
+
+from shoal.contract.metrics import EngineMetrics, parse_engine_metrics
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 GATE = "serving.shoal.dev/engine-ready"

@@ -64,9 +64,28 @@ def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
 
 def test_router_shares_only_the_block_hash_and_tokenization_with_the_engine() -> None:
     found = violations(ROOT / "runtime" / "router", r"shoal\.",
-                       allowed=r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|"
-                               r"frontend\.(tokenizer|chat_template|prompts)$)")
+                       allowed=r"shoal\.contract\b|"
+                               r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|"
+                               r"log_limits$|frontend\.(tokenizer|chat_template|prompts)$)")
     assert found == []
+
+
+def test_the_contract_imports_nothing_of_shoal_and_only_what_the_operator_image_has() -> None:
+    """shoal.contract is what the API, the router and the operator agree on: the standard
+    library and prometheus_client only, so all three (the operator without torch) import it."""
+    import sys
+
+    found = imports_of(ROOT / "shoal" / "contract")
+    assert found
+    outside = [f"{file}: {name}" for file, names in found.items() for name in sorted(names)
+               if not name.startswith("shoal.contract")
+               and name.split(".")[0] not in sys.stdlib_module_names | {"prometheus_client"}]
+    assert outside == []
+
+
+@pytest.mark.parametrize("folder", ["runtime/api", "runtime/router", "operator"])
+def test_the_api_router_and_operator_read_the_wire_contract_from_one_place(folder: str) -> None:
+    assert violations(ROOT / folder, r"shoal\.contract\b"), f"{folder} does not use it"
 
 
 @pytest.mark.parametrize("folder", ["engine", "scheduler", "kv", "executor"])

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from shoal.runtime.http_listener import RateLimitedLog
-from shoal.runtime.kv.block_hash import TENANT_HEADER, tenant_of_key
+from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.router.edge_auth import EdgeAuth, read_key_file
 from shoal.runtime.router.poison import FailedRequests, fingerprint
+
+from shoal.contract.headers import TENANT_HEADER
+from shoal.contract.tenant import tenant_of_key
 
 
 def test_keys_authenticate_as_their_own_tenant_and_nothing_else_does():
@@ -90,7 +92,7 @@ def test_the_quarantine_key_is_the_requests_meaning_not_its_bytes():
 
 
 def test_log_lines_are_rate_limited_per_message():
-    limiter = RateLimitedLog(window=60.0, burst=3)
+    limiter = RateLimitedLog(window_s=60.0, burst=3)
 
     def record(msg: str) -> logging.LogRecord:
         return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)

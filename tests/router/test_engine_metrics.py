@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from shoal.runtime.router.engine_metrics import parse_engine_metrics
 from shoal.runtime.router.router_metrics import imbalance
+
+from shoal.contract.metrics import parse_engine_metrics
 
 TEXT = """\
 # HELP shoal:num_requests_running Requests in the running batch
@@ -21,9 +22,9 @@ garbage line without value
 
 def test_engine_metrics_are_read_by_name_and_summed_over_labels():
     m = parse_engine_metrics(TEXT)
-    assert (m.num_running, m.num_waiting, m.kv_usage) == (3.0, 2.0, 0.25)
+    assert (m.running, m.waiting, m.kv_cache_usage) == (3.0, 2.0, 0.25)
     assert (m.prefix_cache_queries, m.prefix_cache_hits) == (1200.0, 300.0)
-    assert parse_engine_metrics("").num_running == 0.0
+    assert parse_engine_metrics("").running == 0.0
 
 
 def test_imbalance_is_max_over_mean():

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
-from shoal.runtime.router.engine_metrics import parse_engine_metrics, parse_samples
+
+from shoal.contract.metrics import parse_engine_metrics, parse_samples
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -79,7 +80,7 @@ def test_disconnect_at_the_router_frees_the_engines_blocks(fleet, wait_for):
         chunks = r.iter_raw()
         next(chunks)
         next(chunks)
-    wait_for(lambda: all(engine_metrics(e).num_running == 0 and engine_metrics(e).kv_usage == 0
+    wait_for(lambda: all(engine_metrics(e).running == 0 and engine_metrics(e).kv_cache_usage == 0
                          for e in engines), timeout=15, what="blocks freed after the disconnect")
     wait_for(lambda: generated_tokens(engines) > before, timeout=5, what="token counters")
     assert generated_tokens(engines) - before < 390  # aborted, not run to max_tokens
@@ -106,7 +107,7 @@ def test_disconnect_before_the_first_byte_aborts_in_the_engine(fleet, wait_for):
         raise AssertionError(f"answered before the timeout: {r.status_code} {r.text[:300]}")
     except httpx.ReadTimeout:
         pass
-    wait_for(lambda: all(engine_metrics(e).num_running == 0 and engine_metrics(e).kv_usage == 0
+    wait_for(lambda: all(engine_metrics(e).running == 0 and engine_metrics(e).kv_cache_usage == 0
                          for e in engines), timeout=15, what="blocks freed after the disconnect")
     assert generated_tokens(engines) - before < 470  # aborted, not run to max_tokens
     assert metric_value(router, "shoal:router_client_disconnects_total") == disconnects + 1

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from shoal.runtime.router.capacity_request import CAPACITY_ANNOTATION, CapacityRequester
 from shoal.runtime.router.discovery import KubernetesDiscovery
-from shoal.runtime.router.engine_metrics import parse_samples
 
+from shoal.contract.metrics import parse_samples
 from tests.router.conftest import http_ok, wait_until
 
 

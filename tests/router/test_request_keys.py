@@ -128,7 +128,9 @@ def test_a_template_that_raises_is_a_request_key_error(alternating_qwen3):
 
 
 def test_an_authenticated_tenants_keys_are_salted_as_the_engines_salt_its_blocks():
-    from shoal.runtime.kv.block_hash import effective_cache_salt, tenant_of_key
+    from shoal.runtime.kv.block_hash import effective_cache_salt
+
+    from shoal.contract.tenant import tenant_of_key
 
     ids, tenant = list(range(100, 118)), tenant_of_key("key-of-a")
     body = {"prompt": ids, "cache_salt": "s"}

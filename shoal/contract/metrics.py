@@ -1,0 +1,91 @@
+"""The engine metrics other processes read, by name, and how they read them.
+
+An engine exports them under ``shoal:`` (and ``vllm:`` with ``--metrics-compat vllm``) with
+vLLM's names; the router scrapes them to route, the operator to fill an InferenceService's
+status and to autoscale. Both read the text through ``prometheus_client``'s own parser into
+one ``EngineMetrics``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "shoal"
+
+# metric family names (unprefixed); counters' samples end in _total
+NUM_REQUESTS_RUNNING = "num_requests_running"
+NUM_REQUESTS_WAITING = "num_requests_waiting"
+KV_CACHE_USAGE = "kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "prefix_cache_queries"
+PREFIX_CACHE_HITS = "prefix_cache_hits"
+NUM_PREEMPTIONS = "num_preemptions"
+REQUEST_SUCCESS = "request_success"
+
+
+def sample_name(family: str, counter: bool = False, prefix: str = PREFIX) -> str:
+    """``num_preemptions`` -> ``shoal:num_preemptions_total`` (counter=True)."""
+    return f"{prefix}:{family}{'_total' if counter else ''}"
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One engine's scrape, each metric summed over its label sets (one model per engine)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0  # 0-1
+    prefix_cache_queries: float = 0.0  # tokens, cumulative
+    prefix_cache_hits: float = 0.0  # tokens, cumulative
+    preemptions: float = 0.0
+    finished: float = 0.0  # requests finished, cumulative (any reason): activity for scale to 0
+
+
+# EngineMetrics field -> the sample it is read from
+SAMPLES = {
+    "running": sample_name(NUM_REQUESTS_RUNNING),
+    "waiting": sample_name(NUM_REQUESTS_WAITING),
+    "kv_cache_usage": sample_name(KV_CACHE_USAGE),
+    "prefix_cache_queries": sample_name(PREFIX_CACHE_QUERIES, counter=True),
+    "prefix_cache_hits": sample_name(PREFIX_CACHE_HITS, counter=True),
+    "preemptions": sample_name(NUM_PREEMPTIONS, counter=True),
+    "finished": sample_name(REQUEST_SUCCESS, counter=True),
+}
+assert set(SAMPLES) == {f.name for f in fields(EngineMetrics)}
+
+
+def _families(text: str) -> Iterable[Metric]:
+    """The parser's families; a line it rejects (a truncated scrape, a stray line) costs only
+    that line: the text is then parsed line by line, so the rest still counts."""
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError:
+        families: list[Metric] = []
+        for line in text.splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    families.extend(text_string_to_metric_families(line + "\n"))
+                except ValueError:
+                    continue
+        return families
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Sample name -> the sum of its finite values over every label set."""
+    totals: dict[str, float] = {}
+    for family in _families(text):
+        for sample in family.samples:
+            if math.isfinite(sample.value):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    samples = parse_samples(text)
+    values = {field: samples.get(name, 0.0) for field, name in SAMPLES.items()}
+    values["kv_cache_usage"] = min(max(values["kv_cache_usage"], 0.0), 1.0)
+    return EngineMetrics(**values)
