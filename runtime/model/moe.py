@@ -16,7 +16,6 @@ routed and shared experts meet in one all-reduce per block.
 from __future__ import annotations
 
 import re
-from importlib.util import find_spec
 
 import torch
 from shoal.kernels.moe_grouped import clamped_swiglu, grouped_experts
@@ -37,15 +36,15 @@ from torch import nn
 ExpertShard = tuple[int, str] | str  # (expert, "gate" | "up" | "down"), or "fused"
 
 
-def choose_moe_impl(device_type: str, has_triton: bool) -> str:
-    """``triton`` (kernels/fused_moe.py) on CUDA where triton is installed, else ``grouped``
-    (torch's grouped GEMM, kernels/moe_grouped.py)."""
-    return "triton" if device_type == "cuda" and has_triton else "grouped"
+def _kernels(device: torch.device | str, dtype: torch.dtype, kernels: Kernels | None) -> Kernels:
+    """What ``ops.choose_kernels`` picked for the model (plain torch when built alone): its
+    SiLU-and-mul, and its MoE path (the Triton kernel with the triton attention backend on
+    CUDA, else torch's grouped GEMM)."""
+    return kernels or kernels_for(device, dtype, "torch")
 
 
 def _activation(device: torch.device | str, dtype: torch.dtype, kernels: Kernels | None):
-    """SiLU-and-mul as ``ops.choose_kernels`` picked it for the model."""
-    return (kernels or kernels_for(device, dtype, "torch")).gated_activation("silu")
+    return _kernels(device, dtype, kernels).gated_activation("silu")
 
 
 class Router(nn.Module):
@@ -101,8 +100,7 @@ class FusedExperts(nn.Module):
             self.impl = "grouped"  # the Triton kernel has no biases nor this activation
         else:
             self.act = _activation(device, dtype, kernels)
-            self.impl = choose_moe_impl(torch.device(device).type,
-                                        find_spec("triton") is not None)
+            self.impl = _kernels(device, dtype, kernels).choice.moe
 
     def _load_gate_up(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
         lo, hi, size = self.start, self.start + self.local, self.size

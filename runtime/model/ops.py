@@ -52,6 +52,7 @@ class KernelChoice:
     qk_norm_rotary: str  # "triton" (per-head norm + neox rotary, one kernel) | "torch"
     linear: str  # "onednn" (packed weights) | "torch"
     attention: str  # the attention backend's name
+    moe: str = "grouped"  # "triton" (kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
 
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
@@ -67,7 +68,7 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         qk_norm_rotary="triton" if triton else "torch",
         linear="onednn" if device_type == "cpu" and dtype == torch.float32
         and onednn_available else "torch",
-        attention=attention)
+        attention=attention, moe="triton" if triton else "grouped")
 
 
 def kernels_for(device: torch.device | str, dtype: torch.dtype, attention: str) -> Kernels:

@@ -230,3 +230,19 @@ def test_gpt_oss_experts_match_transformers_at_tp1_and_split_over_two_ranks():
         _load_into(block, tensors, "model.layers.0.mlp.")
         partials.append(block.experts(x, block.gate(x)))
     torch.testing.assert_close(partials[0] + partials[1], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_moe_kernel_is_chosen_with_the_other_triton_ops():
+    """One rule (ops.choose_kernels): Triton with the triton attention backend on CUDA, so
+    --attention-backend torch runs no Triton code; torch's grouped GEMM everywhere else."""
+    from shoal.runtime.model.ops import Kernels, choose_kernels
+
+    def moe(device, attention):
+        return choose_kernels(device, torch.bfloat16, attention, True, True).moe
+
+    assert moe("cuda", "triton") == "triton"
+    assert moe("cuda", "torch") == moe("cuda", "flashinfer") == moe("cpu", "cpu") == "grouped"
+    config = MoeConfig(num_experts=4, top_k=2, intermediate_size=8, norm_topk_prob=True)
+    cpu = Kernels(choose_kernels("cpu", torch.float32, "cpu", True, True))
+    assert SparseMoeBlock(config, 16, ParallelContext(), torch.float32, "cpu",
+                          cpu).experts.impl == "grouped"
