@@ -121,7 +121,9 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     for tile in range(tile_start, tile_end):
         k_pos = tile * TILE_N + offs_n
-        k_valid = k_pos < kv_end
+        # keys of the first tile before the window are not loaded: a windowed layer never
+        # reads a block outside its window
+        k_valid = (k_pos < kv_end) & (k_pos >= kv_start)
         page = tl.load(table_row + k_pos // PAGE, mask=k_valid, other=0).to(tl.int64)
         token_base = page * stride_cb + (k_pos % PAGE) * stride_cs + head_base  # [TILE_N]
         k = tl.load(

@@ -17,12 +17,14 @@ from shoal.runtime.attention.torch_backend import TorchAttentionBackend
 HEAD_DIM = 16
 
 
-def dense_reference(q, k_ctx, v_ctx, prefix, scale, window=None):
+def dense_reference(q, k_ctx, v_ctx, prefix, scale, window=None, softcap=None):
     """q [L, Hq, D] at positions prefix..prefix+L-1 over k/v [S, Hk, D] at 0..S-1."""
     group = q.shape[1] // k_ctx.shape[1]
     k = k_ctx.repeat_interleave(group, dim=1)
     v = v_ctx.repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.double(), k.double()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     qpos = torch.arange(prefix, prefix + q.shape[0])[:, None]
     kpos = torch.arange(k.shape[0])[None, :]
     allowed = kpos <= qpos
@@ -85,15 +87,28 @@ class Case:
             max_query_len=max(n for _, n in specs), max_seq_len=max(seq_lens),
             block_size=block_size, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
 
-    def run(self, window=None):
+    def poison_blocks_before_windows(self, window: int) -> int:
+        """NaN into every block of a request that lies wholly before the window of its first
+        query of the step: a backend that reads one fails the comparison. Returns how many."""
+        poisoned = 0
+        for i, (_, _, prefix) in enumerate(self.contexts):
+            first_needed = max(0, prefix - window + 1)
+            for j in range(first_needed // self.block_size):
+                block = int(self.meta.block_tables[i, j])
+                self.k_cache[block] = float("nan")
+                self.v_cache[block] = float("nan")
+                poisoned += 1
+        return poisoned
+
+    def run(self, window=None, softcap=None):
         backend = TorchAttentionBackend()
         meta = backend.build_metadata(self.meta)
         scale = HEAD_DIM ** -0.5
         out = backend.forward(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, scale,
-                              window)
+                              window, softcap)
         for i, (k_all, v_all, prefix) in enumerate(self.contexts):
             lo, hi = self.qsl[i], self.qsl[i + 1]
-            ref = dense_reference(self.q[lo:hi], k_all, v_all, prefix, scale, window)
+            ref = dense_reference(self.q[lo:hi], k_all, v_all, prefix, scale, window, softcap)
             torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-4)
         return out
 
@@ -122,6 +137,22 @@ def test_requests_sharing_prefix_blocks_read_the_same_kv():
 
 def test_sliding_window_limits_what_each_query_sees():
     Case([(10, 6), (30, 1), (0, 12)], 4, 2, block_size=4).run(window=5)
+
+
+def test_a_windowed_layer_never_reads_a_block_before_its_window():
+    """Blocks wholly before each request's window hold NaN: decode rows and prefill chunks
+    after a cached prefix still equal the reference (item 3 of issue 28)."""
+    case = Case([(30, 1), (17, 1), (21, 6), (12, 9), (0, 12)], 4, 2, block_size=4)
+    assert case.poison_blocks_before_windows(window=5) >= 12
+    case.run(window=5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_softcapped_scores_match_the_reference(window):
+    """Gemma 2's attention softcap, cap * tanh(scores / cap), in decode rows, a fresh prompt
+    and chunks after a cached prefix; with and without a window."""
+    Case([(10, 6), (30, 1), (0, 12), (5, 1)], 4, 2, block_size=4).run(window=window,
+                                                                        softcap=1.5)
 
 
 def test_many_decode_rows_split_into_gather_chunks(monkeypatch):
