@@ -107,6 +107,10 @@ class EngineCore:
             ),
             default_eos=self.model_config.eos_token_ids,
         )
+        # KV events exist for a publisher to drain each step; with none (the default), a
+        # list that grew with every block stored or evicted was the engine core's memory
+        # growth under load (issue 36)
+        self.scheduler.kv.pool.record_events = config.kv_events_endpoint is not None
         self.limits = RequestLimits(max_logprobs=config.max_logprobs,
                                     max_n=2**31, max_stop_strings=2**31,
                                     max_stop_string_chars=2**31, max_stop_token_ids=2**31,

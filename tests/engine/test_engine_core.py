@@ -52,7 +52,8 @@ def test_max_model_len_defaults_to_what_the_kv_cache_holds(fake_engine):
 
 
 def test_kv_events_report_stored_chains_and_evictions_with_router_hashes(fake_engine):
-    core, _ = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24)
+    core, _ = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24,
+                          kv_events_endpoint="inproc://events")
     prompt = prompt_of(9, 1)
     core.add_request(request("a", prompt, max_tokens=1, cache_salt="t1"))
     drain(core)
@@ -68,8 +69,18 @@ def test_kv_events_report_stored_chains_and_evictions_with_router_hashes(fake_en
     assert core.drain_kv_events() == []
 
 
+def test_kv_events_are_not_kept_when_nothing_publishes_them(fake_engine):
+    """Without --kv-events-endpoint nothing drains them: recorded, they grew without bound."""
+    core, _ = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24)
+    for i in range(20):  # every block stored, then evicted by the next prompt
+        core.add_request(request(f"r{i}", prompt_of(20, i), max_tokens=1))
+        drain(core)
+    assert core.drain_kv_events() == []
+    assert core.scheduler.kv.pool.events == []
+
+
 def test_reset_prefix_cache_clears_hits_and_emits_one_event(fake_engine):
-    core, _ = fake_engine()
+    core, _ = fake_engine(kv_events_endpoint="inproc://events")
     prompt = prompt_of(12, 3)
     core.add_request(request("a", prompt))
     drain(core)
