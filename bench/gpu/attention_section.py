@@ -1,6 +1,7 @@
 """Section ``attention``: every available backend vs the torch reference on real shapes.
 
-Qwen3-0.6B and Llama-3-8B attention (16 or 32 query heads, 8 KV heads, head_dim 128,
+Qwen3-0.6B, Llama-3-8B (= Qwen3-8B's) and Qwen2.5-7B (GQA group 7) attention (16, 32 or 28
+query heads, 8 or 4 KV heads, head_dim 128,
 bf16, block 16) on a decode batch of 64 and on a mixed step (prefill chunks after a
 cached prefix plus decodes). For each backend: the largest deviation from ``kernels.reference`` and the time
 of one layer's ``forward`` (KV write + attention); flashinfer's ``plan`` runs once per step
@@ -28,6 +29,7 @@ class Shapes:
 
 QWEN3_0_6B = Shapes(16, 8, 128, 16, torch.bfloat16)
 LLAMA3_8B = Shapes(32, 8, 128, 16, torch.bfloat16)
+QWEN25_7B = Shapes(28, 4, 128, 16, torch.bfloat16)  # GQA group 7
 TINY = Shapes(4, 2, 16, 16, torch.float32)
 
 
@@ -42,6 +44,7 @@ def cases(smoke: bool) -> list[tuple[str, Shapes, list[tuple[int, int]], int | N
     mixed = [(256, 512)] * 4 + [(int(c), 1) for c in torch.randint(512, 1536, (60,), generator=gen)]
     return [("qwen3-decode", QWEN3_0_6B, decode, None), ("qwen3-mixed", QWEN3_0_6B, mixed, None),
             ("llama8b-decode", LLAMA3_8B, decode, None), ("llama8b-mixed", LLAMA3_8B, mixed, None),
+            ("group7-decode", QWEN25_7B, decode, None), ("group7-mixed", QWEN25_7B, mixed, None),
             ("window-mixed", QWEN3_0_6B, mixed, 300)]
 
 

@@ -43,8 +43,12 @@ def make_shoal_importable() -> Path | None:
     return shim
 
 
+WORK_ENV = "SHOAL_BENCH_WORK"  # where sections write; bench.py archives it into $OUT
+
+
 def out_dir() -> Path:
-    path = Path(os.environ.get("OUT") or REPO / "bench" / "results" / "gpu")
+    path = Path(os.environ.get(WORK_ENV) or os.environ.get("OUT")
+                or REPO / "bench" / "results" / "gpu")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -120,14 +120,34 @@ def targets(results: dict) -> list[str]:
     return lines
 
 
+def render_kernels(ker: dict) -> list[str]:
+    lines = [f"== kernels ({ker.get('shape')}): copy {_fmt(ker.get('copy_bandwidth_gbps'), '.0f')}"
+             f" GB/s (read+write), GEMM {_fmt(ker.get('gemm_tflops'))} TFLOP/s",
+             f"{'batch':>6}{'context':>9}{'splits':>7}{'us':>10}{'floor us':>10}{'x floor':>9}"
+             f"{'no-split us':>13}{'max|err|':>10}"]
+    for row in ker.get("rows", []):
+        lines.append(f"{row['batch']:>6}{row['context']:>9}{row['splits']:>7}"
+                     f"{_fmt(row.get('us'), '.1f'):>10}{_fmt(row.get('floor_us'), '.1f'):>10}"
+                     f"{_fmt(row.get('x_floor'), '.2f'):>9}{_fmt(row.get('no_split_us'), '.1f'):>13}"
+                     f"{_fmt(row.get('max_abs_err')):>10}")
+    prefill = ker.get("prefill")
+    if prefill:
+        lines.append(f"prefill attention, {prefill['tokens']} tokens causal: "
+                     f"{_fmt(prefill['ms'], '.2f')} ms, {_fmt(prefill['tflops'])} TFLOP/s")
+    return lines
+
+
 def render_table(results: dict) -> str:
     lines: list[str] = []
-    renderers = {"env": render_env, "attention": render_attention, "decode": render_decode,
-                 "throughput": render_throughput}
+    renderers = {"env": render_env, "kernels": render_kernels, "attention": render_attention,
+                 "decode": render_decode, "throughput": render_throughput}
     for name, render in renderers.items():
         result = results.get(name)
         error = _section_error(name, result)
-        lines += [error] if error else render(result)
+        if error:
+            lines.append(error)
+        if result and set(result) - {"error", "seconds"}:  # partial numbers of a failed section
+            lines += render(result)
         lines.append("")
     lines += targets(results)
     return "\n".join(lines)

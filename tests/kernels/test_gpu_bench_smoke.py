@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -19,21 +20,46 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_every_section_runs_and_the_table_comes_last(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path / "out"), SHOAL_BENCH_MODEL_DIR=str(tmp_path / "model"),
-               OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "bench.py"), "--smoke"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    """bench/gpu/run.sh --dry-run: the device script itself, on CPU with tiny shapes."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), SHOAL_BENCH_MODEL_DIR=str(tmp_path / "model"),
+               OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run.sh"), "--dry-run"],
+                          env=env, capture_output=True, text=True, timeout=180)
 
     assert done.returncode == 0, done.stdout + done.stderr
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    for section in ("env", "attention", "decode", "throughput"):
+    results = json.loads((out / "results.json").read_text())
+    for section in ("env", "kernels", "attention", "decode", "throughput"):
         assert results[section] and "error" not in results[section], (section, results[section])
     assert all("error" not in row for row in results["attention"]["rows"].values())
     assert all(row["eager_ms"] and row["graphs_ms"] for row in results["decode"]["rows"])
     assert all("error" not in row for row in results["throughput"]["rows"].values())
+    kernels = results["kernels"]
+    assert [(r["batch"], r["context"]) for r in kernels["rows"]] == [(1, 32), (1, 64), (2, 32), (2, 64)]
+    assert all(r["max_abs_err"] < 1e-3 for r in kernels["rows"])
+    assert kernels["gemm_tflops"] > 0 and kernels["prefill"]["ms"] > 0
     assert done.stdout.rstrip().splitlines()[-1].startswith("attention matches the reference")
     assert "PASS" in done.stdout.rstrip().splitlines()[-1]
-    assert (tmp_path / "out" / "table.txt").read_text().strip() in done.stdout
+    assert (out / "table.txt").read_text().strip() in done.stdout
+    # the device tool brings back at most 8 files: an archive of the sections' files
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "bench.tar.gz" in files, files
+    with tarfile.open(out / "bench.tar.gz") as archive:
+        names = set(archive.getnames())
+    assert {f"bench/{s}.{ext}" for s in results for ext in ("json", "log")} <= names
+
+
+def test_a_section_that_times_out_keeps_its_rows(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench" / "gpu"))
+    for name in ("table", "common"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    table = pytest.importorskip("table")
+    monkeypatch.setitem(sys.modules, "table", table)
+    rendered = table.render_table({"kernels": {
+        "error": "timed out after 60 s (rows so far kept)", "copy_bandwidth_gbps": 4000.0,
+        "gemm_tflops": 700.0, "rows": [{"batch": 1, "context": 512, "splits": 16, "us": 9.0,
+                                        "floor_us": 2.0, "x_floor": 4.5}]}})
+    assert "kernels: ERROR timed out" in rendered and "4.50" in rendered
 
 
 def test_direct_checkpoint_writer_matches_hf_qwen3_names_and_loads(tmp_path, monkeypatch):
