@@ -30,7 +30,7 @@ from shoal.runtime.model.make_model import (
     train_tokenizer,
 )
 
-FAMILIES = ("gemma2", "gemma3", "gemma3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
+FAMILIES = ("gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
             "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn")
 FORMAT_VERSION = 1
 WINDOW = 16
@@ -76,6 +76,14 @@ def family_hf_config(name: str):  # -> transformers.PretrainedConfig
                                vision_config=vision.to_dict(), mm_tokens_per_image=4,
                                image_token_index=1000, boi_token_index=1001,
                                eoi_token_index=1002)
+    if name == "mistral3_nested":  # Mistral-Small-3.1's shape: a Pixtral tower, text inside
+        pixtral = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         image_size=28, patch_size=14)
+        text = tf.MinistralConfig(**c, sliding_window=WINDOW, layer_types=_SLIDING_FULL,
+                                  rope_parameters=default_rope)
+        return tf.Mistral3Config(text_config=text.to_dict(), vision_config=pixtral.to_dict(),
+                                 image_token_index=1000)
     if name == "phi3_longrope":
         # Phi-4-mini's shape: 3/4 of each head rotates; longrope short factors below 256
         rotary_half = 6  # head_dim 16 * 0.75 / 2
@@ -118,7 +126,11 @@ def family_hf_config(name: str):  # -> transformers.PretrainedConfig
 def make_family_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Mistral3ForConditionalGeneration,
+    )
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -126,8 +138,11 @@ def make_family_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = family_hf_config(name)
     torch.manual_seed(seed)
+    model: Any
     if name == "gemma3_nested":
         model = Gemma3ForConditionalGeneration(config)
+    elif name == "mistral3_nested":
+        model = Mistral3ForConditionalGeneration(config)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _make_confident(model, name, seed)

@@ -178,7 +178,13 @@ class HFGreedy:
         import torch
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        except ValueError:  # a multimodal wrapper transformers maps only as image-text-to-text
+            from transformers import AutoModelForImageTextToText
+
+            self.model = AutoModelForImageTextToText.from_pretrained(model_dir,
+                                                                     dtype=torch.float32)
         self.model.eval()
         self.model.generation_config.eos_token_id = None  # compared with ignore_eos=True
         self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}

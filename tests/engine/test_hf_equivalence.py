@@ -141,8 +141,8 @@ def test_small_qwen3_everything_at_once_matches_hf(small_qwen3, hf_greedy, asser
     assert check(hf_greedy(small_qwen3), assert_matches_hf, arrivals, outputs) <= 1
 
 
-FAMILIES = ["gemma2", "gemma3", "gemma3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
-            "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
+FAMILIES = ["gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2",
+            "granite", "glm4", "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
