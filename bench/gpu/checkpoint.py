@@ -25,6 +25,22 @@ TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_h
             num_key_value_heads=2, head_dim=16, intermediate_size=128,
             max_position_embeddings=4096, tie_word_embeddings=True)
 EOS_TOKEN_ID = 2
+# Qwen3-8B's published shape: measured with --load-format dummy, from config.json alone
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                max_position_embeddings=40960, tie_word_embeddings=False)
+
+
+def config_only_dir(shape: dict, name: str) -> Path:
+    """A model folder holding only a Qwen3 config.json (weights come from --load-format dummy)."""
+    out = Path(tempfile.gettempdir()) / f"shoal-bench-config-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(shape, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                  rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16", hidden_act="silu",
+                  bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, attention_bias=False,
+                  use_sliding_window=False)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def model_dir(smoke: bool) -> Path:

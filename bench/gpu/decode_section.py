@@ -20,7 +20,7 @@ from common import copy_bandwidth_gbps, log, read_result, time_ms
 
 
 def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, max_num_seqs: int,
-                 max_len: int, token_budget: int, backend: str):
+                 max_len: int, token_budget: int, backend: str, load_format: str = "auto"):
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.worker.worker import Worker
 
@@ -28,7 +28,7 @@ def _make_worker(model_dir, device: str, enforce_eager: bool, num_blocks: int, m
         model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",
         max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget, max_model_len=max_len,
         num_kv_blocks=num_blocks, enforce_eager=enforce_eager,
-        attention_backend=backend,
+        attention_backend=backend, load_format=load_format,
     )
     worker = Worker(config)
     worker.load_model()
@@ -76,14 +76,15 @@ def _replay_ms(worker, batch_size: int) -> float | None:
     return time_ms(lambda: graphs.run(*inputs), "cuda", warmup=2, iters=10)
 
 
-def run(smoke: bool) -> dict:
+def run(smoke: bool, model_dir=None, load_format: str = "auto", batches: list[int] | None = None,
+        label: str | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model_dir = ensure_checkpoint(smoke)
+    model_dir = model_dir or ensure_checkpoint(smoke)
     from shoal.runtime.model.config import load_model_config
 
     cfg = load_model_config(model_dir)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    batches = [1, 2] if smoke else [1, 16, 64, 256]
+    batches = batches or ([1, 2] if smoke else [1, 16, 64, 256])
     context_len, steps, warmup = (8, 2, 1) if smoke else (512, 10, 3)
     block_size, token_budget = 16, (64 if smoke else 8192)
     max_len = context_len + steps + warmup + 1
@@ -108,7 +109,7 @@ def run(smoke: bool) -> dict:
         try:
             started = time.perf_counter()
             worker = _make_worker(model_dir, device, mode == "eager", blocks, max(batches), max_len,
-                                  token_budget, backend)
+                                  token_budget, backend, load_format)
             capture[mode] = getattr(worker, "graph_capture_seconds", None)
             log(f"{mode}: worker ready in {time.perf_counter() - started:.1f} s "
                 f"(graph capture {capture[mode]})")
@@ -144,7 +145,8 @@ def run(smoke: bool) -> dict:
             "floor_ms": floor_bytes / (bandwidth * 1e9) * 1e3,
             "bytes_read": floor_bytes,
         })
-    return {"model": "Qwen3-0.6B-shaped bf16" if not smoke else "tiny qwen3", "device": device,
+    default_label = "Qwen3-0.6B-shaped bf16" if not smoke else "tiny qwen3"
+    return {"model": label or default_label, "device": device,
             "context_len": context_len, "bandwidth_gbps": bandwidth, "weight_bytes": weight_bytes,
             "capture": capture, "backends": backends, "rows": rows}
 
