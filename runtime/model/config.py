@@ -54,6 +54,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    gated_mlp: bool = True
     embed_scale: float = 1.0  # Gemma sqrt(hidden), Granite embedding_multiplier
     residual_multiplier: float = 1.0  # Granite: sub-block outputs scaled before the add
     attention_scale: float | None = None  # None: head_dim ** -0.5
@@ -236,6 +237,7 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
         o_proj_bias=attention_bias if family.o_proj_bias is None else family.o_proj_bias,
         mlp_bias=bool(getattr(text, "mlp_bias", False)) if family.reads_mlp_bias else False,
         hidden_act=_activation(text, architecture),
+        gated_mlp=family.gated_mlp,
         embed_scale=embed_scale,
         residual_multiplier=float(getattr(text, "residual_multiplier", None) or 1.0),
         attention_scale=float(scalar) ** -0.5 if scalar else (

@@ -55,6 +55,7 @@ class Family:
     reads_mlp_bias: bool = False  # the MLP's bias follows ``mlp_bias``
     reads_layer_types: bool = True  # windows per layer from ``layer_types`` (else all layers)
     query_position_scaling: bool = False  # Ministral 3: llama_4_scaling_beta on q
+    gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (Arcee)
 
 
 FAMILIES: dict[str, Family] = {
@@ -73,6 +74,7 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(reads_mlp_bias=True),
     "glm4": Family(norms=GLM_SANDWICH, rope_interleaved=True, o_proj_bias=False),
     "smollm3": Family(reads_mlp_bias=True),
+    "arcee": Family(reads_mlp_bias=True, gated_mlp=False),
     # mixtures of experts (moe.py fills their MLP slots)
     "mixtral": Family(qkv_bias=False, o_proj_bias=False, reads_layer_types=False),
     "qwen2_moe": Family(o_proj_bias=False),  # qkv bias: ``qkv_bias`` (read in config.py)

@@ -56,7 +56,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     expected = {(name, shard) for name, shard in _expected_shards(model)}
     loaded: set[tuple[str, object]] = set()
     for ckpt_name, st_slice in checkpoint_tensors(model_dir):
-        target = _target(model, ckpt_name)
+        target = _target(model, ckpt_name, params)
         if target is None:
             continue
         name, shard = target
@@ -123,7 +123,8 @@ def _unwrapped(ckpt_name: str, prefix: str | None) -> str | None:
     return None
 
 
-def _target(model: DecoderForCausalLM, ckpt_name: str) -> tuple[str, object] | None:
+def _target(model: DecoderForCausalLM, ckpt_name: str,
+            params: dict | None = None) -> tuple[str, object] | None:
     if "rotary_emb" in ckpt_name:
         return None
     unwrapped = _unwrapped(ckpt_name, model.config.weight_prefix)
@@ -139,7 +140,10 @@ def _target(model: DecoderForCausalLM, ckpt_name: str) -> tuple[str, object] | N
         ckpt_name = moe[0]  # renamed into our module names; mapped as usual below
     for fragment, (packed, shard) in model.packed_modules.items():
         if f".{fragment}." in ckpt_name:
-            return ckpt_name.replace(f".{fragment}.", f".{packed}."), shard
+            name = ckpt_name.replace(f".{fragment}.", f".{packed}.")
+            if params is not None and name not in params and ckpt_name in params:
+                break  # the layer keeps it unpacked (a plain MLP's up_proj)
+            return name, shard
     return ckpt_name, None
 
 

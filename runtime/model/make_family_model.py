@@ -31,7 +31,7 @@ from shoal.runtime.model.make_model import (
 )
 
 FAMILIES = ("gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
-            "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn")
+            "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn")
 FORMAT_VERSION = 1
 WINDOW = 16
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -104,6 +104,9 @@ def family_hf_config(name: str):  # -> transformers.PretrainedConfig
     if name == "smollm3":
         return tf.SmolLM3Config(**c, no_rope_layers=[1, 0], use_sliding_window=False,
                                 rope_parameters=default_rope)
+    if name == "arcee":  # a plain (ungated) MLP with ReLU^2, biases
+        return tf.ArceeConfig(**c, hidden_act="relu2", mlp_bias=True, attention_bias=True,
+                              rope_parameters=default_rope)
     if name == "ministral":
         return tf.MinistralConfig(**c, sliding_window=WINDOW, layer_types=_SLIDING_FULL,
                                   rope_parameters=default_rope)

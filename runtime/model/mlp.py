@@ -34,10 +34,29 @@ class DenseMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))``: one input projection, no gate (Arcee's ReLU^2 MLP)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, kernels: Kernels,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        size, bias = config.intermediate_size, config.mlp_bias
+        self.up_proj = ColumnParallelLinear(config.hidden_size, [size], bias, parallel, dtype,
+                                            device)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, parallel, dtype,
+                                           device)
+        self.act_fn = kernels.activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
 def build_mlp(config: ModelConfig, layer_index: int, parallel: ParallelContext,
               kernels: Kernels, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """The feed-forward block of layer ``layer_index``: the MoE block where the config's
     sparse-layer pattern puts one, else the dense MLP."""
     if config.moe is not None and config.moe.is_sparse(layer_index):
         return SparseMoeBlock(config.moe, config.hidden_size, parallel, dtype, device, kernels)
+    if not config.gated_mlp:
+        return PlainMLP(config, parallel, kernels, dtype, device)
     return DenseMLP(config, parallel, kernels, dtype, device)

@@ -142,7 +142,7 @@ def test_small_qwen3_everything_at_once_matches_hf(small_qwen3, hf_greedy, asser
 
 
 FAMILIES = ["gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2",
-            "granite", "glm4", "smollm3", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
+            "granite", "glm4", "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
