@@ -240,9 +240,9 @@ def choose_tile(max_query_len: int, group: int, head_dim: int, dtype: torch.dtyp
                 device_type: str, key_tile: int | None = None) -> AttentionTile:
     """Rows per program: 16 (tl.dot's minimum on GPU) for decode, 64 for prefill tiles.
     Keys per iteration: 64 on GPU for 16-bit K/V, where wider tiles keep more bytes in flight;
-    float32 tiles (no tensor cores: the product lives in registers) take 32, or 16 for a
-    256-wide prefill tile, and a prefill tile of float32 or of 256-wide heads runs on 8 warps:
-    each the widest that compiles for sm_90a with at most ~100 bytes spilled (make gpu-check).
+    float32 tiles (no tensor cores: the product lives in registers) take 32, or 16 for 256-wide
+    heads, and run on 8 warps, as does a 16-bit prefill tile of 256-wide heads: each the widest
+    that compiles for sm_90a with at most ~100 bytes spilled (make gpu-check).
     Under the interpreter: 16."""
     group_pad = triton.next_power_of_2(group)
     rows = max(16 if max_query_len * group_pad <= 16 else 64, group_pad)
@@ -254,11 +254,12 @@ def choose_tile(max_query_len: int, group: int, head_dim: int, dtype: torch.dtyp
         elif dtype != torch.float32:
             key_tile = 64
         else:
-            key_tile = 16 if rows >= 64 and block_d >= 256 else 32
+            key_tile = 16 if block_d >= 256 else 32
     if key_tile < 16 or key_tile & (key_tile - 1):
         raise ValueError(f"key_tile must be a power of two >= 16, got {key_tile}")
     return AttentionTile(group=group, group_pad=group_pad, rows=rows, block_d=block_d,
-                         tile_n=key_tile, num_warps=8 if rows >= 64 and wide else 4)
+                         tile_n=key_tile,
+                         num_warps=8 if dtype == torch.float32 or (rows >= 64 and wide) else 4)
 
 
 MAX_SPLITS = 16
