@@ -45,10 +45,11 @@ from table import render_table  # noqa: E402
 SECTIONS = {
     "env": ("env_section", 30, 60),
     "kernels": ("kernels_section", 60, 60),
-    "attention": ("attention_section", 70, 60),
-    "decode": ("decode_section", 110, 90),
-    "decode8b": ("decode8b_section", 80, 90),
-    "throughput": ("throughput_section", 100, 90),
+    "attention": ("attention_section", 60, 60),
+    "decode": ("decode_section", 90, 90),
+    "decode8b": ("decode8b_section", 70, 90),
+    "serving": ("serving_section", 70, 90),
+    "throughput": ("throughput_section", 70, 90),
 }
 ARCHIVE = "bench.tar.gz"  # every section's log and JSON; beside it only the table and results
 

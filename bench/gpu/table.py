@@ -149,11 +149,31 @@ def render_kernels(ker: dict) -> list[str]:
     return lines
 
 
+def render_serving(srv: dict) -> list[str]:
+    lines = [f"== engine, requests in flight ({srv.get('model')}; {srv.get('workload')})",
+             f"{'in flight':>10}{'requests':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+             f"{'ITL p50':>9}{'ITL p99':>9}  (ms)"]
+    for row in srv.get("rows", []):
+        lines.append(f"{row['concurrency']:>10}{row['requests']:>9}{_fmt(row['output_tok_s'], '.0f'):>11}"
+                     f"{_fmt(row.get('ttft_p50_ms'), '.1f'):>10}{_fmt(row.get('ttft_p99_ms'), '.1f'):>10}"
+                     f"{_fmt(row.get('itl_p50_ms'), '.2f'):>9}{_fmt(row.get('itl_p99_ms'), '.2f'):>9}")
+    base = srv.get("transformers") or {}
+    if "error" in base:
+        lines.append(f"transformers generate_batch: ERROR {base['error'][:150]}")
+    elif base:
+        engine = {r["concurrency"]: r for r in srv.get("rows", [])}.get(base["requests"], {})
+        ratio = engine.get("output_tok_s", 0) / base["output_tok_s"] if base["output_tok_s"] else None
+        lines.append(f"transformers generate_batch, {base['requests']} requests: "
+                     f"{_fmt(base['output_tok_s'], '.0f')} out tok/s; engine at "
+                     f"{base['requests']} in flight: {_fmt(ratio, '.2f')}x (target >= 3x)")
+    return lines
+
+
 def render_table(results: dict) -> str:
     lines: list[str] = []
     renderers = {"env": render_env, "kernels": render_kernels, "attention": render_attention,
                  "decode": render_decode, "decode8b": render_decode,
-                 "throughput": render_throughput}
+                 "serving": render_serving, "throughput": render_throughput}
     for name, render in renderers.items():
         result = results.get(name)
         error = _section_error(name, result)

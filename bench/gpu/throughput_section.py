@@ -16,7 +16,7 @@ import torch
 from checkpoint import EOS_TOKEN_ID, ensure_checkpoint
 from common import log
 
-MODE_SECONDS, MODE_SECONDS_SMOKE = 55.0, 20.0  # generation time allowed per mode
+MODE_SECONDS, MODE_SECONDS_SMOKE = 25.0, 20.0  # generation time allowed per mode
 
 
 def workload(smoke: bool, vocab: int) -> list[tuple[list[int], int]]:

@@ -29,12 +29,17 @@ def test_every_section_runs_and_the_table_comes_last(tmp_path):
 
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
-    for section in ("env", "kernels", "attention", "decode", "decode8b", "throughput"):
+    for section in ("env", "kernels", "attention", "decode", "decode8b", "serving", "throughput"):
         assert results[section] and "error" not in results[section], (section, results[section])
     assert all("error" not in row for row in results["attention"]["rows"].values())
     for decode in ("decode", "decode8b"):
         assert all(row["eager_ms"] and row["graphs_ms"] for row in results[decode]["rows"])
     assert "dummy" in results["decode8b"]["model"]
+    serving = results["serving"]
+    assert [r["concurrency"] for r in serving["rows"]] == [1, 4]
+    assert all(r["output_tokens"] == 4 * r["requests"] and r["ttft_p50_ms"] for r in serving["rows"])
+    assert "error" not in serving["transformers"], serving["transformers"]
+    assert serving["transformers"]["output_tokens"] == 4 * 4
     assert all("error" not in row for row in results["throughput"]["rows"].values())
     kernels = results["kernels"]
     assert [(r["batch"], r["context"]) for r in kernels["rows"]] == [(1, 32), (1, 64), (2, 32), (2, 64)]
