@@ -88,6 +88,16 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define MAX_VECS 16 /* head_dim up to 256 */
 #define PREFETCH_MAX_ROW 512
 
+/* Gemma 2's attention softcap on 16 scores: cap * tanh(s / cap) (cap <= 0: unchanged) */
+static inline f32x16 softcap16(f32x16 s, float cap) {
+    if (cap <= 0.0f) return s;
+    float lanes[16];
+    memcpy(lanes, &s, sizeof lanes);
+    for (int i = 0; i < 16; ++i) lanes[i] = cap * tanhf(lanes[i] / cap);
+    memcpy(&s, lanes, sizeof lanes);
+    return s;
+}
+
 static inline f32x16 max16(f32x16 a, f32x16 b) {
     const i32x16 a_wins = a > b;
     return (f32x16)((a_wins & (i32x16)a) | (~a_wins & (i32x16)b));
@@ -169,7 +179,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         const float *q, float *out, const float *k_cache, const float *v_cache,
         const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        float *scores) {
+        float softcap, float *scores) {
     const int64_t vecs = head_dim / 16;
     const int prefetch = num_kv_heads * head_dim <= PREFETCH_MAX_ROW;
     const int64_t span = seq_len - first;
@@ -216,7 +226,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                 const f32x16_pair s = ka == kb
                     ? scores16_pair(qa, qb, ka, ka, token_stride, n, vecs, 1, pf)
                     : scores16_pair(qa, qb, ka, kb, token_stride, n, vecs, 0, pf);
-                f32x16 sa = s.a * scale, sb = s.b * scale;
+                f32x16 sa = softcap16(s.a * scale, softcap), sb = softcap16(s.b * scale, softcap);
                 if (n == 16) {
                     STORE16(scores + ha * span + t0, sa);
                     STORE16(scores + hb * span + t0, sb);
@@ -293,7 +303,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
 static void attend_one(const float *q, float *out, const float *k_cache, const float *v_cache,
                        const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       float *scores, float *acc) {
+                       float softcap, float *scores, float *acc) {
     /* One request, all heads: a cached token's K (or V) row for every kv head is one
        contiguous run of num_kv_heads * head_dim floats, read once, front to back. */
     const int64_t span = seq_len - first;
@@ -321,7 +331,8 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                     for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
-                    scores[h * span + t] = dot * scale;
+                    dot *= scale;
+                    scores[h * span + t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
                 }
             }
         }
@@ -366,7 +377,8 @@ int shoal_paged_decode_f32(const float *q, int64_t q_token_stride, float *out,
                            int64_t table_stride, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *seq_lens,
                            int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, int64_t window) {
+                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           float softcap) {
     int64_t longest = 1;
     for (int64_t r = 0; r < num_requests; ++r)
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
@@ -387,16 +399,16 @@ int shoal_paged_decode_f32(const float *q, int64_t q_token_stride, float *out,
             const int32_t *table = block_tables + table_rows[r] * table_stride;
             if (head_dim == 64)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 64, block_size, scale, scores);
+                               num_heads, num_kv_heads, 64, block_size, scale, softcap, scores);
             else if (head_dim == 128)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 128, block_size, scale, scores);
+                               num_heads, num_kv_heads, 128, block_size, scale, softcap, scores);
             else if (head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, scores);
+                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores);
             else
                 attend_one(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, scores, acc);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores, acc);
         }
         free(scores);
         free(acc);

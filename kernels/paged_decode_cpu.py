@@ -43,10 +43,12 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            q_rows: torch.Tensor, table_rows: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> None:
+                           sliding_window: int | None = None,
+                           softcap: float | None = None) -> None:
     """Writes ``out[q_rows[r]]``: request r's single query row attending over its first
     ``seq_lens[r]`` cached positions (the last ``sliding_window`` of them, if set), read
-    through ``block_tables[table_rows[r]]``. Other rows of ``out`` are left untouched.
+    through ``block_tables[table_rows[r]]``; with ``softcap``, each score becomes
+    ``softcap * tanh(score / softcap)`` (Gemma 2). Other rows of ``out`` are left untouched.
 
     q/out ``[T, Hq, D]``; caches ``[blocks, block_size, Hk, D]``; all float32, contiguous,
     except that q's tokens may be further apart than ``Hq * D`` (a view into the qkv rows).
@@ -65,6 +67,6 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), q_rows.data_ptr(),
         table_rows.data_ptr(), seq_lens.data_ptr(), count, num_heads, num_kv_heads, head_dim,
-        block_size, scale, sliding_window or 0)
+        block_size, scale, sliding_window or 0, softcap or 0.0)
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")

@@ -118,7 +118,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const float *v_cache, const int32_t *table, int64_t q_start, int64_t q_len,
         int64_t seq_len, int64_t kv_head, int64_t first_row, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        int64_t window) {
+        int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t prefix = seq_len - q_len;
@@ -171,6 +171,13 @@ static inline __attribute__((always_inline)) void attend_tile(
             const f32x16 qd = qt[d];
             for (int64_t j = 0; j < LANES; ++j) s[j] += k_rows[j * head_dim + d] * qd;
         }
+        if (softcap > 0.0f)  /* Gemma 2: cap * tanh(s / cap), before the mask */
+            for (int64_t j = 0; j < LANES; ++j) {
+                float lanes[LANES];
+                memcpy(lanes, &s[j], sizeof lanes);
+                for (int64_t i = 0; i < LANES; ++i) lanes[i] = softcap * tanhf(lanes[i] / softcap);
+                memcpy(&s[j], lanes, sizeof lanes);
+            }
         /* the mask: a key after a row's position, before its window, or past the end */
         const int needs_mask = kc + LANES - 1 > pos_min || keys < LANES
                                || (window > 0 && kc <= pos_max - window);
@@ -224,7 +231,7 @@ int shoal_paged_prefill_f32(const float *q, int64_t q_token_stride, float *out,
                             const int32_t *block_tables, int64_t table_stride,
                             const int64_t *spans, int64_t count, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window) {
+                            float scale, int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t total = 0;
     for (int64_t s = 0; s < count; ++s)
@@ -246,15 +253,15 @@ int shoal_paged_prefill_f32(const float *q, int64_t q_token_stride, float *out,
         if (head_dim == 64)
             attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
                         span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, 64, block_size, scale, window);
+                        num_kv_heads, 64, block_size, scale, window, softcap);
         else if (head_dim == 128)
             attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
                         span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, 128, block_size, scale, window);
+                        num_kv_heads, 128, block_size, scale, window, softcap);
         else
             attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
                         span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, window);
+                        num_kv_heads, head_dim, block_size, scale, window, softcap);
     }
     free(tiles);
     return 0;

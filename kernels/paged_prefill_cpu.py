@@ -23,7 +23,8 @@ def prefill_spans_tensor(spans: list[tuple[int, int, int, int]]) -> torch.Tensor
 def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, block_tables: torch.Tensor,
                             spans: torch.Tensor, scale: float,
-                            sliding_window: int | None = None) -> None:
+                            sliding_window: int | None = None,
+                            softcap: float | None = None) -> None:
     """Writes the rows of ``out`` of each span in ``spans`` (see ``prefill_spans_tensor``):
     its query tokens, at positions ``seq_len - query_tokens ...`` of their request, attending
     causally over the request's cached K/V (this chunk's included, already written), read
@@ -44,6 +45,7 @@ def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
     failed = load().shoal_paged_prefill_f32(
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), spans.data_ptr(), spans.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0)
+        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+        softcap or 0.0)
     if failed:
         raise MemoryError("the CPU prefill kernel could not allocate its tile list")

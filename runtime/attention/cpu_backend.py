@@ -69,19 +69,17 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if softcap is not None:  # the backend choice routes softcapped models elsewhere
-            raise ValueError("the cpu attention backend does not softcap attention logits")
         plan = step_plan(self, meta, CpuAttentionPlan)
         cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows
         paged_decode_cpu.paged_decode_attention(
             q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
-            plan.seq_lens, scale, sliding_window)
+            plan.seq_lens, scale, sliding_window, softcap)
         if plan.prefills and paged_prefill_cpu.supports_head_dim(q.shape[2]):
             paged_prefill_cpu.paged_prefill_attention(
                 q, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
-                sliding_window)
+                sliding_window, softcap)
         else:  # no prefill rows (a no-op), or a head size the native kernel does not take
             attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                            sliding_window)
+                            sliding_window, softcap)
         return out

@@ -30,13 +30,17 @@ def _backend(name: str):
     return TritonAttentionBackend()
 
 
+def _inputs(rng, batch, heads, kv_heads, head_dim):
+    return (torch.randn(batch.num_tokens, heads, head_dim, generator=rng),
+            torch.randn(batch.num_tokens, kv_heads, head_dim, generator=rng),
+            torch.randn(batch.num_tokens, kv_heads, head_dim, generator=rng))
+
+
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 def test_blocks_before_the_window_are_never_read(name, rng, paged_batch):
     block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
     batch = paged_batch(rng, REQUESTS, block_size, kv_heads, head_dim)
-    q = torch.randn(batch.num_tokens, heads, head_dim, generator=rng)
-    k = torch.randn(batch.num_tokens, kv_heads, head_dim, generator=rng)
-    v = torch.randn(batch.num_tokens, kv_heads, head_dim, generator=rng)
+    q, k, v = _inputs(rng, batch, heads, kv_heads, head_dim)
     k_ref, v_ref = batch.k_cache.clone(), batch.v_cache.clone()
     reshape_and_cache_ref(k, v, k_ref, v_ref, batch.slot_mapping)
     expected = paged_attention_ref(q, k_ref, v_ref, batch.query_start_loc, batch.seq_lens,
@@ -54,3 +58,25 @@ def test_blocks_before_the_window_are_never_read(name, rng, paged_batch):
     meta = backend.build_metadata(batch.metadata())
     out = backend.forward(q, k, v, batch.k_cache, batch.v_cache, meta, 0.3, WINDOW)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 48])
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_the_native_cpu_kernels_softcap_like_the_torch_backend(head_dim, window, rng,
+                                                               paged_batch):
+    """Gemma 2's cap * tanh(s / cap) in the native decode (vector and scalar paths by head
+    size) and prefill kernels, against the torch backend (itself tested against a float64
+    reference in tests/model/test_torch_backend.py)."""
+    batch = paged_batch(rng, REQUESTS, 4, 2, head_dim)
+    q, k, v = _inputs(rng, batch, 4, 2, head_dim)
+    q = q * 3  # scores large enough for the cap to bend them
+    outs = {}
+    for name in ("torch", "cpu"):
+        backend = _backend(name)
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        meta = backend.build_metadata(batch.metadata())
+        outs[name] = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3, window, 1.5)
+    uncapped = _backend("torch").forward(q, k, v, batch.k_cache.clone(), batch.v_cache.clone(),
+                                         batch.metadata(), 0.3, window)
+    assert not torch.allclose(uncapped, outs["torch"], atol=1e-3)  # the cap matters here
+    torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-4, atol=1e-5)

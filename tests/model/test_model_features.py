@@ -82,13 +82,12 @@ def test_kernels_are_chosen_once_per_device_dtype_and_backend(device, dtype, att
 def test_a_backend_lacking_a_feature_the_model_needs_is_passed_over_or_refused(caplog):
     softcap = frozenset({"softcap", "sliding_window"})
     with caplog.at_level("WARNING"):
-        assert choose_attention_backend("auto", "cpu", False, True, cpu_kernel=None,
-                                        needs=softcap) == "torch"
-    assert "cpu passed over: the model needs softcap" in caplog.text
+        assert choose_attention_backend("auto", "cuda", False, True, needs=softcap) == "torch"
+    assert "triton passed over: the model needs softcap" in caplog.text
     assert choose_attention_backend("auto", "cpu", False, True, cpu_kernel=None,
-                                    needs=frozenset({"sliding_window"})) == "cpu"
+                                    needs=softcap) == "cpu"
     with pytest.raises(ValueError, match="the triton attention backend does not implement "
-                                         "softcap.*backends that do: torch"):
+                                         "softcap.*backends that do: torch, cpu, flashinfer"):
         choose_attention_backend("triton", "cpu", False, True, triton_interpreted=True,
                                  needs=softcap)
 
