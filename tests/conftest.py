@@ -38,7 +38,7 @@ def tiny_qwen3() -> Path:
 
 @pytest.fixture(scope="session")
 def small_qwen3() -> Path:
-    """Qwen3 with ~5.6M parameters: the integration-test and default `shoal serve` model."""
+    """Qwen3 with ~5.6M parameters: the integration-test model (random weights)."""
     return _model("qwen3", "small")
 
 

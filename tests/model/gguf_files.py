@@ -142,3 +142,33 @@ def hf_from_gguf(path: Path, dtype: torch.dtype = torch.float32):
                                                  dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
+
+
+def reference_checkpoint(path: Path) -> Path:
+    """transformers' loading of a GGUF, saved once as an HF checkpoint (safetensors +
+    tokenizer) under ``$SHOAL_CACHE_DIR/reference/<sha256 of the file>``: dequantizing a
+    100 MB file in transformers takes a minute on a loaded 2-core machine, reading the saved
+    float32 weights a second. The key is the file's content, so a changed file is reloaded."""
+    import hashlib
+    import os
+    import shutil
+
+    from shoal.runtime.model.make_model import cache_dir
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    target = cache_dir() / "reference" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    model, tokenizer = hf_from_gguf(path)
+    # saved as plain float32 weights: without this, loading the folder would ask for GGUF
+    model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    partial = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target) if not target.exists() else shutil.rmtree(partial)
+    return target

@@ -98,5 +98,5 @@ def test_the_checker_sees_function_level_and_relative_imports() -> None:
     found = imports_of(ROOT / "runtime" / "api")
     assert "shoal.runtime.api.errors" in found["runtime/api/state.py"]  # `from .errors import`
     # imported inside the handler only (the CLI stays cheap)
-    assert "shoal.runtime.model.make_model" in found["runtime/api/cli.py"]
+    assert "shoal.runtime.model_source" in found["runtime/api/cli.py"]
     assert violations(ROOT / "runtime" / "api", r"shoal\.runtime\.engine\b")

@@ -149,7 +149,9 @@ def _served_paths() -> set[tuple[str, str]]:
 
 
 def _example_model_names() -> set[str]:
-    names = set()
+    from shoal.runtime.model_source import DEFAULT_SERVED_NAME
+
+    names = {DEFAULT_SERVED_NAME}  # what `shoal serve` serves without --model
     for path in (ROOT / "examples").glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "InferenceService":
