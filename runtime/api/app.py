@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from shoal.runtime.log_limits import RateLimitedLog
 
 from shoal import __version__
+from shoal.contract.response_ids import READY_INSTANCE_FIELD
 
 from .auth import Authenticator
 from .errors import APIError, bad_request, internal_error, is_anthropic_path, public_reason
@@ -88,6 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
         except APIError:
             state.metrics.observe_rejected(401)
             raise
+        request.state.tenant = identity  # owns what it stores (the Responses store)
         request.state.cache_tenant = auth.cache_tenant(identity)
 
     @app.exception_handler(APIError)
@@ -142,7 +144,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             tokens = (await render_chat(state, chat_prompt(
-                body.messages, add_generation_prompt=body.add_generation_prompt,
+                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
                 add_special_tokens=bool(body.add_special_tokens),
@@ -197,7 +199,8 @@ def build_app(state: ServerState) -> FastAPI:
         """Readiness: 200 only once warmup is done and while not draining."""
         phase = state.phase
         body = {"status": readiness_status(phase), "phase": phase,
-                "phase_durations": state.client.phase_durations}
+                "phase_durations": state.client.phase_durations,
+                READY_INSTANCE_FIELD: responses.instance}  # routers send follow-ups by it
         return JSONResponse(body, status_code=200 if phase == "ready" else 503)
 
     def require_metrics_key(request: Request) -> None:

@@ -250,6 +250,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
+    tools: list[dict[str, Any]] | None = None  # as vLLM: what the chat's template would see
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -7,6 +7,7 @@ grammar-constrained for ``required`` and named choices, parsed for ``auto``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -30,7 +31,7 @@ from .reasoning import (
     reasoning_token_count,
 )
 from .serving_common import (
-    check_prompt_text,
+    check_template_inputs,
     first_delta,
     now_s,
     parse_body,
@@ -38,6 +39,7 @@ from .serving_common import (
     sampling_params,
     start_generation,
     stream_response,
+    text_byte_limit,
     truncated,
 )
 from .serving_completion import usage
@@ -67,24 +69,19 @@ def chat_prompt(messages: list[ChatMessageIn], *, add_generation_prompt: bool = 
 
 async def render_chat(state: ServerState, chat: ChatPrompt) -> PromptInput:
     """Rendered and encoded in a worker thread: a long conversation never stalls the loop.
-    The messages' text is measured in bytes first (the rendering is at least that long)."""
-    check_prompt_text(state, "".join(_message_texts(chat.messages)), "messages")
+    Everything the template can see is measured in bytes first, and the rendered text
+    again before it is tokenized (a template can write more than it was given)."""
+    check_template_inputs(state, {"messages": chat.messages, "tools": chat.tools,
+                                  "documents": chat.documents,
+                                  "chat_template_kwargs": chat.template_kwargs})
+    limit = text_byte_limit(state)
+    if limit is not None:
+        chat = dataclasses.replace(chat, max_text_bytes=limit - 1)
     try:
         rendered = await asyncio.to_thread(state.renderer.render_chat, chat)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     return PromptInput(rendered.token_ids, rendered.text)
-
-
-def _message_texts(messages: list[dict]) -> list[str]:
-    texts = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [str(part.get("text", "")) for part in content if isinstance(part, dict)]
-    return texts
 
 
 def output_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> GrammarSpec | None:

@@ -154,6 +154,53 @@ def check_prompt_text(state: ServerState, text: str, param: str) -> None:
                           f"{num_bytes // state.max_token_bytes} tokens", param)
 
 
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def text_byte_limit(state: ServerState) -> int | None:
+    """Bytes of text that surely make max_model_len tokens or more (see check_prompt_text)."""
+    return state.max_model_len * state.max_token_bytes if state.max_model_len else None
+
+
+def visible_bytes(value: object, stop_after: int) -> int:
+    """UTF-8 bytes of every string in JSON-like data (keys too; any other scalar counts one
+    byte, its shortest JSON form), walked without recursion; stops once past ``stop_after``.
+    What a chat template can write into the prompt is at least this long when rendered."""
+    total = 0
+    stack = [value]
+    while stack and total <= stop_after:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += utf8_len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif item is not None:
+            total += 1
+    return total
+
+
+def check_template_inputs(state: ServerState, parts: dict[str, object]) -> None:
+    """Before templating: everything a chat template can see (messages with every field,
+    tool definitions, documents, template kwargs) counts toward the bound the rendered
+    prompt must meet, so megabytes in a tool-call's arguments or a tool's description are
+    refused before any rendering or tokenizing. ``parts``: request field -> its data."""
+    limit = text_byte_limit(state)
+    if limit is None:
+        return
+    total = 0
+    for name, value in parts.items():
+        total += visible_bytes(value, limit - total)
+        if total >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {state.max_model_len} tokens; the "
+                f"text a chat template sees (messages, tools, documents, template kwargs) "
+                f"reaches {limit} bytes at {name}, so at least that many tokens", name)
+
+
 def start_generation(request: Request, state: ServerState, prefix: str,
                      prompts: list[PromptInput], params: SamplingParams,
                      body: SamplingFields) -> Generation:

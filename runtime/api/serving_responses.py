@@ -6,7 +6,9 @@ conversation, input items -> messages, function tools -> chat tools, ``text.form
 The answer is a Response object, or its event stream: created, in_progress, per output item
 added -> (content_part.added, output_text.delta*, output_text.done, content_part.done | the
 function_call_arguments deltas and done) -> done, then completed. ``previous_response_id``
-reads a bounded in-memory store of conversations (``ResponseStore``).
+reads the in-memory ``ResponseStore``: a copy of the conversation, only the requesting
+tenant's (anything else is a 404, as for an id that never existed), bounded in bytes; the
+follow-up's own conversation is stored under the new response's id, the old one untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .generation import ChoiceDelta, Generation
 from .protocol import (
     ChatCompletionRequest,
@@ -34,7 +36,7 @@ from .protocol import (
 from .reasoning import ReasoningFormat, ReasoningStream
 from .responses_events import ResponseEvents, message_item, response_object
 from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
-from .responses_store import ResponseStore
+from .responses_store import ConversationTooLarge, ResponseStore, encode_conversation
 from .serving_chat import (
     assistant_message,
     chat_prompt,
@@ -58,15 +60,22 @@ from .tool_calls import tool_policy
 from .tool_stream import ToolDeltaStream
 
 
-def conversation(body: ResponsesRequest, store: ResponseStore) -> list[ChatMessageIn]:
-    """What came before (the previous response's conversation) and this request's input;
-    instructions are not part of it (OpenAI does not carry them over)."""
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"no stored response with id {response_id!r} (it may have expired, "
+                    "or belong to another API key)", "previous_response_id",
+                    "previous_response_not_found")
+
+
+def conversation(body: ResponsesRequest, store: ResponseStore,
+                 tenant: str | None) -> list[ChatMessageIn]:
+    """What came before (a copy of the previous response's conversation, if this tenant
+    stored it) and this request's input; instructions are not part of it (OpenAI does not
+    carry them over)."""
     messages: list[ChatMessageIn] = []
     if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id)
+        previous = store.get(body.previous_response_id, tenant)
         if previous is None:
-            raise bad_request(f"no stored response with id {body.previous_response_id!r}",
-                              "previous_response_id")
+            raise not_found(body.previous_response_id)
         messages.extend(previous)
     if isinstance(body.input, str):
         messages.append(ChatMessageIn(role="user", content=body.input))
@@ -116,7 +125,13 @@ def as_chat_request(body: ResponsesRequest, messages: list[ChatMessageIn]) -> Ch
 async def create_response(request: Request, state: ServerState,
                           store: ResponseStore) -> Response:
     body = await parse_body(request, state, ResponsesRequest)
-    messages = conversation(body, store)
+    tenant: str | None = getattr(request.state, "tenant", None)
+    messages = conversation(body, store, tenant)
+    try:  # a conversation that could never be stored is refused before any work
+        store.check_size(len(encode_conversation(messages)))
+    except ConversationTooLarge as exc:
+        raise bad_request(str(exc), "previous_response_id" if body.previous_response_id
+                          else "input") from exc
     chat = as_chat_request(body, messages)
     policy = tool_policy(chat.tools, chat.tool_choice)
     grammar = output_grammar(chat, policy)
@@ -128,7 +143,7 @@ async def create_response(request: Request, state: ServerState,
     prompt = await render_chat(state, chat_prompt(chat.messages, tools=template_tools))
     fmt, params = with_reasoning(state, params, prompt)
     generation = start_generation(request, state, "resp", [prompt], params, chat)
-    response_id = f"resp_{uuid.uuid4().hex}"
+    response_id = store.new_id()
     created, model = now_s(), state.settings.model_name
     echo = {"instructions": body.instructions, "previous_response_id": body.previous_response_id,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
@@ -144,7 +159,7 @@ async def create_response(request: Request, state: ServerState,
             message, _ = assistant_message(choice.text, policy, choice.finish_reason, fmt)
             output = output_items(message)
         output = reasoning_items(choice.text, fmt) + output
-        store.put(response_id, messages + [assistant_turn(output)])
+        store.put(response_id, tenant, messages + [assistant_turn(output)])
         return response_object(response_id, created, model, echo, output,
                                choice.finish_reason,
                                usage(gen, reasoning_tokens(state, choice, fmt)))

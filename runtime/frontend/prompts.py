@@ -45,6 +45,11 @@ class ChatPrompt:
     template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's field: add BOS on top of what the template wrote
     special_tokens_in_content: bool = False  # opt-in: client text may contain control tokens
+    max_text_bytes: int | None = None  # a longer rendering is refused before it is tokenized
+
+
+class PromptTooLong(ChatTemplateError):
+    """The rendered conversation is longer than ``max_text_bytes``."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ class PromptRenderer:
             text = template.render(messages, tools=tools, documents=documents,
                                    add_generation_prompt=chat.add_generation_prompt,
                                    extra=extra)
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if chat.max_text_bytes is not None and size > chat.max_text_bytes:
+            raise PromptTooLong(f"the rendered conversation has {size} bytes; at most "
+                                f"{chat.max_text_bytes} fit this model's context")
         if not restore:
             return RenderedPrompt(self.tokenizer.encode(text, chat.add_special_tokens), text)
         return self._encode_with_literal_specials(text, restore, chat.add_special_tokens)

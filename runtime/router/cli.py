@@ -124,6 +124,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--epp-shed-limit", type=int, default=None, metavar="N",
                         help="--epp: answer 429 when every ready endpoint has N or more "
                              "requests open or waiting (default: never shed)")
+    parser.add_argument("--epp-max-streams", type=int, default=1024, metavar="N",
+                        help="--epp: ext_proc streams open at once; one more is answered 503 "
+                             "with Retry-After (default 1024)")
+    parser.add_argument("--epp-max-buffered-bytes", type=int, default=256 << 20,
+                        metavar="BYTES",
+                        help="--epp: request bodies all streams may buffer together for "
+                             "their picks; past it 503 with Retry-After (default 256 MiB)")
+    parser.add_argument("--epp-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="--epp: a stream's request must arrive (headers and body) "
+                             "within this, else 408 (default 30)")
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="engine base URL, e.g. http://10.0.0.5:8000 (repeatable; "
                              "static discovery)")
@@ -147,6 +157,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hold-queue", type=int, default=256, metavar="N",
                         help="requests held at most while no replica is ready; more get 503 "
                              "(default 256)")
+    parser.add_argument("--hold-queue-bytes", type=int, default=256 << 20, metavar="BYTES",
+                        help="scale from zero: request bodies the held requests may keep "
+                             "together; one more is answered 503 at once (default 256 MiB)")
     parser.add_argument("--capacity-request", default="", metavar="NAME",
                         help="kubernetes: annotate InferenceService NAME (in --namespace) "
                              "to ask the operator for a replica while requests are held")
@@ -174,6 +187,7 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         load_headroom=args.load_headroom,
         max_attempts=args.max_attempts, approx_capacity=args.approx_capacity,
         hold_timeout=args.hold_timeout, hold_queue=args.hold_queue,
+        hold_queue_bytes=args.hold_queue_bytes,
         capacity_request=args.capacity_request,
         api_keys=list(args.api_key), api_key_file=args.api_key_file,
         upstream_api_key=args.upstream_api_key,
@@ -212,13 +226,18 @@ def _serve_epp(args: argparse.Namespace) -> int:
     import asyncio
 
     from shoal.runtime.router.epp_app import serve_epp
+    from shoal.runtime.router.epp_server import EppLimits
 
     if args.epp_shed_limit is not None and args.epp_shed_limit < 1:
         raise SystemExit("shoal route: --epp-shed-limit must be >= 1")
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:
+        limits = EppLimits(max_body_bytes=args.max_request_body_bytes,
+                           max_buffered_bytes=args.epp_max_buffered_bytes,
+                           max_streams=args.epp_max_streams,
+                           body_timeout_s=args.epp_body_timeout)
         asyncio.run(serve_epp(config_from_args(args), f"{host}:{args.port or 9002}",
-                              args.epp_shed_limit))
+                              args.epp_shed_limit, limits))
     except (ValueError, OSError, RuntimeError) as exc:
         raise SystemExit(f"shoal route --epp: {exc}") from exc
     return 0

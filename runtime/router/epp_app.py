@@ -15,7 +15,7 @@ import signal
 from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
 from shoal.runtime.router.epp_picker import EndpointPicker
 from shoal.runtime.router.epp_protocol import PROTOCOL_VERSION
-from shoal.runtime.router.epp_server import EppServer
+from shoal.runtime.router.epp_server import EppLimits, EppServer
 from shoal.runtime.router.policy import make_policy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import KeyConfig, PromptTokenizer
@@ -46,9 +46,10 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[
     return picker, discovery
 
 
-async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None) -> None:
+async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
+                    limits: EppLimits = EppLimits()) -> None:
     picker, discovery = build_picker(config, shed_limit)
-    server = EppServer(picker, address)
+    server = EppServer(picker, address, limits)
     pool = picker.pool
     await server.start()
     log.info("endpoint picker (ext_proc, protocol %s) on %s", PROTOCOL_VERSION, address)

@@ -12,7 +12,6 @@ proxied request is for the proxy.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ from shoal.runtime.router.policy import Decision, ReplicaSnapshot, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
     KeyConfig,
+    MalformedBody,
     PromptTokenizer,
-    RequestKeyError,
     RequestKeys,
-    request_keys,
+    keys_of_body,
 )
+from shoal.runtime.router.response_home import HomeGone, response_home
 
 KEYED_PATHS = ("/v1/completions", "/v1/chat/completions")
 SHED_RETRY_AFTER_S = 1
@@ -77,22 +77,31 @@ class EndpointPicker:
         pool.on_change.append(policy.sync)
         policy.sync(set(pool.replicas))
 
-    async def keys(self, path: str, body: bytes) -> RequestKeys | None:
-        if not self.policy.uses_prefix or path.split("?", 1)[0] not in KEYED_PATHS or not body:
+    async def keys(self, path: str, body: bytes) -> RequestKeys | Refusal | None:
+        """The prompt's keys; None: pick by load (the model server judges the body); a
+        400 refusal for a body no model server accepts (not JSON, too deep, ids out of
+        range), answered at once instead of spending an engine on it."""
+        path = path.split("?", 1)[0]
+        if not self.policy.uses_prefix or path not in KEYED_PATHS or not body:
             return None
-        try:
-            parsed = json.loads(body)
-            if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
-                return await asyncio.to_thread(request_keys, path.split("?", 1)[0], parsed,
-                                               self.key_config, self.tokenizer)
-            return request_keys(path.split("?", 1)[0], parsed, self.key_config)
-        except (ValueError, RequestKeyError, TypeError):
-            return None  # the model server answers a malformed body with a proper 400
+        if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
+            keys = await asyncio.to_thread(keys_of_body, path, body, self.key_config,
+                                           self.tokenizer)
+        else:
+            keys = keys_of_body(path, body, self.key_config)
+        return Refusal(400, str(keys)) if isinstance(keys, MalformedBody) else keys
 
     async def pick(self, path: str, body: bytes,
                    subset: frozenset[str] | None) -> Pick | Refusal:
         keys = await self.keys(path, body)
+        if isinstance(keys, Refusal):
+            return keys
+        home = response_home(path.split("?", 1)[0], body, self.pool.replicas)
+        if isinstance(home, HomeGone):
+            return Refusal(home.status, home.message, home.retry_after_s)
         candidates = self.pool.available()
+        if home is not None:  # a Responses follow-up: only where its conversation is stored
+            candidates = [r for r in candidates if r.url == home]
         if subset is not None:
             candidates = [r for r in candidates if endpoint_of(r.url) in subset]
             if not candidates:

@@ -13,7 +13,14 @@ health service. Per stream (see ``epp_protocol`` for the wire shapes):
   streamed chunks (the data plane forwards only what it gets back);
 * response messages pass untouched (echoed back in full duplex); the served endpoint the data
   plane reports moves the in-flight count there.
-The pick holds its replica's in-flight count until the stream ends.
+A stream makes at most one pick (a second request on the same stream gets the first pick
+again, not another count), and the pick holds its replica's in-flight count until the
+stream ends, however it ends. Bounds (``EppLimits``): a body over ``max_body_bytes`` is a
+413; the bodies all streams buffer share ``max_buffered_bytes`` (past it: 503 with
+Retry-After); at most ``max_streams`` streams are open (one more: 503 at its first
+message); a stream has ``body_timeout_s`` from its start to its pick (then 408); and gRPC's
+own message cap is the body limit plus room for the envelope, so the transport never
+refuses a body the limit allows (gRPC's default would cap it at 4 MiB).
 """
 
 from __future__ import annotations
@@ -35,6 +42,38 @@ log = logging.getLogger("shoal.router.epp")
 MAX_BODY_BYTES = 16 << 20
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+ENVELOPE_BYTES = 64 << 10  # headers, metadata and protobuf framing around a body chunk
+BUSY_RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class EppLimits:
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_buffered_bytes: int = 256 << 20  # request bodies held by all streams together
+    max_streams: int = 1024
+    body_timeout_s: float = 30.0  # from a stream's first message to its pick
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_buffered_bytes, self.max_streams) < 1 or \
+                self.body_timeout_s <= 0:
+            raise ValueError("EPP limits must be positive")
+
+
+class BodyBudget:
+    """Bytes of request bodies buffered across every stream."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
 
 
 @dataclass
@@ -42,6 +81,8 @@ class Exchange:
     """One request's state on its stream."""
 
     picker: EndpointPicker
+    limits: EppLimits = EppLimits()
+    budget: BodyBudget | None = None
     path: str = ""
     body: bytearray = field(default_factory=bytearray)
     subset: frozenset[str] | None = None
@@ -69,9 +110,17 @@ class Exchange:
             return [] if self.full_duplex_request else [wire.headers_continue()]
         if kind == "request_body":
             chunk = request.request_body
-            if len(self.body) + len(chunk.body) > MAX_BODY_BYTES:
+            if self.pick is not None:  # a second request on one stream: not picked again
+                return [wire.body_continue()]
+            limit = self.limits.max_body_bytes
+            if len(self.body) + len(chunk.body) > limit:
                 self.done = True
-                return [wire.immediate(wire.Refusal(413, "request body over 16 MiB"))]
+                return [wire.immediate(wire.Refusal(413, f"request body over {limit} bytes"))]
+            if self.budget is not None and not self.budget.take(len(chunk.body)):
+                self.done = True
+                return [wire.immediate(wire.Refusal(
+                    503, "the endpoint picker is buffering too many request bodies; retry "
+                    "later", retry_after_s=BUSY_RETRY_AFTER_S))]
             self.body += chunk.body
             if chunk.end_of_stream:
                 return await self._decide(headers_phase=self.full_duplex_request)
@@ -91,55 +140,101 @@ class Exchange:
         return [wire.response_continue(kind or "")]
 
     async def _decide(self, headers_phase: bool) -> list[ext_proc.ProcessingResponse]:
-        result = await self.picker.pick(self.path, bytes(self.body), self.subset)
+        if self.pick is not None:  # one pick per stream: the in-flight count is counted once
+            result: Pick | wire.Refusal = self.pick
+        else:
+            result = await self.picker.pick(self.path, bytes(self.body), self.subset)
         if isinstance(result, wire.Refusal):
             self.done = True
             return [wire.immediate(result)]
-        self.pick, self.url = result, result.url
+        self.pick = result
+        if self.url is None:
+            self.url = result.url
         if not headers_phase:
+            self._drop_body()
             return [wire.body_destination(result.endpoints)]
         answer = [wire.headers_destination(result.endpoints)]
         if self.full_duplex_request and self.body:
             answer += wire.body_streamed_back(bytes(self.body))
         elif self.full_duplex_request:  # headers did not end the stream, but the body was empty
             answer += wire.body_streamed_back(b"")
-        self.body = bytearray()
+        self._drop_body()
         return answer
 
+    def _drop_body(self) -> None:
+        if self.budget is not None:
+            self.budget.give(len(self.body))
+        self.body = bytearray()
+
     def close(self) -> None:
+        """Every way a stream ends: its body bytes and its in-flight count go back."""
+        self._drop_body()
         if self.url is not None:
             self.picker.release(self.url)
             self.url = None
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: EndpointPicker) -> None:
+    def __init__(self, picker: EndpointPicker, limits: EppLimits = EppLimits()) -> None:
         self.picker = picker
+        self.limits = limits
+        self.budget = BodyBudget(limits.max_buffered_bytes)
+        self.streams = 0
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[
             ext_proc.ProcessingResponse]:
-        exchange = Exchange(self.picker)
+        if self.streams >= self.limits.max_streams:
+            try:  # answer the first message (the data plane waits for an answer), then end
+                async with asyncio.timeout(self.limits.body_timeout_s):
+                    await anext(request_iterator.__aiter__())
+            except (StopAsyncIteration, TimeoutError):
+                return
+            yield wire.immediate(wire.Refusal(
+                503, f"the endpoint picker has {self.streams} requests open; retry later",
+                retry_after_s=BUSY_RETRY_AFTER_S))
+            return
+        self.streams += 1
+        exchange = Exchange(self.picker, self.limits, self.budget)
+        requests = request_iterator.__aiter__()
+        deadline = asyncio.get_running_loop().time() + self.limits.body_timeout_s
         try:
-            async for request in request_iterator:
-                for response in await exchange.handle(request):
-                    yield response
-                if exchange.done:
+            while not exchange.done:
+                try:  # the deadline bounds the wait for the request, not the response
+                    if exchange.pick is None:
+                        async with asyncio.timeout_at(deadline):
+                            request = await anext(requests)
+                    else:
+                        request = await anext(requests)
+                except StopAsyncIteration:
                     return
+                except TimeoutError:
+                    exchange.done = True
+                    responses = [wire.immediate(wire.Refusal(
+                        408, "the request was not received within "
+                        f"{self.limits.body_timeout_s:g} s"))]
+                else:
+                    responses = await exchange.handle(request)
+                for response in responses:
+                    yield response
         finally:
+            self.streams -= 1
             exchange.close()
 
 
 class EppServer:
     """The gRPC server: ext_proc + health on one port."""
 
-    def __init__(self, picker: EndpointPicker, address: str) -> None:
+    def __init__(self, picker: EndpointPicker, address: str,
+                 limits: EppLimits = EppLimits()) -> None:
         self.picker = picker
         self.address = address
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker),
-                                                               self.server)
+        # the transport takes any message the body limit allows (gRPC's default is 4 MiB)
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limits.max_body_bytes + ENVELOPE_BYTES)])
+        self.processor = ExternalProcessor(picker, limits)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(address)
 

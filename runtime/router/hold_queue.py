@@ -1,7 +1,8 @@
 """Scale from zero at the router: requests that find no ready replica wait for one.
 
 With ``--hold-timeout`` > 0, a request arriving while no replica is ready is held (at most
-``--hold-queue`` of them; one more is refused at once) instead of answered 503. The first
+``--hold-queue`` of them holding at most ``--hold-queue-bytes`` of request bodies together;
+one more is refused at once with 503 and Retry-After) instead of answered 503. The first
 held request asks for capacity (``capacity_request.py``: an annotation on the
 InferenceService that the operator watches), again every ``ask_interval_s`` while requests
 wait. The moment the replica pool sees a replica pass ``/ready``, every held request is
@@ -28,12 +29,14 @@ log = logging.getLogger("shoal.router.hold")
 class HoldSettings:
     timeout_s: float = 0.0  # 0: no holding, 503 at once as before
     max_held: int = 256
+    max_held_bytes: int = 256 << 20  # request bodies held together (a held request keeps its)
     retry_after_s: int = 5
     ask_interval_s: float = 10.0  # re-ask for capacity this often while requests wait
 
     def __post_init__(self) -> None:
-        if self.timeout_s < 0 or self.max_held < 1 or self.ask_interval_s <= 0:
-            raise ValueError("hold timeout must be >= 0, the hold queue >= 1")
+        if self.timeout_s < 0 or self.max_held < 1 or self.ask_interval_s <= 0 or \
+                self.max_held_bytes < 1:
+            raise ValueError("hold timeout must be >= 0, the hold queue and its bytes >= 1")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class CapacityHold:
         self.settings = settings
         self.ask_capacity = ask_capacity
         self.held = 0
+        self.held_bytes = 0
         self.released = 0
         self.timed_out = 0
         self.first_held_at: float | None = None  # monotonic; for the time-to-capacity figure
@@ -83,15 +87,20 @@ class CapacityHold:
             log.warning("capacity request failed: %r", exc)
             self._last_ask = 0.0
 
-    async def wait_for_replica(self) -> HoldRefused | None:
-        """None once a replica is ready (at once if one already is), else why not."""
+    async def wait_for_replica(self, body_bytes: int = 0) -> HoldRefused | None:
+        """None once a replica is ready (at once if one already is), else why not.
+        ``body_bytes``: what the waiting request keeps in memory while it is held."""
         if self.pool.available():
             return None
         if self.held >= self.settings.max_held:
             return HoldRefused(f"no ready replica and {self.held} requests already wait for "
                                "one", self.settings.retry_after_s)
+        if self.held_bytes + body_bytes > self.settings.max_held_bytes:
+            return HoldRefused(f"no ready replica and the requests waiting for one already "
+                               f"hold {self.held_bytes} bytes", self.settings.retry_after_s)
         deadline = time.monotonic() + self.settings.timeout_s
         self.held += 1
+        self.held_bytes += body_bytes
         if self.first_held_at is None:
             self.first_held_at = time.monotonic()
         try:
@@ -115,5 +124,6 @@ class CapacityHold:
             return None
         finally:
             self.held -= 1
+            self.held_bytes -= body_bytes
             if self.held == 0:
                 self.first_held_at = None

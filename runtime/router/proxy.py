@@ -49,10 +49,10 @@ from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
     KeyConfig,
     PromptTokenizer,
-    RequestKeyError,
     RequestKeys,
-    request_keys,
+    keys_or_none,
 )
+from shoal.runtime.router.response_home import HomeGone, response_home
 from shoal.runtime.router.router_metrics import RouterMetrics
 
 from shoal.contract.errors import error_json
@@ -61,7 +61,7 @@ from shoal.contract.headers import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
 log = logging.getLogger("shoal.router.proxy")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # placed by their prompt's prefix
-# also forwarded, placed by load alone (a stored response lives in the replica that made it)
+# also forwarded, placed by load alone (a Responses follow-up: where its conversation is)
 FORWARDED_PATHS = ROUTED_PATHS + ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
                                   "/tokenize", "/detokenize")
 RETRY_STATUSES = frozenset({429, 503})  # and only with the retry-safe mark
@@ -228,14 +228,12 @@ class RouterApp:
     async def _keys(self, path: str, body: bytes, tenant: str | None) -> RequestKeys | None:
         if not self.policy.uses_prefix or path not in ROUTED_PATHS:
             return None
-        try:
-            parsed = json.loads(body)
-            if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
-                return await asyncio.to_thread(request_keys, path, parsed,
-                                               self.settings.key_config, self.tokenizer, tenant)
-            return request_keys(path, parsed, self.settings.key_config, None, tenant)
-        except (ValueError, RequestKeyError, TypeError):
-            return None  # not ours to validate: the engine answers with a proper 400
+        # never raises: a body the router cannot key is routed by load, and the engine
+        # answers it (a malformed one with its own 400)
+        if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
+            return await asyncio.to_thread(keys_or_none, path, body, self.settings.key_config,
+                                           self.tokenizer, tenant)
+        return keys_or_none(path, body, self.settings.key_config, None, tenant)
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float,
                        tenant: str | None) -> object:
@@ -249,11 +247,18 @@ class RouterApp:
             raise RuntimeError("the ASGI lifespan must run before requests")
         query = scope.get("query_string", b"").decode("latin-1")
         if self.hold is not None and self.hold.enabled:
-            refused = await self.hold.wait_for_replica()
+            refused = await self.hold.wait_for_replica(len(body))
             if refused is not None:
                 self.metrics.no_replica.inc()
                 await error_response(send, 503, refused.message, refused.retry_after_s)
                 return None
+        home = response_home(path, body, self.pool.replicas)
+        if isinstance(home, HomeGone):
+            retry = [(b"retry-after", str(home.retry_after_s).encode())] \
+                if home.retry_after_s else None
+            await respond(send, home.status, home.body(),
+                          extra_headers=retry)
+            return None
         # a parse and a re-serialisation of the body: only while something is quarantined
         # (else when this request fails), and off the event loop when the body is large
         request_key = await self._fingerprint(tenant, path, body) if len(self.failed) else None
@@ -262,6 +267,8 @@ class RouterApp:
         tried: set[str] = set()
         if quarantine is not None:  # only the replica it already failed on may see it again
             tried = {url for url in self.pool.replicas if url != quarantine.replica}
+        if home is not None:  # a Responses follow-up: only where its conversation is stored
+            tried |= {url for url in self.pool.replicas if url != home}
         last_error = "no ready replica"
         for attempt in range(self.settings.max_attempts):
             candidates = self.pool.available(exclude=tried)

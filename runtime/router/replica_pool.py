@@ -13,6 +13,7 @@ its serving port.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ import aiohttp
 from shoal.runtime.router.policy import ReplicaSnapshot
 
 from shoal.contract.metrics import EngineMetrics, parse_engine_metrics
+from shoal.contract.response_ids import READY_INSTANCE_FIELD
 
 log = logging.getLogger("shoal.router.replicas")
 
@@ -37,10 +39,20 @@ class Replica:
     requests: int = 0  # routed here (for the router's metrics)
     affinity_hits: int = 0  # routed here because a prefix match was found
     ejections: int = 0
+    instance: str | None = None  # the API process's tag in its response ids (its /ready)
 
     def snapshot(self) -> ReplicaSnapshot:
         return ReplicaSnapshot(self.url, self.in_flight, int(self.metrics.waiting),
                                int(self.metrics.running), self.metrics.kv_cache_usage)
+
+
+def ready_instance(body: bytes) -> str | None:
+    """The ``instance`` a /ready body names (an engine's; other servers may send none)."""
+    try:
+        value = json.loads(body).get(READY_INSTANCE_FIELD) if body.startswith(b"{") else None
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def normalize_url(url: str) -> str:
@@ -112,7 +124,7 @@ class ReplicaPool:
                      scrape: bool) -> None:
         try:
             async with session.get(f"{replica.url}/ready") as response:
-                await response.read()
+                replica.instance = ready_instance(await response.read()) or replica.instance
                 ready = response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             ready = False

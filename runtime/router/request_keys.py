@@ -10,15 +10,23 @@ prompts share leading keys exactly when they share leading text.
 
 Chat requests render the conversation so far in order, so a follow-up turn's keys extend
 the previous turn's: the same user keeps matching where their history is cached.
+
+Keying never raises past ``keys_or_none``: the body is decoded with a nesting bound (msgspec,
+C; then an iterative depth walk) and token ids are range-checked before hashing, and any
+failure means "route by load alone"; the engine then answers the body with its own 4xx.
+``MalformedBody`` marks bodies no engine accepts (not JSON, nested too deep, ids outside
+[0, 2**32)): the endpoint picker answers those with an immediate 400 itself.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 from shoal.runtime.frontend.tokenizer import Tokenizer
@@ -28,10 +36,55 @@ from shoal.contract.kv import DEFAULT_BLOCK_SIZE
 
 DEFAULT_CHARS_PER_BLOCK = 64  # ~16 tokens of English-like text at ~4 characters per token
 MAX_PREFIX_BLOCKS = 4096  # longer prompts are keyed on their first 4096 blocks only
+MAX_JSON_DEPTH = 64  # the engines' --max-json-depth default: deeper bodies get their 400
+MAX_TOKEN_ID = 2**32 - 1  # no vocabulary is larger; beyond this an id cannot be real
+
+log = logging.getLogger("shoal.router.keys")
 
 
 class RequestKeyError(ValueError):
     """The request body is not a completion or chat request the router can key."""
+
+
+class MalformedBody(RequestKeyError):
+    """A body no engine accepts (not JSON, nested past MAX_JSON_DEPTH, token ids out of
+    range): 400 whoever answers it."""
+
+
+def decode_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON body, or ``MalformedBody``; never RecursionError (msgspec decodes in C and
+    the depth is measured iteratively)."""
+    try:
+        data = msgspec.json.decode(raw)
+    except RecursionError:
+        raise MalformedBody(f"the body is nested more than {max_depth} levels deep") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedBody(f"the body is not valid JSON: {exc}") from None
+    if json_depth(data, max_depth) > max_depth:
+        raise MalformedBody(f"the body is nested more than {max_depth} levels deep")
+    return data
+
+
+def json_depth(data: object, stop_after: int) -> int:
+    """Nesting depth of containers (a scalar is 0), without recursion; stops past
+    ``stop_after``."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        children: Sequence[object]
+        if isinstance(value, dict):
+            children = list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        if deepest > stop_after:
+            return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -131,6 +184,8 @@ def text_block_keys(text: str, chars_per_block: int, extra: bytes) -> list[int]:
 
 def _token_id_prompt(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise MalformedBody(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         return prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         return _token_id_prompt(prompt[0])
@@ -168,6 +223,30 @@ def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
         return _precise(tokenizer.encode_prompt(
             prompt, bool(body.get("add_special_tokens", True))), config, extra)
     return _approximate(prompt, config, extra)
+
+
+def keys_of_body(path: str, raw: bytes, config: KeyConfig,
+                 tokenizer: PromptTokenizer | None = None,
+                 tenant: str | None = None) -> RequestKeys | MalformedBody | None:
+    """``request_keys`` of a raw body; a ``MalformedBody`` (returned, not raised) for a body
+    no engine accepts; None when it cannot be keyed otherwise (route by load: the engine
+    judges it). Nothing raises out of here: keying is an optimisation, never a 5xx."""
+    try:
+        return request_keys(path, decode_body(raw), config, tokenizer, tenant)
+    except MalformedBody as exc:
+        return exc
+    except RequestKeyError:
+        return None
+    except Exception as exc:  # noqa: BLE001 (a template or tokenizer failure: load-only)
+        log.debug("request keying failed (%r); routing by load", exc)
+        return None
+
+
+def keys_or_none(path: str, raw: bytes, config: KeyConfig,
+                 tokenizer: PromptTokenizer | None = None,
+                 tenant: str | None = None) -> RequestKeys | None:
+    keys = keys_of_body(path, raw, config, tokenizer, tenant)
+    return keys if isinstance(keys, RequestKeys) else None
 
 
 def _precise(token_ids: list[int], config: KeyConfig, extra: bytes) -> RequestKeys:

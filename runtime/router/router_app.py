@@ -46,6 +46,7 @@ class RouterConfig:
     max_attempts: int = 3
     hold_timeout: float = 0.0  # scale from zero: seconds a request waits for a ready replica
     hold_queue: int = 256
+    hold_queue_bytes: int = 256 << 20
     capacity_request: str = ""  # InferenceService to annotate for capacity (kubernetes)
     api_keys: list[str] = field(default_factory=list)
     api_key_file: str | None = None
@@ -165,6 +166,7 @@ def build_router(config: RouterConfig) -> RouterApp:
         quarantine_window=config.quarantine_window)
     ask = (CapacityRequester(discovery, config.capacity_request)
            if config.capacity_request and isinstance(discovery, KubernetesDiscovery) else None)
-    hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue), ask)
+    hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue,
+                                               config.hold_queue_bytes), ask)
     app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold)
     return app

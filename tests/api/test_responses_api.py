@@ -82,8 +82,11 @@ def test_input_items_and_bad_requests(client) -> None:
     response = client.responses.create(model="shoal-test", input=items, max_output_tokens=2,
                                        text={"format": {"type": "json_object"}})
     assert response.output_text.startswith("{")
-    for kwargs, param in [({"previous_response_id": "resp_missing"}, "previous_response_id"),
-                          ({"tool_choice": "required"}, "tool_choice"),
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="shoal-test", input="x", max_output_tokens=2,
+                                previous_response_id="resp_missing")
+    assert missing.value.body["param"] == "previous_response_id"
+    for kwargs, param in [({"tool_choice": "required"}, "tool_choice"),
                           ({"temprature": 0.5}, "temprature")]:
         extra = {"extra_body": kwargs} if "temprature" in kwargs else kwargs
         with pytest.raises(openai.BadRequestError) as err:

@@ -98,7 +98,7 @@ def destination(response: ext_proc.ProcessingResponse) -> tuple[str, str]:
     return header, meta
 
 
-def pick_buffered(channel: grpc.Channel, path: str, body: dict[str, Any],
+def pick_buffered(channel: grpc.Channel, path: str, body: dict[str, Any] | bytes,
                   subset: list[str] | None = None,
                   keep_open: bool = False) -> tuple[ext_proc.ProcessingResponse, EnvoyStream]:
     """BUFFERED body mode: headers -> continue, whole body -> the pick (or an immediate
@@ -110,7 +110,8 @@ def pick_buffered(channel: grpc.Channel, path: str, body: dict[str, Any],
         stream.close()
         return first, stream
     assert first.HasField("request_headers")
-    stream.send(body_message(json.dumps(body).encode(), end_of_stream=True))
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    stream.send(body_message(raw, end_of_stream=True))
     answer = stream.recv()
     if not keep_open:
         stream.close()

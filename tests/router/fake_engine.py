@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import uuid
 
 import uvicorn
 from starlette.applications import Starlette
@@ -21,8 +22,19 @@ STATE = {"open": 0, "aborted": 0, "served": 0, "prompts": [], "ready": True, "fa
          "fail_retry_safe": False}
 
 
+INSTANCE = uuid.uuid4().hex[:16]  # as shoal serve: its tag in response ids, on /ready
+
+
 async def ready(_: Request) -> Response:
-    return JSONResponse({}, status_code=200 if STATE["ready"] else 503)
+    return JSONResponse({"instance": INSTANCE}, status_code=200 if STATE["ready"] else 503)
+
+
+async def responses(request: Request) -> Response:
+    """A Responses stand-in: who served it, and the previous id it was asked to continue."""
+    body = json.loads(await request.body())
+    STATE.setdefault("previous", []).append(body.get("previous_response_id"))
+    return JSONResponse({"id": f"resp_{INSTANCE}_{uuid.uuid4().hex}",
+                         "replica": request.app.state.name})
 
 
 async def health(_: Request) -> Response:
@@ -43,7 +55,17 @@ async def admin(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    body = await request.json()
+    try:  # like shoal serve: a body it cannot decode is the client's error
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        STATE["bad_bodies"] = STATE.get("bad_bodies", 0) + 1
+        return JSONResponse({"error": {"message": "bad body", "code": 400}}, status_code=400)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and any(isinstance(t, int) and not 0 <= t < 1000
+                                        for t in prompt):
+        STATE["bad_bodies"] = STATE.get("bad_bodies", 0) + 1
+        return JSONResponse({"error": {"message": "token id out of range", "code": 400}},
+                            status_code=400)
     if STATE["fail"]:  # like shoal serve: the retry-safe mark only where no work was done
         STATE["failed"] = STATE.get("failed", 0) + 1
         headers = {"x-shoal-retry-safe": "1"} if STATE["fail_retry_safe"] else {}
@@ -91,6 +113,7 @@ def main() -> None:
         Route("/admin", admin, methods=["GET", "POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
     ])
     app.state.name = f"{args.host}:{args.port}"
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

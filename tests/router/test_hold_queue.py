@@ -52,6 +52,32 @@ def test_held_requests_time_out_with_retry_after_and_the_queue_is_bounded(spawn,
     assert time.monotonic() - started >= 1.5
 
 
+def test_the_hold_queue_is_bounded_in_bytes(spawn, free_port):
+    """Held requests keep their bodies: past --hold-queue-bytes one more is refused at once,
+    while a small one still fits and waits."""
+    dead = f"http://127.0.0.9:{free_port('127.0.0.9')}"
+    router = start_router(spawn, free_port, dead, "--hold-timeout", "2",
+                          "--hold-queue-bytes", str(300_000))
+    big = {"prompt": "x" * 200_000, "max_tokens": 1}
+
+    async def run() -> list[tuple[httpx.Response, float]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def one(delay: float, body: dict) -> tuple[httpx.Response, float]:
+                await asyncio.sleep(delay)
+                started = time.monotonic()
+                answer = await client.post(f"{router}/v1/completions", json=body)
+                return answer, time.monotonic() - started
+            return await asyncio.gather(one(0, big), one(0.5, big),
+                                        one(0.7, {"prompt": "hi", "max_tokens": 1}))
+
+    (held, _), (over, over_s), (small, small_s) = asyncio.run(run())
+    assert held.status_code == 503 and "within 2 s" in held.json()["error"]["message"]
+    assert over.status_code == 503 and "bytes" in over.json()["error"]["message"]
+    assert int(over.headers["retry-after"]) >= 1
+    assert over_s < small_s  # refused at once; the small one was held to the timeout
+    assert "within 2 s" in small.json()["error"]["message"]
+
+
 @pytest.mark.slow
 def test_a_burst_held_at_zero_replicas_is_served_once_each_when_an_engine_comes_up(
         spawn, free_port, tiny_qwen3, tmp_path):
