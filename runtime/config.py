@@ -30,6 +30,7 @@ class EngineConfig:
     max_logprobs: int = 20
     rank_timeout: float = 30.0  # seconds a rank may make no progress before the engine is fatal
     kv_events_endpoint: str | None = None  # zmq PUB address for block stored/removed events
+    kv_events_topic: str | None = None  # None: kv@<pod>@<served model name>, as llm-d reads
     grammar_compile_timeout: float = 10.0  # seconds one grammar may compile; over it: a 400
 
     def replace(self, **changes: object) -> EngineConfig:

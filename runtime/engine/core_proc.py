@@ -39,6 +39,7 @@ from shoal.runtime.engine.core_wire import (
     UtilityCall,
     UtilityReply,
 )
+from shoal.runtime.engine.kv_events_topic import kv_events_topic
 from shoal.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
 from shoal.runtime.log_limits import RateLimitedLog
 
@@ -183,7 +184,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                       num_kv_blocks=core.stats().num_kv_blocks,
                       eos_token_ids=list(core.model_config.eos_token_ids),
                       vocab_size=core.model_config.vocab_size)
-        EngineLoop(core, inputs, send, config.kv_events_endpoint, progress).run()
+        EngineLoop(core, inputs, send, config.kv_events_endpoint, progress,
+                   kv_events_topic(config.kv_events_topic, config.served_model_name
+                                   or config.model)).run()
     except SystemExit as exc:
         code = int(exc.code or 0)
     except BaseException:
@@ -198,7 +201,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 class EngineLoop:
     def __init__(self, core, inputs: zmq.Socket, send, kv_events_endpoint: str | None,
-                 progress: LoopProgress | None = None) -> None:
+                 progress: LoopProgress | None = None, topic: str = "kv-events") -> None:
         self.core = core
         self.progress = progress or LoopProgress()
         self.inputs = inputs
@@ -212,7 +215,7 @@ class EngineLoop:
         if kv_events_endpoint:
             from shoal.runtime.engine.kv_events_publisher import KVEventsPublisher
 
-            self.publisher = KVEventsPublisher(kv_events_endpoint)
+            self.publisher = KVEventsPublisher(kv_events_endpoint, topic.encode())
         self._stats_dirty = True
         self._last_stats = 0.0
         self._arrival_log = RateLimitedLog(logger)

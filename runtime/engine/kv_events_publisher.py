@@ -1,16 +1,14 @@
-"""Publishes the engine's KV-cache events on a ZeroMQ PUB socket (``--kv-events-endpoint``).
+"""Publishes the engine's KV-cache events on a ZeroMQ PUB socket (``--kv-events-endpoint``),
+as vLLM's ZmqEventPublisher does, so llm-d's precise prefix-cache scorer and Shoal's router
+in precise mode read the same stream. One multipart message per non-empty step:
 
-The engine-core loop calls ``publish(core.drain_kv_events())`` once per step; routers in
-precise mode subscribe. Wire format, one multipart message per non-empty step:
+    [topic, sequence (8 bytes, big endian), msgpack(EventBatch)]
 
-    [topic, sequence (8 bytes, big endian), msgpack([timestamp, [event, ...]])]
-
-where each event is the msgspec array form of ``runtime/kv/events.py``'s tagged structs:
-``["BlockStored", [hash, ...], parent_hash | None, num_tokens]``,
-``["BlockRemoved", [hash, ...]]`` or ``["AllBlocksCleared"]``. The sequence number starts at
-0 when the publisher starts, so a subscriber can tell a gap (missed events) from a restart
-(an empty cache). Sending never blocks the engine loop: PUB drops messages for a subscriber
-whose queue is full rather than wait, and the subscriber sees the gap.
+``EventBatch`` and the events are ``runtime/kv/events.py``'s structs (vLLM's arrays). The
+topic is ``kv@<pod>@<model>`` by default (``kv_events_topic.py``). The sequence number starts
+at 0 when the publisher starts, so a subscriber can tell a gap (missed events) from a
+restart (an empty cache). Sending never blocks the engine loop: PUB drops messages for a
+subscriber whose queue is full rather than wait, and the subscriber sees the gap.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from collections.abc import Sequence
 
 import msgspec
 import zmq
-from shoal.runtime.kv.events import KVEvent
+from shoal.runtime.kv.events import EventBatch, KVEvent
 
 DEFAULT_TOPIC = b"kv-events"
 SEND_HWM = 10_000  # queued messages per subscriber before PUB drops
@@ -51,7 +49,7 @@ class KVEventsPublisher:
     def publish(self, events: Sequence[KVEvent]) -> None:
         if not events:
             return
-        payload = self._encoder.encode((time.time(), list(events)))
+        payload = self._encoder.encode(EventBatch(time.time(), list(events), 0))
         frames = [self.topic, self._sequence.to_bytes(8, "big"), payload]
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)

@@ -8,7 +8,7 @@ reallocated, which is when it is evicted. Every operation is O(1) per block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -126,28 +126,42 @@ class BlockPool:
                 self.free_list.append(block)
 
     def cache_blocks(self, blocks: list[KVBlock], hashes: list[int], parent_hash: int | None,
-                     block_size: int) -> None:
+                     block_size: int, token_ids: Sequence[int] = ()) -> None:
         """Make full blocks findable by hash. A hash already held by another block (the same
-        prefix computed twice) leaves this block unhashed: one block per hash."""
-        stored: list[int] = []
-        for block, block_hash in zip(blocks, hashes, strict=True):
+        prefix computed twice) leaves this block unhashed: one block per hash. With events
+        on, ``token_ids`` are the blocks' tokens (block_size each), and each run of newly
+        stored blocks is one BlockStored with its own parent and tokens."""
+        run: list[int] = []  # indices of the current run of stored blocks
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             if block.block_hash is not None or block_hash in self.cached:
+                self._stored_event(run, hashes, parent_hash, block_size, token_ids)
+                run = []
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
-            stored.append(block_hash)
-        if stored and self.record_events:
-            self.events.append(BlockStored(stored, parent_hash, len(stored) * block_size))
+            run.append(i)
+        self._stored_event(run, hashes, parent_hash, block_size, token_ids)
+
+    def _stored_event(self, run: list[int], hashes: list[int], parent_hash: int | None,
+                      block_size: int, token_ids: Sequence[int]) -> None:
+        if not run or not self.record_events:
+            return
+        first, last = run[0], run[-1] + 1
+        parent = hashes[first - 1] if first else parent_hash
+        self.events.append(BlockStored(hashes[first:last], parent,
+                                       list(token_ids[first * block_size:last * block_size]),
+                                       block_size))
 
     def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None,
-                    block_size: int) -> None:
+                    block_size: int, token_ids: Sequence[int] = ()) -> None:
         """``cache_blocks`` for one block (a decode step fills one block per row)."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self.record_events:
-            self.events.append(BlockStored([block_hash], parent_hash, block_size))
+            self.events.append(BlockStored([block_hash], parent_hash, list(token_ids),
+                                           block_size))
 
     def uncache(self, block: KVBlock) -> None:
         """Make a block unfindable (its K/V is not what its hash says); no-op if unhashed."""

@@ -118,8 +118,10 @@ class KVCacheManager:
         self._ensure_hashes(seq, full)
         parent = seq.block_hashes[done - 1] if done else None
         table = self.tables[seq.req_id]
-        self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent,
-                               self.block_size)
+        size = self.block_size
+        tokens = seq.all_token_ids[done * size:full * size] if self.pool.record_events else ()
+        self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent, size,
+                               tokens)
         self._num_hashed[seq.req_id] = full
 
     def cache_blocks_ahead(self, seq: KVSequence, num_tokens: int) -> None:
@@ -158,11 +160,11 @@ class KVCacheManager:
                 self.cache_full_blocks(seq, computed)
                 continue
             parent = hashes[-1] if done else NONE_HASH
-            block_hash = hash_block(parent, seq.all_token_ids[done * size:full * size],
-                                    seq.extra_digest)
+            tokens = seq.all_token_ids[done * size:full * size]
+            block_hash = hash_block(parent, tokens, seq.extra_digest)
             hashes.append(block_hash)
             pool.cache_block(tables[seq.req_id][done], block_hash, parent if done else None,
-                             size)
+                             size, tokens)
             num_hashed[seq.req_id] = full
 
     # -- allocation ---------------------------------------------------------------------

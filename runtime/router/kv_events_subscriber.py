@@ -1,9 +1,11 @@
 """Precise mode: follow each engine's KV-cache events into the router's block index.
 
 One ZeroMQ SUB socket per replica, connected to the endpoint derived from the replica's
-address (same host, ``--kv-events-port``). The wire format is the one
-``runtime/engine/kv_events_publisher.py`` documents; it is decoded here from plain msgpack
-so the router depends on the engine only through that format (and ``block_hash.py``).
+address (same host, ``--kv-events-port``), subscribed to every topic (one engine per
+endpoint; the engine's topic is ``kv@<pod>@<model>``). The wire format is vLLM's, as
+``runtime/kv/events.py`` documents; it is decoded here from plain msgpack so the router
+depends on the engine only through that format (and ``block_hash.py``), and a vLLM engine's
+events read the same.
 
 A sequence number that goes backwards means the engine restarted (its cache is empty), so
 the replica's view is cleared; a forward gap means events were dropped, counted in the
@@ -26,7 +28,7 @@ from shoal.runtime.router.block_index import BlockIndex
 
 log = logging.getLogger("shoal.router.kv_events")
 
-TOPIC = b"kv-events"
+TOPIC = b""  # every topic: the endpoint is the engine's own
 
 
 class KVWireError(ValueError):
@@ -77,8 +79,9 @@ def apply_message(index: BlockIndex, state: EventStreamState, frames: list[bytes
             state.gaps += 1
     state.last_sequence = sequence
     batch = msgspec.msgpack.decode(frames[2])
-    if not isinstance(batch, list) or len(batch) != 2 or not isinstance(batch[1], list):
-        raise KVWireError("payload must be [timestamp, [events]]")
+    if not isinstance(batch, list) or len(batch) not in (2, 3) or \
+            not isinstance(batch[1], list):
+        raise KVWireError("payload must be an EventBatch [ts, [events], data_parallel_rank]")
     for event in batch[1]:
         apply_event(index, event)
     state.batches += 1

@@ -33,14 +33,21 @@ def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, fre
                                   json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
             assert response.status_code == 200
             stored_tokens = 0
+            seen: list[int] = []
             wait_until = time.monotonic() + 2
             while stored_tokens < 48 and time.monotonic() < wait_until:
                 if not sub.poll(200):
                     continue
                 topic, sequence, payload = sub.recv_multipart()
-                _timestamp, events = msgspec.msgpack.decode(payload)
-                stored_tokens += sum(e[3] for e in events if e[0] == "BlockStored")
-        assert stored_tokens >= 48
+                assert topic.startswith(b"kv@") and topic.endswith(b"@shoal-test")
+                _timestamp, events, dp_rank = msgspec.msgpack.decode(payload)  # vLLM's batch
+                assert dp_rank == 0
+                for event in events:
+                    if event[0] == "BlockStored":
+                        assert event[4] == 16 and len(event[3]) == 16 * len(event[1])
+                        stored_tokens += len(event[3])
+                        seen += event[3]
+        assert stored_tokens >= 48 and seen[:48] == prompt
     finally:
         sub.close(0)
         context.term()

@@ -61,6 +61,12 @@ def test_kv_events_report_stored_chains_and_evictions_with_router_hashes(fake_en
     router_view = hash_prefix_blocks(prompt, 4, ExtraKeys(cache_salt="t1").digest())
     assert [h for e in stored for h in e.block_hashes] == router_view
     assert stored[0].parent_block_hash is None
+    # each event carries its blocks' tokens (what llm-d hashes), block_size per hash
+    assert [t for e in stored for t in e.token_ids] == prompt[:len(router_view) * 4]
+    assert all(e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes)
+               and e.lora_id is None for e in stored)
+    for first, second in zip(stored, stored[1:], strict=False):  # parent: the chain before
+        assert second.parent_block_hash == first.block_hashes[-1]
     core.add_request(request("b", prompt_of(23, 2), max_tokens=1))  # needs every block
     drain(core)
     removed = [h for e in core.drain_kv_events() if isinstance(e, BlockRemoved)

@@ -21,14 +21,15 @@ def manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
 def test_free_list_is_lru_and_a_freed_block_stays_findable_until_reallocated():
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
-    pool.cache_blocks([a], [111], None, BS)
+    pool.cache_blocks([a], [111], None, BS, list(range(BS)))
     pool.free([b, a, c])  # freed order: b, a, c
     assert pool.lookup(111) is a
     assert pool.allocate(1) == [b]  # head of the free list
     assert pool.lookup(111) is a  # not yet evicted
     assert pool.allocate(1) == [a]  # reallocated: evicted
     assert pool.lookup(111) is None
-    assert pool.drain_events() == [BlockStored([111], None, BS), BlockRemoved([111])]
+    assert pool.drain_events() == [BlockStored([111], None, list(range(BS)), BS),
+                                   BlockRemoved([111])]
 
 
 def test_allocation_is_all_or_nothing(make_seq):

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from shoal.runtime.engine.kv_events_publisher import KVEventsPublisher
 from shoal.runtime.kv.block_pool import BlockPool
-from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from shoal.runtime.router.block_index import BlockIndex
 from shoal.runtime.router.kv_events_subscriber import (
     EventStreamState,
@@ -23,17 +23,18 @@ HOST = "127.0.0.3"
 
 
 def frames(seq: int, events) -> list[bytes]:
-    return [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode((0.0, events))]
+    return [b"kv@pod@m", seq.to_bytes(8, "big"),
+            msgspec.msgpack.encode(EventBatch(0.0, events, 0))]
 
 
 def test_wire_messages_update_the_view():
     index, state = BlockIndex(precise=True), EventStreamState()
-    apply_message(index, state, frames(0, [BlockStored([1, 2, 3], None, 48)]))
+    apply_message(index, state, frames(0, [BlockStored([1, 2, 3], None, list(range(48)), 16)]))
     apply_message(index, state, frames(1, [BlockRemoved([2])]))
     assert index.blocks() == {1, 3}
-    apply_message(index, state, frames(3, [BlockStored([4], 3, 16)]))
+    apply_message(index, state, frames(3, [BlockStored([4], 3, list(range(16)), 16)]))
     assert state.gaps == 1 and index.blocks() == {1, 3, 4}
-    apply_message(index, state, frames(0, [BlockStored([9], None, 16)]))  # engine restarted
+    apply_message(index, state, frames(0, [BlockStored([9], None, list(range(16)), 16)]))  # engine restarted
     assert state.restarts == 1 and index.blocks() == {9}
     apply_message(index, state, frames(1, [AllBlocksCleared()]))
     assert index.blocks() == frozenset()
@@ -80,7 +81,7 @@ async def test_router_view_follows_a_block_pool_through_eviction(free_port):
             else:
                 blocks = pool.allocate(rng.randint(1, 3))
                 hashes = [rng.randrange(1, 40) for _ in blocks]
-                pool.cache_blocks(blocks, hashes, None, 16)
+                pool.cache_blocks(blocks, hashes, None, 16, list(range(16 * len(blocks))))
                 held.append(blocks)
             events = pool.drain_events()
             removals += sum(isinstance(e, BlockRemoved) for e in events)
@@ -98,3 +99,45 @@ async def test_router_view_follows_a_block_pool_through_eviction(free_port):
     finally:
         await subscriber.close()
         publisher.close()
+
+
+def test_the_wire_decodes_with_a_reader_written_from_llm_ds_schema():
+    """llm-d's KV-events reader (llm-d-kv-cache-manager, pkg/kvcache/kvevents) as its
+    schema documents it: frames [topic "kv@<pod>@<model>", seq uint64 BE, msgpack], the
+    payload an array [ts, events, data_parallel_rank], each event an array tagged by its
+    name; BlockStored [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    medium], BlockRemoved [tag, block_hashes, medium]. Decoded with plain msgpack."""
+    import socket
+
+    from shoal.runtime.engine.kv_events_topic import kv_events_topic
+
+    pool = BlockPool(num_blocks=4)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, [11, 12], 7, 4, [1, 2, 3, 4, 5, 6, 7, 8])
+    pool.free(reversed(blocks))
+    pool.allocate(4)  # evicts both
+    topic = kv_events_topic(None, "Qwen/Qwen3-0.6B")
+    assert topic == f"kv@{socket.gethostname()}@Qwen/Qwen3-0.6B" or topic.endswith(
+        "@Qwen/Qwen3-0.6B")
+    raw = msgspec.msgpack.encode(EventBatch(12.5, pool.drain_events(), 0))
+
+    ts, events, dp_rank = msgspec.msgpack.decode(raw)
+    assert (ts, dp_rank) == (12.5, 0)
+    stored, *removed = events
+    tag, hashes, parent, token_ids, block_size, lora_id, medium = stored
+    assert (tag, hashes, parent, token_ids, block_size, lora_id, medium) == (
+        "BlockStored", [11, 12], 7, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, None)
+    assert sorted(h for tag, hs, medium in removed for h in hs) == [11, 12]
+    assert all(tag == "BlockRemoved" for tag, _, _ in removed)
+    assert kv_events_topic("custom", "m") == "custom"
+
+
+def test_a_run_of_stored_blocks_split_by_an_already_cached_one_keeps_its_chain():
+    pool = BlockPool(num_blocks=4)
+    first = pool.allocate(1)
+    pool.cache_blocks(first, [22], None, 2, [3, 4])
+    pool.drain_events()
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, [21, 22, 23], None, 2, [1, 2, 3, 4, 5, 6])
+    assert pool.drain_events() == [BlockStored([21], None, [1, 2], 2),
+                                   BlockStored([23], 22, [5, 6], 2)]
