@@ -53,13 +53,17 @@ def events_endpoint(replica_url: str, port: int) -> str:
 
 
 def apply_event(index: BlockIndex, event: Any) -> None:
-    if not isinstance(event, list | tuple) or not event or not isinstance(event[0], str):
+    """One event: a map tagged by ``type`` (vLLM 0.32) or a tagged array (older vLLM)."""
+    if isinstance(event, dict):
+        kind, hashes = event.get("type"), event.get("block_hashes")
+    elif isinstance(event, list | tuple) and event and isinstance(event[0], str):
+        kind, hashes = event[0], event[1] if len(event) >= 2 else None
+    else:
         raise KVWireError(f"malformed kv event {event!r}")
-    kind = event[0]
-    if kind == "BlockStored" and len(event) >= 2:
-        index.stored(event[1])
-    elif kind == "BlockRemoved" and len(event) >= 2:
-        index.removed(event[1])
+    if kind == "BlockStored" and isinstance(hashes, list):
+        index.stored(hashes)
+    elif kind == "BlockRemoved" and isinstance(hashes, list):
+        index.removed(hashes)
     elif kind == "AllBlocksCleared":
         index.cleared()
     else:

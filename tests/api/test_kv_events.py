@@ -43,10 +43,12 @@ def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, fre
                 _timestamp, events, dp_rank = msgspec.msgpack.decode(payload)  # vLLM's batch
                 assert dp_rank == 0
                 for event in events:
-                    if event[0] == "BlockStored":
-                        assert event[4] == 16 and len(event[3]) == 16 * len(event[1])
-                        stored_tokens += len(event[3])
-                        seen += event[3]
+                    if event["type"] == "BlockStored":
+                        tokens = event["token_ids"]
+                        assert event["block_size"] == 16
+                        assert len(tokens) == 16 * len(event["block_hashes"])
+                        stored_tokens += len(tokens)
+                        seen += tokens
         assert stored_tokens >= 48 and seen[:48] == prompt
     finally:
         sub.close(0)

@@ -39,7 +39,7 @@ def test_wire_messages_update_the_view():
     apply_message(index, state, frames(1, [AllBlocksCleared()]))
     assert index.blocks() == frozenset()
     with pytest.raises(KVWireError):
-        apply_message(index, state, frames(2, [["BlockMoved", [1]]]))
+        apply_message(index, state, frames(2, [{"type": "BlockMoved", "block_hashes": [1]}]))
     with pytest.raises(KVWireError):
         apply_message(index, state, [b"kv-events", b"\x00"])
 
@@ -103,10 +103,9 @@ async def test_router_view_follows_a_block_pool_through_eviction(free_port):
 
 def test_the_wire_decodes_with_a_reader_written_from_llm_ds_schema():
     """llm-d's KV-events reader (llm-d-kv-cache-manager, pkg/kvcache/kvevents) as its
-    schema documents it: frames [topic "kv@<pod>@<model>", seq uint64 BE, msgpack], the
-    payload an array [ts, events, data_parallel_rank], each event an array tagged by its
-    name; BlockStored [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    medium], BlockRemoved [tag, block_hashes, medium]. Decoded with plain msgpack."""
+    schema documents it, and as vLLM 0.32 sends it: frames [topic "kv@<pod>@<model>", seq
+    uint64 BE, msgpack], the payload an array [ts, events, data_parallel_rank], each event a
+    map tagged by ``type``. Decoded with plain msgpack."""
     import socket
 
     from shoal.runtime.engine.kv_events_topic import kv_events_topic
@@ -124,11 +123,11 @@ def test_the_wire_decodes_with_a_reader_written_from_llm_ds_schema():
     ts, events, dp_rank = msgspec.msgpack.decode(raw)
     assert (ts, dp_rank) == (12.5, 0)
     stored, *removed = events
-    tag, hashes, parent, token_ids, block_size, lora_id, medium = stored
-    assert (tag, hashes, parent, token_ids, block_size, lora_id, medium) == (
-        "BlockStored", [11, 12], 7, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, None)
-    assert sorted(h for tag, hs, medium in removed for h in hs) == [11, 12]
-    assert all(tag == "BlockRemoved" for tag, _, _ in removed)
+    assert stored == {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": 7,
+                      "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "block_size": 4,
+                      "lora_id": None, "medium": None, "lora_name": None}
+    assert sorted(h for e in removed for h in e["block_hashes"]) == [11, 12]
+    assert all(e["type"] == "BlockRemoved" and e["medium"] is None for e in removed)
     assert kv_events_topic("custom", "m") == "custom"
 
 
