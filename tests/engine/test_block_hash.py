@@ -12,8 +12,9 @@ from shoal.runtime.kv.block_hash import (
     hash_block_chain,
     hash_prefix_blocks,
     tenant_cache_salt,
-    tenant_of_key,
 )
+
+from shoal.contract.tenant import tenant_of_key
 
 BLOCK = 16
 
