@@ -25,6 +25,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     load_format: str = "auto"  # auto: the checkpoint | dummy: random weights from config.json alone
+    quantization: str | None = None  # the checkpoint's method, checked (None: as it says)
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flashinfer
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_logprobs: int = 20

@@ -133,7 +133,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "shoal",
-             "root": state.settings.model_dir, "max_model_len": state.max_model_len}
+             "root": state.settings.model_dir, "max_model_len": state.max_model_len,
+             "quantization": state.quantization}
             for name in state.settings.served_model_names]}
 
     @app.post("/tokenize", dependencies=guarded)

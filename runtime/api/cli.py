@@ -60,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights made in memory from config.json alone (no "
                         "checkpoint; for measuring a model's shapes, as vLLM's)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="the method the checkpoint is quantized with (fp8, compressed-tensors, "
+                        "gptq, awq); unset: what its quantization_config says. Startup "
+                        "refuses a checkpoint quantized otherwise")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton", "flashinfer"],
                    help="cpu: native C kernels for attention (decode and prefill) and the position-wise "
@@ -187,6 +191,7 @@ def _main(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
+        quantization=args.quantization,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
         grammar_compile_timeout=args.grammar_compile_timeout)

@@ -67,6 +67,7 @@ class EngineStatsCollector(Collector):
         self.stats = SchedulerStats()
         self.phase_durations: dict[str, float] = {}
         self.cache_config: tuple[int, int] | None = None  # (block_size, num_gpu_blocks)
+        self.quantization: str | None = None  # "none" or the method, once the engine is ready
 
     def collect(self) -> Iterator:
         s, labels = self.stats, [self.model_name]
@@ -105,6 +106,13 @@ class EngineStatsCollector(Collector):
                 block_size, num_blocks = self.cache_config
                 info.add_metric([str(block_size), str(num_blocks)], 1.0)
             yield info
+            model = GaugeMetricFamily(f"{p}:model_config_info",
+                                      "Information of the served model (value 1): its "
+                                      "weights' quantization method, none for full precision",
+                                      labels=["model_name", "quantization"])
+            if self.quantization is not None:
+                model.add_metric([self.model_name, self.quantization], 1.0)
+            yield model
 
 
 class ServerMetrics:
@@ -161,6 +169,10 @@ class ServerMetrics:
         """Known once the engine has sized its KV cache (after profiling)."""
         self._rendered = None
         self.engine.cache_config = (block_size, num_gpu_blocks)
+
+    def set_model_config(self, quantization: str) -> None:
+        self._rendered = None
+        self.engine.quantization = quantization or "none"
 
     def observe_first_token(self, seconds: float) -> None:
         self._rendered = None

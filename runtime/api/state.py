@@ -74,6 +74,12 @@ class ServerState:
         return info.max_model_len if info is not None else 0
 
     @property
+    def quantization(self) -> str | None:
+        """The served checkpoint's quantization method; None: full precision (or not ready)."""
+        info = self.client.ready_info
+        return (info.quantization or None) if info is not None else None
+
+    @property
     def block_size(self) -> int:
         return self.client.config.block_size
 

@@ -183,7 +183,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         startup.begin("ready", max_model_len=core.max_model_len,
                       num_kv_blocks=core.stats().num_kv_blocks,
                       eos_token_ids=list(core.model_config.eos_token_ids),
-                      vocab_size=core.model_config.vocab_size)
+                      vocab_size=core.model_config.vocab_size,
+                      quantization=getattr(core.model_config.quantization, "name", ""))
         EngineLoop(core, inputs, send, config.kv_events_endpoint, progress,
                    kv_events_topic(config.kv_events_topic, config.served_model_name
                                    or config.model)).run()

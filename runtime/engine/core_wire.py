@@ -52,6 +52,7 @@ class StartupPhase(msgspec.Struct, kw_only=True, array_like=True):
     num_kv_blocks: int = 0
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     vocab_size: int = 0
+    quantization: str = ""  # the checkpoint's quantization method ("": full precision)
 
 
 class RequestError(msgspec.Struct, array_like=True):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from shoal.runtime.model.families import PRE_NORM, Family, NormPlacement, QKNorm, family_for
 from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
+from shoal.runtime.model.quant.spec import QuantSpec, parse_quantization
 from shoal.runtime.model.rope import RopeSpec, rope_specs
 from shoal.runtime.model_source import gguf_file
 
@@ -71,6 +72,7 @@ class ModelConfig:
     weight_prefix: str | None = None
     hf_config: Any = None  # transformers' text config: the rope init functions read it
     moe: MoeConfig | None = None  # mixture of experts: see moe_config.py
+    quantization: QuantSpec | None = None  # a quantized checkpoint: see quant/spec.py
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -254,4 +256,5 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
         weight_prefix="language_model" if nested else None,
         hf_config=text,
         moe=parse_moe_config(raw.get("text_config") or raw if nested else raw, architecture),
+        quantization=parse_quantization(raw),
     )

@@ -8,7 +8,10 @@ layers split outputs (no communication); row-parallel layers split inputs and al
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,22 +70,56 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+# True while a quantized checkpoint's model is built: linear weights are made on the meta
+# device (no memory), and quant/linear_method.py gives each layer its quantized parameters
+_DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=False)
+
+
+@contextmanager
+def linear_weights_deferred() -> Iterator[None]:
+    token = _DEFER_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_WEIGHTS.reset(token)
+
+
+def _weight(shape: tuple[int, int], dtype: torch.dtype,
+            device: torch.device | str) -> nn.Parameter:
+    return _param(shape, dtype, "meta" if _DEFER_WEIGHTS.get() else device)
+
+
 class _Linear(nn.Module):
     # set by pack_cpu_linear_weights: the weight in oneDNN's blocked layout (CPU only)
     packed: torch.Tensor | None = None
+    # set by quant/linear_method.py: the layer's quantized weights and their matmul
+    quant: Any = None
+
+    def out_slots(self) -> dict[object, tuple[int, int]]:
+        """Checkpoint shard id -> (first output row, rows) in this rank's fused weight."""
+        weight = self.weight
+        assert isinstance(weight, torch.Tensor)
+        return {None: (0, int(weight.shape[0]))}
+
+    def _forward_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        weight = self.weight
+        assert isinstance(weight, torch.Tensor)
+        return _matmul(x, weight, self.packed, bias)
 
 
 class ReplicatedLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.weight = _param((out_features, in_features), dtype, device)
+        self.weight = _weight((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
         for p in self.parameters():
             _set_loader(p, lambda p, s, _id: _copy(p.data, _read(s, 0, 0, _shape(s)[0]), "linear"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed, self.bias)
+        return self._forward_matmul(x, self.bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -101,10 +138,17 @@ class ColumnParallelLinear(_Linear):
         self.local_sizes = [parallel.shard_range(size)[1] - parallel.shard_range(size)[0]
                             for size in output_sizes]
         total = sum(self.local_sizes)
-        self.weight = _param((total, in_features), dtype, device)
+        self.weight = _weight((total, in_features), dtype, device)
         self.bias = _param((total,), dtype, device) if bias else None
         for p in self.parameters():
             _set_loader(p, self._load)
+
+    def out_slots(self) -> dict[object, tuple[int, int]]:
+        slots: dict[object, tuple[int, int]] = {
+            i: (sum(self.local_sizes[:i]), size) for i, size in enumerate(self.local_sizes)}
+        if len(self.local_sizes) == 1:
+            slots[None] = slots[0]
+        return slots
 
     def _load(self, param: nn.Parameter, st_slice, shard_id: object) -> None:
         index = 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
@@ -114,7 +158,7 @@ class ColumnParallelLinear(_Linear):
         _copy(dst, _read(st_slice, 0, start, end), f"column shard {index}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed, self.bias)
+        return self._forward_matmul(x, self.bias)
 
 
 class QKVParallelLinear(_Linear):
@@ -144,10 +188,14 @@ class QKVParallelLinear(_Linear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         total = self.q_size + 2 * self.kv_size
-        self.weight = _param((total, hidden_size), dtype, device)
+        self.weight = _weight((total, hidden_size), dtype, device)
         self.bias = _param((total,), dtype, device) if bias else None
         for p in self.parameters():
             _set_loader(p, self._load)
+
+    def out_slots(self) -> dict[object, tuple[int, int]]:
+        return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                "v": (self.q_size + self.kv_size, self.kv_size)}
 
     def _load(self, param: nn.Parameter, st_slice, shard_id: object) -> None:
         if shard_id == "q":
@@ -161,7 +209,7 @@ class QKVParallelLinear(_Linear):
               f"{shard_id}_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed, self.bias)
+        return self._forward_matmul(x, self.bias)
 
 
 class RowParallelLinear(_Linear):
@@ -173,7 +221,7 @@ class RowParallelLinear(_Linear):
         self.parallel = parallel
         start, end = parallel.shard_range(in_features)
         self.in_start, self.in_size = start, end - start
-        self.weight = _param((out_features, self.in_size), dtype, device)
+        self.weight = _weight((out_features, self.in_size), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
         _set_loader(self.weight, self._load_weight)
         if self.bias is not None:
@@ -185,7 +233,7 @@ class RowParallelLinear(_Linear):
               "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _matmul(x, self.weight, self.packed)
+        out = self._forward_matmul(x)
         out = self.parallel.all_reduce(out)
         # bias added once, after the sum, not once per rank
         return out if self.bias is None else out + self.bias
@@ -248,7 +296,7 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
             and not isinstance(m, ParallelLMHead)}
     packed = 0
     for module in model.modules():
-        if not isinstance(module, (_Linear, ParallelLMHead)):
+        if not isinstance(module, (_Linear, ParallelLMHead)) or getattr(module, "quant", None):
             continue
         weight = module.weight
         assert isinstance(weight, torch.Tensor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
 from shoal.runtime.model.gguf_checkpoint import open_gguf
-from shoal.runtime.model.linear import pack_cpu_linear_weights
+from shoal.runtime.model.linear import linear_weights_deferred, pack_cpu_linear_weights
 from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
+from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
+from shoal.runtime.model.quant.spec import QuantizationError, QuantSpec, check_flag
 from shoal.runtime.model_source import gguf_file
 
 
@@ -64,8 +67,12 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter in "
                              f"{type(model).__name__} (looked for {name!r})")
         param = params[name]
+        _refuse_unscaled(ckpt_name, st_slice, param)
         loader = getattr(param, "weight_loader", _load_replicated)
         fused = _fused_parts(model, name, shard)
+        if fused is not None and model.config.quantization is not None:
+            raise QuantizationError(f"{ckpt_name}: a fused checkpoint tensor in a quantized "
+                                    "checkpoint is not supported")
         if fused is None:
             filled = loader(param, st_slice, shard)
             # stacked experts' loaders say which shards a (possibly fused) tensor filled
@@ -82,6 +89,30 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+# safetensors dtypes a full-precision parameter may be filled from (cast on copy)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _refuse_unscaled(ckpt_name: str, st_slice, param: torch.nn.Parameter) -> None:
+    """A quantized tensor (FP8, packed integers) never reaches a full-precision parameter:
+    copied, it would be cast without its scales. Checked before anything of it is read."""
+    full = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    if param.dtype not in full:
+        return  # a quantized parameter: its own loader checks the dtype
+    if isinstance(st_slice, torch.Tensor):
+        ok, stored = st_slice.dtype in full, str(st_slice.dtype)
+    else:
+        stored = st_slice.get_dtype()
+        ok = stored in _FLOAT_DTYPES
+    if ok:
+        return
+    raise QuantizationError(
+        f"checkpoint tensor {ckpt_name!r} is {stored}, a quantized dtype, but its parameter is "
+        f"{param.dtype}: config.json's quantization_config does not describe this tensor "
+        "(a quantized checkpoint without quantization_config, or a layer it says is not "
+        "quantized)")
 
 
 def _load_replicated(param: torch.nn.Parameter, st_slice, _shard: object) -> None:
@@ -175,21 +206,45 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             param.data.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
 
 
+def check_quantized_model(spec: QuantSpec, config: ModelConfig, parallel: ParallelContext,
+                          load_format: str) -> None:
+    """What the quantized layers do not serve yet, refused before anything is built."""
+    if parallel.world_size > 1:
+        raise QuantizationError(f"{spec.method}: quantized checkpoints are served at "
+                                "--tensor-parallel-size 1 only")
+    if config.moe is not None:
+        raise QuantizationError(f"{spec.method}: quantized mixture-of-experts checkpoints "
+                                f"({config.architecture}) are not supported")
+    if load_format == "dummy":
+        raise QuantizationError(f"{spec.method}: --load-format dummy makes full-precision "
+                                "weights; it does not apply to a quantized checkpoint")
+
+
 def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
                 parallel: ParallelContext, max_positions: int, dtype: torch.dtype,
                 device: torch.device, load_format: str = "auto",
-                seed: int = 0) -> DecoderForCausalLM:
+                seed: int = 0, quantization: str | None = None) -> DecoderForCausalLM:
     """``load_format``: ``auto`` reads the checkpoint in ``model_dir``; ``dummy`` needs only
-    its config.json and fills the weights with small random values."""
+    its config.json and fills the weights with small random values. ``quantization``
+    (``--quantization``): the method the checkpoint must be quantized with (None: any)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of "
                          f"{', '.join(LOAD_FORMATS)}")
+    spec = config.quantization
+    check_flag(spec, quantization)
+    if spec is not None:
+        check_quantized_model(spec, config, parallel, load_format)
     cls = model_class(config.architecture)
-    model = cls(config, parallel, backend, max_positions, dtype, device)
+    with linear_weights_deferred() if spec is not None else nullcontext():
+        model = cls(config, parallel, backend, max_positions, dtype, device)
+    if spec is not None:
+        quantize_linears(model, spec, dtype, device)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
+    if spec is not None:
+        finalize_quantized(model)
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     return model.eval()

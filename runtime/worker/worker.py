@@ -82,7 +82,8 @@ class Worker:
         with torch.no_grad():  # not inference_mode: parameters stay ordinary tensors
             model = build_model(mc, self.config.model, backend, self.parallel, max_positions,
                                 self.dtype, self.device, self.config.load_format,
-                                self.config.seed + self.parallel.rank)
+                                self.config.seed + self.parallel.rank,
+                                self.config.quantization)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,
                                   self.config.block_size)
 

@@ -1,0 +1,114 @@
+"""Quantized checkpoints made from a ``make-model`` checkpoint, as publishers ship them.
+
+Each format is written the way its own tool writes it: FP8 with one ``weight_scale_inv``
+per [block_out, block_in] tile (DeepSeek-V3 / Qwen3-FP8's layout, ``quant_method: fp8``);
+compressed-tensors through the compressed-tensors library itself (``pack-quantized``); GPTQ
+and AWQ packed as AutoGPTQ and AutoAWQ pack (``gptq_pack.py``). Embeddings and the LM head
+stay in full precision, as in the published checkpoints. Used by the tests (the
+reference is transformers loading the written checkpoint) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FORMATS = ("fp8-block",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def _quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")}
+
+
+def fp8_block_quantize(weight: torch.Tensor, block: tuple[int, int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` -> (float8_e4m3fn weight, float32 ``weight_scale_inv`` per tile)."""
+    bo, bi = block
+    out, inp = weight.shape
+    nbo, nbi = -(-out // bo), -(-inp // bi)
+    padded = torch.zeros(nbo * bo, nbi * bi, dtype=torch.float32)
+    padded[:out, :inp] = weight.float()
+    tiles = padded.view(nbo, bo, nbi, bi)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale.float()
+
+
+def _write_fp8_block(model, out: Path, block: tuple[int, int]) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name in _quantized_linears(model):
+        q, scale = fp8_block_quantize(state[f"{name}.weight"], block)
+        state[f"{name}.weight"] = q
+        state[f"{name}.weight_scale_inv"] = scale
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def make_quant_model(source: str | Path, fmt: str, out_dir: str | Path) -> Path:
+    """Quantize the full-precision checkpoint ``source`` into ``out_dir`` (created)."""
+    from transformers import AutoModelForCausalLM
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(source)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model.config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    if fmt == "fp8-block":
+        _write_fp8_block(model, out, (32, 32))
+    elif fmt.startswith("ct-"):
+        from shoal.runtime.model.quant_makers.compressed import write_compressed
+
+        write_compressed(model, out, fmt)
+    else:
+        from shoal.runtime.model.quant_makers.gptq_awq import write_gptq_awq
+
+        write_gptq_awq(model, out, fmt)
+    return out
+
+
+def cached_quant_model(arch: str, size: str, fmt: str) -> Path:
+    """Made once into the cache beside the make-model checkpoints (temp dir, then rename)."""
+    from shoal.runtime.model.make_model import FORMAT_VERSION, cache_dir, cached_model
+
+    source = cached_model(arch, size)
+    target = cache_dir() / "models" / f"{arch}-{size}-{fmt}-v{FORMAT_VERSION}.{QUANT_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_quant_model(source, fmt, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+QUANT_VERSION = 1  # bump when a maker's output changes
