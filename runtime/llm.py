@@ -2,44 +2,30 @@
 
 Tokenizes with the front end's tokenizer and renderer (frontend/prompts.py: text encoded as
 HF encodes it, BOS included; ``chat`` renders the checkpoint's template), validates every prompt before any reaches the
-engine (a bad one leaves the engine untouched), fans ``n > 1`` out into n engine requests
-sharing the prompt (the copies enter once the first has computed it, so the prefix cache
-serves them), steps the engine until all are
-done, and detokenizes. Stop strings are found here, as the serving front end does, and end
-the request in the engine.
+engine (a bad one leaves the engine untouched), and steps the engine until all are done.
+Fan-out (``n``), incremental detokenization, stop strings and finish reasons are the API's
+own output path (frontend/output_processor.py); the n copies of a prompt enter once the
+first has computed it, so the prefix cache serves them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
-from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from shoal.runtime.engine.messages import EngineCoreRequest, TokenLogprobs
+from shoal.runtime.frontend.output_processor import Choice, OutputProcessor, fan_out
+from shoal.runtime.frontend.output_processor import PromptInput as RenderedInput
 from shoal.runtime.frontend.prompts import ChatPrompt, PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
-from shoal.runtime.sampling_params import InvalidParameter, SamplingParams, child_params
+from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 
 PromptInput = str | list[int]
-
-
-@dataclass
-class _Sample:
-    """One engine request: a single sample of one prompt."""
-
-    prompt_index: int
-    sample_index: int
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
 
 
 class LLM:
@@ -73,29 +59,23 @@ class LLM:
         params_list = self._params_for(prompt_list, sampling_params)
         token_lists = [self.renderer.encode_text(p, add_special_tokens).token_ids
                        if isinstance(p, str) else list(p) for p in prompt_list]
-        requests: list[EngineCoreRequest] = []
-        samples: dict[str, _Sample] = {}
-        batch = next(self._ids)
-        for i, (tokens, params) in enumerate(zip(token_lists, params_list, strict=True)):
-            for j in range(params.n):
-                child = child_params(params, j)
-                req_id = f"{batch}-{i}-{j}"
-                requests.append(EngineCoreRequest(request_id=req_id, prompt_token_ids=tokens,
-                                                  sampling_params=child))
-                samples[req_id] = _Sample(i, j, child)
+        batch = str(next(self._ids))
+        choices = fan_out(batch, [RenderedInput(t) for t in token_lists], params_list)
+        processors = {c.request_id: OutputProcessor(self.tokenizer, c) for c in choices}
+        requests = [EngineCoreRequest(request_id=c.request_id, prompt_token_ids=c.prompt.token_ids,
+                                      sampling_params=c.params) for c in choices]
         for request in requests:  # all valid, or none enters the engine
             self.engine.validate(request)
         # samples 1..n-1 of a prompt enter once sample 0 has computed the prompt, so its
         # full blocks are in the prefix cache and they skip that prefill
         siblings: dict[str, list[EngineCoreRequest]] = {}
-        for request in requests:
-            sample = samples[request.request_id]
-            if sample.sample_index == 0:
+        first = ""  # the engine request of the current prompt's sample 0
+        for request, choice in zip(requests, choices, strict=True):
+            if choice.sample_index == 0:
+                first = request.request_id
                 self.engine.add_request(request)
             else:
-                siblings.setdefault(f"{batch}-{sample.prompt_index}-0", []).append(request)
-        cached = [0] * len(prompt_list)
-        prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(prompt_list)
+                siblings.setdefault(first, []).append(request)
         try:
             while self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
@@ -106,30 +86,35 @@ class LLM:
                     raise RuntimeError(f"request {failures[0].request_id} failed in the "
                                        "engine (see the log)")
                 for out in outputs:
-                    sample = samples[out.request_id]
-                    cached[sample.prompt_index] = max(cached[sample.prompt_index],
-                                                      out.num_cached_tokens)
-                    if out.prompt_logprobs is not None:
-                        prompt_lps[sample.prompt_index] = [None, *out.prompt_logprobs]
-                    self._absorb(out, sample)
+                    processor = processors[out.request_id]
+                    processor.add(out)
+                    if processor.abort_engine:  # a stop string: the engine does not know
+                        self.engine.abort_requests([out.request_id])
                     for request in siblings.pop(out.request_id, ()):
                         self.engine.add_request(request)
         except BaseException:
-            self.engine.abort_requests(list(samples))
+            self.engine.abort_requests(list(processors))
             raise
-        results = [RequestOutput(request_id=f"{batch}-{i}",
-                                 prompt=p if isinstance(p, str) else None,
-                                 prompt_token_ids=token_lists[i], num_cached_tokens=cached[i],
-                                 prompt_logprobs=prompt_lps[i])
-                   for i, p in enumerate(prompt_list)]
-        for sample in samples.values():
-            if sample.finish_reason != "stop" or not isinstance(sample.stop_reason, str):
-                sample.text = self._decode(sample)
-            results[sample.prompt_index].outputs.append(CompletionOutput(
-                index=sample.sample_index, text=sample.text, token_ids=sample.token_ids,
-                logprobs=sample.logprobs, finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason))
-        return results
+        return [self._request_output(f"{batch}-{i}", prompt, token_lists[i],
+                                     [c for c in choices if c.prompt_index == i])
+                for i, prompt in enumerate(prompt_list)]
+
+    @staticmethod
+    def _request_output(request_id: str, prompt: PromptInput, token_ids: list[int],
+                        choices: list[Choice]) -> RequestOutput:
+        """vLLM's offline shape: the prompt's logprobs with ``None`` for its first token, the
+        most cached tokens of any sample, a sample's logprobs ``None`` unless it has some."""
+        scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None),
+                      None)
+        prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if scored is None else [None, *scored])
+        return RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids, num_cached_tokens=max(c.num_cached_tokens for c in choices),
+            prompt_logprobs=prompt_logprobs,
+            outputs=[CompletionOutput(index=c.sample_index, text=c.text, token_ids=c.token_ids,
+                                      logprobs=c.logprobs or None, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason) for c in choices])
 
     def _params_for(self, prompts: list[PromptInput],
                     sampling_params: SamplingParams | Sequence[SamplingParams] | None
@@ -145,33 +130,6 @@ class LLM:
         for params in params_list:
             params.validate(self.engine.limits)
         return params_list
-
-    def _absorb(self, out: EngineCoreOutput, sample: _Sample) -> None:
-        sample.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + list(out.new_logprobs)
-        if out.finish_reason is not None:
-            sample.finish_reason = out.finish_reason.value
-            sample.stop_reason = out.stop_reason
-            return
-        if sample.params.stop:
-            self._check_stop_strings(out.request_id, sample)
-
-    def _check_stop_strings(self, req_id: str, sample: _Sample) -> None:
-        text = self._decode(sample)
-        hits = [(text.find(s), s) for s in sample.params.stop if s in text]
-        if not hits:
-            return
-        position, stop = min(hits)
-        end = position + len(stop) if sample.params.include_stop_str_in_output else position
-        sample.text = text[:end]
-        sample.finish_reason = "stop"
-        sample.stop_reason = stop
-        self.engine.abort_requests([req_id])
-
-    def _decode(self, sample: _Sample) -> str:
-        return self.tokenizer.decode(sample.token_ids,
-                                     skip_special_tokens=sample.params.skip_special_tokens)
 
 
 def _normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

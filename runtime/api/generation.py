@@ -1,9 +1,9 @@
 """One API request in flight: its engine requests (prompts x n) and their streamed choices.
 
-Each engine request is followed by a task that detokenizes its outputs incrementally and turns
-them into ``ChoiceDelta``s on one queue, so both endpoints, streaming or not, consume the same
-sequence. A stop string found by the detokenizer ends the choice and aborts the engine
-request. ``abort`` (client disconnect, drain timeout) stops every unfinished engine request;
+Each engine request is followed by a task that feeds its outputs to the output processor
+(frontend/output_processor.py, the offline ``LLM``'s too) and puts the ``ChoiceDelta``s it
+makes on one queue, so both endpoints, streaming or not, consume the same sequence. A stop
+string found there ends the choice and aborts the engine request. ``abort`` (client disconnect, drain timeout) stops every unfinished engine request;
 an engine death surfaces as ``EngineDeadError`` from ``deltas()``.
 """
 
@@ -13,18 +13,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.runtime.engine.client import AsyncEngineClient, RequestStream
-from shoal.runtime.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    TokenLogprobs,
+from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from shoal.runtime.frontend.output_processor import (
+    Choice,
+    ChoiceDelta,
+    OutputProcessor,
+    PromptInput,
+    fan_out,
 )
-from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
 from shoal.runtime.frontend.tokenizer import Tokenizer
-from shoal.runtime.sampling_params import SamplingParams, child_params
+from shoal.runtime.sampling_params import SamplingParams
 
 from .metrics import ServerMetrics, request_phases
 
@@ -32,41 +33,8 @@ _ABORTED = object()  # queued by abort(): deltas() ends
 
 
 @dataclass
-class PromptInput:
-    token_ids: list[int]
-    text: str | None = None
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class Choice:
-    """One choice accumulated from its deltas (non-streaming responses, usage)."""
-
-    index: int
-    prompt: PromptInput
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, when asked
-
-
-@dataclass
 class _EngineRequest:
-    request_id: str
     choice: Choice
-    params: SamplingParams
     stream: RequestStream | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
@@ -90,12 +58,8 @@ class Generation:
         self.cache_salt = cache_salt
         self.kv_blocks = kv_blocks  # worst-case KV footprint of all its engine requests
         self.arrival = time.monotonic()
-        self.requests: list[_EngineRequest] = []
-        for p, prompt in enumerate(prompts):
-            for i in range(params.n):
-                index = p * params.n + i
-                self.requests.append(_EngineRequest(
-                    f"{request_id}-{index}", Choice(index, prompt), child_params(params, i)))
+        self.requests = [_EngineRequest(c) for c in fan_out(
+            request_id, prompts, [params] * len(prompts))]
         self._deltas: asyncio.Queue = asyncio.Queue()
         self._unfinished = len(self.requests)  # choices whose last delta deltas() has not given
         self._tasks: list[asyncio.Task] = []
@@ -108,8 +72,8 @@ class Generation:
         """What ``start`` sends, one per choice (validated by the caller before it)."""
         now = time.time()
         return [EngineCoreRequest(
-            request_id=req.request_id, prompt_token_ids=req.choice.prompt.token_ids,
-            sampling_params=req.params, eos_token_ids=self.eos_token_ids, arrival_time=now,
+            request_id=req.choice.request_id, prompt_token_ids=req.choice.prompt.token_ids,
+            sampling_params=req.choice.params, eos_token_ids=self.eos_token_ids, arrival_time=now,
             priority=self.priority, cache_salt=self.cache_salt) for req in self.requests]
 
     def start(self) -> None:
@@ -140,11 +104,11 @@ class Generation:
         """Abort unfinished engine requests. ``end_streams``: finish their choices with
         reason "abort" (drain) instead of just stopping (client gone)."""
         live = [r for r in self.requests if not r.done]
-        self.client.abort([r.request_id for r in live])
+        self.client.abort([r.choice.request_id for r in live])
         for req in live:
             if end_streams and req.stream is not None:
                 req.stream.queue.put_nowait(EngineCoreOutput(
-                    request_id=req.request_id, version=req.stream.version, new_token_ids=[],
+                    request_id=req.choice.request_id, version=req.stream.version, new_token_ids=[],
                     finish_reason=FinishReason.ABORT))
             elif not end_streams:
                 req.done = True
@@ -167,49 +131,25 @@ class Generation:
 
     async def _follow(self, req: _EngineRequest) -> None:
         assert req.stream is not None
-        detok = IncrementalDetokenizer(self.tokenizer, req.params)
-        choice = req.choice
-        carry_ids: list[int] = []
-        carry_logprobs: list[TokenLogprobs] = []
+        processor = OutputProcessor(self.tokenizer, req.choice)
         try:
             while True:
                 output = await req.stream.get()
                 self._observe_timing(req, len(output.new_token_ids))
                 if output.scheduled_time:
                     req.queued_at, req.scheduled_at = output.queued_time, output.scheduled_time
-                choice.token_ids.extend(output.new_token_ids)
-                if output.new_logprobs:
-                    choice.logprobs.extend(output.new_logprobs)
-                if output.num_cached_tokens:
-                    choice.num_cached_tokens = output.num_cached_tokens
-                if output.prompt_logprobs is not None:
-                    choice.prompt_logprobs = output.prompt_logprobs
-                finish: str | None = None
-                stop_reason: int | str | None = None
-                if detok.update(output.new_token_ids) is not None:
-                    finish, stop_reason = FinishReason.STOP.value, detok.stop_string
-                    if output.finish_reason is None:
-                        self.client.abort([req.request_id])  # the engine does not know
-                elif output.finish_reason is not None:
-                    finish, stop_reason = output.finish_reason.value, output.stop_reason
-                    detok.flush()
-                text = detok.take_new_text(finished=finish is not None)
-                if finish is not None:
+                delta = processor.add(output)
+                if processor.abort_engine:
+                    self.client.abort([req.choice.request_id])  # the engine does not know
+                if delta is None:
+                    continue
+                self._deltas.put_nowait(delta)
+                if delta.finish_reason is not None:
                     req.done = True
-                    choice.finish_reason, choice.stop_reason = finish, stop_reason
-                    self.metrics.observe_finished(finish, time.monotonic() - self.arrival)
+                    self.metrics.observe_finished(delta.finish_reason,
+                                                  time.monotonic() - self.arrival)
                     self._observe_phases(req)
-                choice.text += text
-                carry_ids.extend(output.new_token_ids)
-                if output.new_logprobs:
-                    carry_logprobs.extend(output.new_logprobs)
-                if not text and finish is None:
-                    continue  # held back: these tokens travel with the next text
-                self._deltas.put_nowait(ChoiceDelta(
-                    choice.index, text, carry_ids, carry_logprobs or None, finish, stop_reason))
-                if finish is not None:
                     return
-                carry_ids, carry_logprobs = [], []
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # engine death or a rejection: the whole request fails

@@ -1,10 +1,13 @@
-"""The front end in isolation: incremental detokenizer, stop strings, chat template."""
+"""The front end in isolation: incremental detokenizer, stop strings, the output processor,
+chat template."""
 
 from __future__ import annotations
 
 import pytest
+from shoal.runtime.engine.messages import EngineCoreOutput, FinishReason
 from shoal.runtime.frontend.chat_template import ChatTemplate, ChatTemplateError
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer, held_back_length
+from shoal.runtime.frontend.output_processor import OutputProcessor, PromptInput, fan_out
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -66,6 +69,42 @@ def test_held_back_length_is_the_longest_stop_prefix_at_the_end():
     assert held_back_length("abcd", ["cdx", "bcdz"]) == 3
     assert held_back_length("abc", ["x"]) == 0
     assert held_back_length("", ["abc"]) == 0
+
+
+def output(token_ids: list[int], finish: FinishReason | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id="r-0", version=0, new_token_ids=token_ids,
+                            finish_reason=finish)
+
+
+def test_fan_out_numbers_choices_across_prompts_with_distinct_seeds():
+    prompts = [PromptInput([1, 2]), PromptInput([3])]
+    choices = fan_out("r", prompts, [SamplingParams(n=2, seed=5), SamplingParams(n=3)])
+    assert [(c.request_id, c.prompt_index, c.sample_index) for c in choices] == [
+        ("r-0", 0, 0), ("r-1", 0, 1), ("r-2", 1, 0), ("r-3", 1, 1), ("r-4", 1, 2)]
+    assert [c.params.seed for c in choices[:2]] == [5, 6]
+    assert all(c.params.n == 1 for c in choices)
+
+
+def test_the_output_processor_carries_held_back_tokens_and_aborts_on_a_stop_string(tokenizer):
+    (choice,) = fan_out("r", [PromptInput([1])], [SamplingParams(stop=["STOPWORD"])])
+    processor = OutputProcessor(tokenizer, choice)
+    token_ids = tokenizer.encode("a STOPWORD b")
+    deltas = [processor.add(output([t])) for t in token_ids]
+    given = [d for d in deltas if d is not None]
+    assert None in deltas  # "STOP..." was held back while it could start the stop string
+    assert sum((d.token_ids for d in given), []) == choice.token_ids  # none lost or repeated
+    assert "".join(d.text for d in given) == choice.text == "a "
+    assert given[-1].finish_reason == "stop" and given[-1].stop_reason == "STOPWORD"
+    assert processor.abort_engine and choice.finished
+    assert processor.add(output([5])) is None  # after the end: ignored
+
+
+def test_the_output_processor_takes_the_engines_finish_reason(tokenizer):
+    (choice,) = fan_out("r", [PromptInput([1])], [SamplingParams()])
+    processor = OutputProcessor(tokenizer, choice)
+    delta = processor.add(output(tokenizer.encode("done."), FinishReason.LENGTH))
+    assert delta is not None and delta.finish_reason == "length" and delta.text == "done."
+    assert not processor.abort_engine
 
 
 def test_the_chat_template_renders_the_checkpoint_format(tokenizer):

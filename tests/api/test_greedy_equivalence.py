@@ -41,12 +41,17 @@ def hf_reference(small_qwen3, prompts) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def offline(small_qwen3, prompts) -> list[list[int]]:
+def llm(small_qwen3):
     """The offline API (``LLM``) on the same checkpoint, in this process."""
     from shoal.runtime.llm import LLM
+
+    return LLM(small_qwen3, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def offline(llm, prompts) -> list[list[int]]:
     from shoal.runtime.sampling_params import SamplingParams
 
-    llm = LLM(small_qwen3, num_kv_blocks=512)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                    ignore_eos=True))
     return [out.outputs[0].token_ids for out in outputs]
@@ -71,3 +76,30 @@ def test_greedy_over_http_equals_offline_engine_and_hf(server, prompts, hf_refer
         assert agree(ours, reference, margins), (ours, reference)
     exact = sum(ours == ref for ours, (ref, _) in zip(over_http, hf_reference, strict=True))
     assert exact >= len(prompts) - 1  # near-ties are rare: most prompts match HF exactly
+
+
+def test_stop_strings_and_n_give_the_same_choices_over_http_and_offline(server, prompts, llm):
+    """The API and ``LLM`` share one output path (fan-out, incremental detokenizing, stop
+    strings held back and cut, finish reasons): the same call gives the same choices."""
+    from shoal.runtime.sampling_params import SamplingParams
+
+    sampled = {"n": 2, "temperature": 0.8, "seed": 7, "max_tokens": MAX_TOKENS}
+    free = llm.generate(prompts[:2], SamplingParams(**sampled, ignore_eos=True))
+    texts = [o.text for r in free for o in r.outputs]
+    # stops that end some choices mid-text: a piece from the middle of two of them, one of
+    # them with a first character that also occurs earlier (held back, then released)
+    stops = [texts[0][len(texts[0]) // 2:][:3], texts[3][len(texts[3]) // 2:][:2]]
+    assert all(s.strip() for s in stops), f"blank stop strings from {texts!r}"
+    params = SamplingParams(**sampled, ignore_eos=True, stop=stops)
+    offline = [o for r in llm.generate(prompts[:2], params) for o in r.outputs]
+
+    client = openai.OpenAI(base_url=server.v1, api_key=server.api_key, max_retries=0)
+    batch = client.completions.create(
+        model=server.model, prompt=prompts[:2], stop=stops, **sampled,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    over_http = sorted(batch.choices, key=lambda c: c.index)
+    assert [(c.text, c.model_extra["token_ids"], c.finish_reason, c.model_extra["stop_reason"])
+            for c in over_http] == [(o.text, o.token_ids, o.finish_reason, o.stop_reason)
+                                    for o in offline]
+    assert sum(o.finish_reason == "stop" for o in offline) >= 2
+    assert all(s not in o.text for o in offline for s in stops)
