@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shoal.runtime.lora_modules import LoraModule
 
 
 @dataclass
@@ -33,6 +35,12 @@ class EngineConfig:
     kv_events_endpoint: str | None = None  # zmq PUB address for block stored/removed events
     kv_events_topic: str | None = None  # None: kv@<pod>@<served model name>, as llm-d reads
     grammar_compile_timeout: float = 10.0  # seconds one grammar may compile; over it: a 400
+    # LoRA (vLLM's flags): adapters served beside the base, batched in one step
+    enable_lora: bool = False
+    lora_modules: list[LoraModule] = field(default_factory=list)  # loaded at startup
+    max_loras: int = 1  # adapter slots one step may use
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept parsed in memory (LRU); None: max_loras
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ class NewRequestData:
     output_token_ids: list[int]  # generated before a preemption (recompute keeps them)
     sampling_params: SamplingParams
     generator_offset: int = 0  # tokens already sampled: seeded streams resume where they were
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 @dataclass

@@ -55,3 +55,100 @@ def tiny_moe_model_dirs() -> dict[str, Path]:
     from shoal.runtime.model.make_moe_model import MOE_ARCHS, cached_moe_model
 
     return {arch: cached_moe_model(arch, "tiny") for arch in MOE_ARCHS}
+
+
+# -- LoRA: PEFT adapters made by peft itself, and peft as the reference ---------------------
+
+@pytest.fixture(scope="session")
+def make_lora_adapter(tmp_path_factory):
+    """make_lora_adapter(base_dir, name, rank, alpha, targets, use_rslora=False, seed=0,
+    gain=1.0) -> the adapter folder peft's ``save_pretrained`` wrote (adapter_config.json +
+    adapter_model.safetensors). Both A and B are random (``init_lora_weights=False``), B
+    multiplied by ``gain`` so the adapter moves greedy output visibly."""
+    made: dict[tuple, Path] = {}
+
+    def make(base_dir: Path, name: str, rank: int, alpha: float, targets: list[str],
+             use_rslora: bool = False, seed: int = 0, gain: float = 1.0) -> Path:
+        key = (str(base_dir), name, rank, alpha, tuple(targets), use_rslora, seed, gain)
+        if key not in made:
+            import torch
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(seed)
+            base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                use_rslora=use_rslora, init_lora_weights=False,
+                                lora_dropout=0.0)
+            model = get_peft_model(base, config)
+            with torch.no_grad():
+                for param_name, param in model.named_parameters():
+                    if "lora_B" in param_name:
+                        param.mul_(gain)
+            out = tmp_path_factory.mktemp(f"lora-{name}")
+            model.save_pretrained(out)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+class PeftGreedy:
+    """transformers + peft greedy (``PeftModel.from_pretrained`` on the base; the base alone
+    when ``adapter_dir`` is None), memoised, with each step's top-2 logit margin."""
+
+    def __init__(self, base_dir: Path, adapter_dir: Path | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        if adapter_dir is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter_dir)
+        self.model = model.eval()
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        import torch
+
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._memo:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=torch.tensor([prompt]), do_sample=False,
+                    max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                    pad_token_id=0, eos_token_id=None, output_logits=True,
+                    return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            margins = []
+            for logits in out.logits:
+                top2 = torch.topk(logits[0].float(), 2).values
+                margins.append(float(top2[0] - top2[1]))
+            self._memo[key] = (tokens, margins)
+        return self._memo[key]
+
+    def agrees(self, prompt: list[int], got: list[int], near_tie: float = 1e-4) -> bool:
+        """``got`` equals the reference's greedy tokens, or first differs where the
+        reference's top-2 margin is a near-tie (float rounding may flip it; later tokens
+        then follow another prefix)."""
+        want, margins = self.generate(prompt, len(got))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                return margins[i] < near_tie
+        return True
+
+
+@pytest.fixture(scope="session")
+def peft_greedy():
+    """peft_greedy(base_dir, adapter_dir or None) -> PeftGreedy, one per pair per session."""
+    made: dict[tuple[str, str | None], PeftGreedy] = {}
+
+    def get(base_dir: Path, adapter_dir: Path | None) -> PeftGreedy:
+        key = (str(base_dir), None if adapter_dir is None else str(adapter_dir))
+        if key not in made:
+            made[key] = PeftGreedy(base_dir, adapter_dir)
+        return made[key]
+
+    return get
+

@@ -20,6 +20,7 @@ from shoal.contract.response_ids import READY_INSTANCE_FIELD
 
 from .auth import Authenticator
 from .errors import APIError, bad_request, internal_error, is_anthropic_path, public_reason
+from .lora_adapters import load_lora_adapter, model_cards, unload_lora_adapter
 from .openapi import REQUEST_BODIES, document_request_bodies
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses_store import ResponseStore
@@ -131,11 +132,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "shoal",
-             "root": state.settings.model_dir, "max_model_len": state.max_model_len,
-             "quantization": state.quantization}
-            for name in state.settings.served_model_names]}
+        return {"object": "list", "data": model_cards(state)}
+
+    @app.post("/v1/load_lora_adapter", dependencies=guarded)
+    async def load_lora(request: Request) -> Response:
+        return await load_lora_adapter(request, state)
+
+    @app.post("/v1/unload_lora_adapter", dependencies=guarded)
+    async def unload_lora(request: Request) -> Response:
+        return await unload_lora_adapter(request, state)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict:

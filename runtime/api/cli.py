@@ -120,6 +120,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="split the model's <think>...</think> span off as reasoning_content "
                         "(chat), reasoning items (Responses), thinking blocks (Messages); "
                         "structured outputs and forced tools start after it")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters beside the base model (--lora-modules, "
+                        "/v1/load_lora_adapter); a request selects one by its model name")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT adapters (adapter_config.json + adapter_model.safetensors) "
+                        "loaded at startup: NAME=PATH, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="adapters one step may run at once; requests for more wait")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept parsed in memory (LRU; others are read again when "
+                        "needed); default: --max-loras")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_main)
@@ -182,6 +196,14 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"shoal serve: --model: {exc}") from None
     if hub and not model_revision:  # the snapshot's commit: a new revision reuses no KV
         model_revision = Path(model).name
+    from shoal.runtime.lora_modules import check_lora_limits, parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+        check_lora_limits(args.enable_lora, lora_modules, args.max_loras, args.max_lora_rank,
+                          args.max_cpu_loras, args.tensor_parallel_size)
+    except ValueError as exc:
+        raise SystemExit(f"shoal serve: {exc}") from None
     config = EngineConfig(
         model=model, served_model_name=names[0], model_revision=model_revision,
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
@@ -194,7 +216,9 @@ def _main(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
-        grammar_compile_timeout=args.grammar_compile_timeout)
+        grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,
+        lora_modules=lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras)
     from .sampling_defaults import load_sampling_defaults
 
     try:
@@ -215,7 +239,8 @@ def _main(args: argparse.Namespace) -> int:
         tenant_header=args.tenant_header.lower() if args.tenant_header else None,
         stream_stall_timeout=args.stream_stall_timeout,
         metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth,
-        reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults)
+        reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults,
+        enable_lora=args.enable_lora, lora_modules=lora_modules)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)

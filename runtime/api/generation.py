@@ -47,7 +47,8 @@ class Generation:
     def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, metrics: ServerMetrics,
                  request_id: str, prompts: list[PromptInput], params: SamplingParams,
                  eos_token_ids: list[int], priority: int = 0,
-                 cache_salt: str | None = None, kv_blocks: int = 0) -> None:
+                 cache_salt: str | None = None, kv_blocks: int = 0,
+                 adapter: str | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -56,6 +57,7 @@ class Generation:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.cache_salt = cache_salt
+        self.adapter = adapter  # the LoRA adapter's name; None: the base model
         self.kv_blocks = kv_blocks  # worst-case KV footprint of all its engine requests
         self.arrival = time.monotonic()
         self.requests = [_EngineRequest(c) for c in fan_out(
@@ -74,7 +76,8 @@ class Generation:
         return [EngineCoreRequest(
             request_id=req.choice.request_id, prompt_token_ids=req.choice.prompt.token_ids,
             sampling_params=req.choice.params, eos_token_ids=self.eos_token_ids, arrival_time=now,
-            priority=self.priority, cache_salt=self.cache_salt) for req in self.requests]
+            priority=self.priority, cache_salt=self.cache_salt, adapter_id=self.adapter)
+            for req in self.requests]
 
     def start(self) -> None:
         for req, engine_request in zip(self.requests, self.engine_requests(), strict=True):

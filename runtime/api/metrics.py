@@ -17,6 +17,7 @@ read ``time.monotonic()``, which on Linux is one system-wide clock.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class EngineStatsCollector(Collector):
         self.phase_durations: dict[str, float] = {}
         self.cache_config: tuple[int, int] | None = None  # (block_size, num_gpu_blocks)
         self.quantization: str | None = None  # "none" or the method, once the engine is ready
+        self.max_loras = 0  # LoRA slots (--max-loras); 0: LoRA off, no lora_requests_info
+        self.stats_time = 0.0  # time.time() of the latest stats: lora_requests_info's value
 
     def collect(self) -> Iterator:
         s, labels = self.stats, [self.model_name]
@@ -113,6 +116,20 @@ class EngineStatsCollector(Collector):
             if self.quantization is not None:
                 model.add_metric([self.model_name, self.quantization], 1.0)
             yield model
+            if self.max_loras:
+                yield self._lora_info(p)
+
+    def _lora_info(self, prefix: str) -> GaugeMetricFamily:
+        """As vLLM exports it: one sample, the adapters as comma lists in the labels, the
+        value the time of the update (readers take the newest sample)."""
+        s = self.stats
+        info = GaugeMetricFamily(f"{prefix}:{names.LORA_REQUESTS_INFO}",
+                                 "Running stats on LoRA requests",
+                                 labels=[names.LORA_MAX_LABEL, names.LORA_RUNNING_LABEL,
+                                         names.LORA_WAITING_LABEL])
+        info.add_metric([str(self.max_loras), ",".join(s.running_lora_adapters),
+                         ",".join(s.waiting_lora_adapters)], self.stats_time or time.time())
+        return info
 
 
 class ServerMetrics:
@@ -150,6 +167,19 @@ class ServerMetrics:
         self._rejected = [Counter(f"{p}:request_rejected", "Requests rejected before the engine",
                                   ["model_name", "status"], registry=self.registry)
                           for p in self.prefixes]
+        self._lora_requests = [Counter(f"{p}:{names.LORA_REQUESTS}",
+                                       "Engine requests sent with each LoRA adapter",
+                                       ["model_name", "lora_name"], registry=self.registry)
+                               for p in self.prefixes]
+
+    def enable_lora(self, max_loras: int) -> None:
+        self._rendered = None
+        self.engine.max_loras = max_loras
+
+    def observe_lora_request(self, adapter: str, count: int = 1) -> None:
+        self._rendered = None
+        for c in self._lora_requests:
+            c.labels(self.model_name, adapter).inc(count)
 
     def _histograms(self, name: str, doc: str, buckets: tuple[float, ...]) -> list[Histogram]:
         """One per prefix, its model_name child made now so it exports zeros from the start."""
@@ -160,6 +190,7 @@ class ServerMetrics:
     def update_stats(self, stats: SchedulerStats) -> None:
         self._rendered = None
         self.engine.stats = stats
+        self.engine.stats_time = time.time()
 
     def set_phase_durations(self, durations: dict[str, float]) -> None:
         self._rendered = None

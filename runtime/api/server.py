@@ -130,6 +130,8 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
     tokenizer = Tokenizer.from_dir(engine_config.model)
     renderer = PromptRenderer(tokenizer)
     metrics = ServerMetrics(settings.model_name, metrics_compat)
+    if engine_config.enable_lora:
+        metrics.enable_lora(engine_config.max_loras)
     client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)
     state = ServerState(settings, client, tokenizer, metrics, renderer)
     _ = state.max_token_bytes  # one pass over the vocabulary now, not in the first request

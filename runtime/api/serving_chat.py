@@ -162,7 +162,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         body.truncate_prompt_tokens, state)
     fmt, params = with_reasoning(state, params, prompt)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
-    created, model = now_s(), state.settings.model_name
+    created, model = now_s(), state.response_model(body.model)
     names = token_names(state.tokenizer, body.return_tokens_as_token_ids)
 
     def chat_usage(gen: Generation) -> dict:

@@ -208,9 +208,10 @@ def start_generation(request: Request, state: ServerState, prefix: str,
     admitted; admission counts all of them; only then is anything sent."""
     cache_salt = effective_cache_salt(getattr(request.state, "cache_tenant", None),
                                       body.cache_salt)
+    adapter = state.adapter_for(body.model)
     generation = Generation(state.client, state.tokenizer, state.metrics,
                             f"{prefix}-{uuid.uuid4().hex}", prompts, params,
-                            state.eos_token_ids, body.priority, cache_salt)
+                            state.eos_token_ids, body.priority, cache_salt, adapter=adapter)
     limits = state.request_limits
     try:
         for engine_request in generation.engine_requests():
@@ -222,6 +223,8 @@ def start_generation(request: Request, state: ServerState, prefix: str,
                            state.block_size) for p in prompts)
     state.admit(len(generation.requests), generation.kv_blocks)
     state.live.add(generation)  # counted before the first send: a failure below releases it
+    if adapter is not None:
+        state.metrics.observe_lora_request(adapter, len(generation.requests))
     try:
         generation.start()
     except EngineDeadError as exc:
@@ -237,6 +240,8 @@ def start_generation(request: Request, state: ServerState, prefix: str,
 
 def engine_error(exc: BaseException, request_id: str) -> APIError:
     if isinstance(exc, EngineRequestError):
+        if exc.param == "model":  # its adapter was unloaded before the engine saw it
+            return APIError(404, exc.message, "model", "model_not_found")
         return bad_request(exc.message, exc.param)
     if isinstance(exc, EngineRequestFailed):  # logged by the engine core
         return internal_error(request_id)

@@ -80,7 +80,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompts = [truncated(p, body.truncate_prompt_tokens, state)
                for p in await asyncio.to_thread(prompts_of, body, state)]
     generation = start_generation(request, state, "cmpl", prompts, params, body)
-    created, model = now_s(), state.settings.model_name
+    created, model = now_s(), state.response_model(body.model)
     names = token_names(state.tokenizer, body.return_tokens_as_token_ids)
     top_k = body.logprobs or 0
 

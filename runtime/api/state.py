@@ -16,6 +16,7 @@ from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.http_listener import RETRY_SAFE_HEADER
+from shoal.runtime.lora_modules import LoraModule
 from shoal.runtime.sampling_params import DEFAULT_LIMITS, RequestLimits
 
 from .admission import CompletionRate, decide
@@ -42,6 +43,8 @@ class ServerSettings:
     # request defaults from generation_config.json (--generation-config): temperature, ...
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span split off
+    enable_lora: bool = False  # the load/unload endpoints answer only with it
+    lora_modules: list[LoraModule] = field(default_factory=list)  # served from the start
 
     @property
     def model_name(self) -> str:
@@ -59,6 +62,10 @@ class ServerState:
     exit_code: int = 0
     live: set[Generation] = field(default_factory=set)
     completions: CompletionRate = field(default_factory=CompletionRate)
+    adapters: dict[str, LoraModule] = field(default_factory=dict)  # name -> module
+
+    def __post_init__(self) -> None:
+        self.adapters.update({m.name: m for m in self.settings.lora_modules})
 
     @property
     def phase(self) -> str:
@@ -119,9 +126,21 @@ class ServerState:
             raise engine_unavailable(f"the engine is not ready yet (phase {self.phase})")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.settings.served_model_names:
+        if name is not None and name not in self.settings.served_model_names \
+                and name not in self.adapters:
             raise APIError(404, f"The model `{name}` does not exist.", "model",
                            "model_not_found")
+
+    def adapter_for(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects; None: the base model."""
+        if name is None or name in self.settings.served_model_names:
+            return None
+        return name if name in self.adapters else None
+
+    def response_model(self, name: str | None) -> str:
+        """The ``model`` a response names: the adapter asked for, else the base's name."""
+        adapter = self.adapter_for(name)
+        return adapter if adapter is not None else self.settings.model_name
 
     def admit(self, num_engine_requests: int, kv_blocks: int) -> None:
         """Bounded queue: engine requests beyond what one batch holds (by max_num_seqs and

@@ -199,12 +199,13 @@ class AsyncEngineClient:
         if live and self.dead_reason is None:
             self._send(RequestType.ABORT, live)
 
-    async def call_utility(self, method: str, timeout: float = 10.0) -> UtilityReply:
+    async def call_utility(self, method: str, timeout: float = 10.0,
+                           args: list[str] | None = None) -> UtilityReply:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = future
         try:
-            self._send(RequestType.UTILITY, UtilityCall(call_id, method))
+            self._send(RequestType.UTILITY, UtilityCall(call_id, method, args or []))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._pending_calls.pop(call_id, None)

@@ -19,11 +19,13 @@ import os
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
+from shoal.runtime.engine.lora_registry import LoraRegistry
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
 from shoal.runtime.log_limits import RateLimitedLog
+from shoal.runtime.lora_modules import check_lora_limits
 from shoal.runtime.sampling_params import InvalidParameter, RequestLimits
 from shoal.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from shoal.runtime.structured.compiler import GrammarCompiler
@@ -80,6 +82,9 @@ _UNFREEZE_AT_EXIT = False
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        check_lora_limits(config.enable_lora, config.lora_modules, config.max_loras,
+                          config.max_lora_rank, config.max_cpu_loras,
+                          config.tensor_parallel_size)
         if executor is None:  # in-process for one rank, a process per rank beyond
             from shoal.runtime.executor.factory import create_executor
 
@@ -104,6 +109,7 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
                 scheduling_policy=config.scheduling_policy,
                 model_revision=config.model_revision,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             default_eos=self.model_config.eos_token_ids,
         )
@@ -124,6 +130,12 @@ class EngineCore:
         self._fault_log = RateLimitedLog(logger)
         self._grammars: GrammarCompiler | None = None  # made at the first grammar
         self._awaiting_grammar: dict[str, EngineCoreRequest] = {}
+        self.adapters = LoraRegistry(executor)
+        for module in config.lora_modules:  # a bad one fails the startup, naming why
+            try:
+                self.adapters.add(module.name, module.path)
+            except ValueError as exc:
+                raise ValueError(f"--lora-modules {module.name}: {exc}") from None
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
@@ -168,6 +180,8 @@ class EngineCore:
         process's, ``validation.py``: a grammar's size is bounded there, and whether it
         parses is decided when it compiles); touches no state."""
         validate_request(request, self.limits)
+        if request.adapter_id is not None and not self.adapters.serves(request.adapter_id):
+            raise InvalidParameter("model", f"The model `{request.adapter_id}` does not exist.")
         if (request.request_id in self.scheduler.requests
                 or request.request_id in self._awaiting_grammar):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
@@ -232,7 +246,24 @@ class EngineCore:
             self._failures.extend(failed)
             return []
         self.isolation.step_succeeded(plan.req_ids)
+        if self.adapters.retiring:
+            self._retire_unused_adapters()
         return outputs
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load an adapter at run time (ValueError naming why a bad one is refused)."""
+        self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests for it are refused now; it leaves the worker once the requests
+        already holding it finish (KeyError: not loaded)."""
+        self.adapters.retire(name)
+        self._retire_unused_adapters()
+
+    def _retire_unused_adapters(self) -> None:
+        awaiting = [_Named(r.adapter_id) for r in self._awaiting_grammar.values()]
+        self.adapters.retire_unused([*self.scheduler.requests.values(), *awaiting])
 
     def take_failures(self) -> list[RequestFailure]:
         """Requests failed by isolated step errors since the last call (already removed)."""
@@ -260,6 +291,15 @@ class EngineCore:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
+
+
+class _Named:
+    """A request waiting for its grammar, seen as the adapter it holds."""
+
+    __slots__ = ("lora_name",)
+
+    def __init__(self, lora_name: str | None) -> None:
+        self.lora_name = lora_name
 
 
 def check_structured(spec: GrammarSpec) -> None:

@@ -96,6 +96,12 @@ def _phase_reporting(executor, startup: _Startup):
         def execute(self, plan):
             return executor.execute(plan)
 
+        def add_lora(self, name: str, path: str) -> None:
+            executor.add_lora(name, path)
+
+        def remove_lora(self, name: str) -> None:
+            executor.remove_lora(name)
+
         def check_health(self, timeout_s: float | None = None) -> None:
             executor.check_health(timeout_s)
 
@@ -309,9 +315,28 @@ class EngineLoop:
                 reply = UtilityReply(call.call_id, True)
             except Exception as exc:  # the checker reports what is inconsistent
                 reply = UtilityReply(call.call_id, False, str(exc))
+        elif call.method in ("add_lora", "remove_lora"):
+            reply = self._lora_call(call)
         else:
             reply = UtilityReply(call.call_id, False, f"unknown utility {call.method!r}")
         self.send(CoreMessageType.UTILITY_REPLY, reply)
+
+    def _lora_call(self, call: UtilityCall) -> UtilityReply:
+        """A bad adapter, or one not loaded, answers ok=False and the reason; the engine
+        goes on serving."""
+        try:
+            if call.method == "add_lora":
+                name, path = call.args
+                self.core.add_lora(name, path)
+            else:
+                (name,) = call.args
+                self.core.remove_lora(name)
+        except KeyError:
+            return UtilityReply(call.call_id, False, "not found")
+        except Exception as exc:  # a bad adapter's files must never end the loop
+            return UtilityReply(call.call_id, False, str(exc) or type(exc).__name__)
+        self._stats_dirty = True
+        return UtilityReply(call.call_id, True)
 
     def _send_outputs(self, outputs: list) -> None:
         now = time.monotonic()

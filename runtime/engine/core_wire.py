@@ -30,6 +30,8 @@ STARTUP_PHASES = ("loading", "profiling", "capturing", "ready")
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     method: str  # "heartbeat" | "reset_prefix_cache" | "check_invariants" | "shutdown"
+    # | "add_lora" [name, path] | "remove_lora" [name]
+    args: list[str] = msgspec.field(default_factory=list)
 
 
 class Heartbeat(msgspec.Struct, array_like=True):

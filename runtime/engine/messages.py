@@ -28,7 +28,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None  # per-tenant isolation of the prefix cache
-    adapter_id: str | None = None  # part of cache identity (LoRA adapter), reserved
+    adapter_id: str | None = None  # the LoRA adapter's name (None: the base); in cache identity
 
 
 class FinishReason(str, enum.Enum):  # noqa: UP042 (msgspec-encoded by value)
@@ -73,6 +73,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)  # sorted names
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -41,6 +41,14 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Parse, check and register a LoRA adapter on every rank (``LoraAdapterError``
+        naming why a bad one is refused)."""
+        raise NotImplementedError("this executor serves no LoRA adapters")
+
+    def remove_lora(self, name: str) -> None:
+        raise NotImplementedError("this executor serves no LoRA adapters")
+
     @abstractmethod
     def check_health(self, timeout_s: float | None = None) -> None:
         """Raise if a rank is dead, stopped or does not answer within ``timeout_s``

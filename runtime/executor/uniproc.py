@@ -39,6 +39,12 @@ class UniProcExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)
 
+    def add_lora(self, name: str, path: str) -> None:
+        self.worker.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.worker.remove_lora(name)
+
     def check_health(self, timeout_s: float | None = None) -> None:
         """In-process: a dead worker would already have raised from ``execute``."""
 

@@ -126,7 +126,8 @@ class BlockPool:
                 self.free_list.append(block)
 
     def cache_blocks(self, blocks: list[KVBlock], hashes: list[int], parent_hash: int | None,
-                     block_size: int, token_ids: Sequence[int] = ()) -> None:
+                     block_size: int, token_ids: Sequence[int] = (),
+                     lora_name: str | None = None) -> None:
         """Make full blocks findable by hash. A hash already held by another block (the same
         prefix computed twice) leaves this block unhashed: one block per hash. With events
         on, ``token_ids`` are the blocks' tokens (block_size each), and each run of newly
@@ -134,26 +135,28 @@ class BlockPool:
         run: list[int] = []  # indices of the current run of stored blocks
         for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             if block.block_hash is not None or block_hash in self.cached:
-                self._stored_event(run, hashes, parent_hash, block_size, token_ids)
+                self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name)
                 run = []
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
             run.append(i)
-        self._stored_event(run, hashes, parent_hash, block_size, token_ids)
+        self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name)
 
     def _stored_event(self, run: list[int], hashes: list[int], parent_hash: int | None,
-                      block_size: int, token_ids: Sequence[int]) -> None:
+                      block_size: int, token_ids: Sequence[int],
+                      lora_name: str | None) -> None:
         if not run or not self.record_events:
             return
         first, last = run[0], run[-1] + 1
         parent = hashes[first - 1] if first else parent_hash
         self.events.append(BlockStored(hashes[first:last], parent,
                                        list(token_ids[first * block_size:last * block_size]),
-                                       block_size))
+                                       block_size, lora_name=lora_name))
 
     def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None,
-                    block_size: int, token_ids: Sequence[int] = ()) -> None:
+                    block_size: int, token_ids: Sequence[int] = (),
+                    lora_name: str | None = None) -> None:
         """``cache_blocks`` for one block (a decode step fills one block per row)."""
         if block.block_hash is not None or block_hash in self.cached:
             return
@@ -161,7 +164,7 @@ class BlockPool:
         self.cached[block_hash] = block
         if self.record_events:
             self.events.append(BlockStored([block_hash], parent_hash, list(token_ids),
-                                           block_size))
+                                           block_size, lora_name=lora_name))
 
     def uncache(self, block: KVBlock) -> None:
         """Make a block unfindable (its K/V is not what its hash says); no-op if unhashed."""

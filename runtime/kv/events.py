@@ -16,7 +16,8 @@ field for field vLLM's ``vllm/distributed/kv_events.py``:
 hash, the block's token ids and the request's extra keys, cut to 64 bits), so Shoal's router
 matches them by hashing the same token ids. A consumer with its own hash (llm-d computes
 its block keys from ``token_ids``) uses the token ids each event carries, one
-``block_size`` slice per hash. ``lora_id``/``lora_name`` are None (no adapters) and
+``block_size`` slice per hash. ``lora_name`` names the LoRA adapter whose KV the blocks
+hold (None: the base model; the adapter is also in the hash), ``lora_id`` is None and
 ``medium`` None (the engine's one KV cache). As vLLM 0.32 encodes them, the batch is an array
 and each event a map tagged by ``type`` (checked by decoding with vLLM's ``KVEventBatch``).
 """

@@ -40,6 +40,7 @@ class KVSequence(Protocol):
     all_token_ids: list[int]
     block_hashes: list[int]  # hashes of the leading full blocks, extended by the manager
     extra_digest: bytes  # ExtraKeys(...).digest(): model revision, adapter, cache salt
+    # optional ``lora_name``: the adapter, named in the KV events of the blocks it stores
 
 
 def cdiv(a: int, b: int) -> int:
@@ -121,7 +122,7 @@ class KVCacheManager:
         size = self.block_size
         tokens = seq.all_token_ids[done * size:full * size] if self.pool.record_events else ()
         self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent, size,
-                               tokens)
+                               tokens, getattr(seq, "lora_name", None))
         self._num_hashed[seq.req_id] = full
 
     def cache_blocks_ahead(self, seq: KVSequence, num_tokens: int) -> None:
@@ -164,7 +165,7 @@ class KVCacheManager:
             block_hash = hash_block(parent, tokens, seq.extra_digest)
             hashes.append(block_hash)
             pool.cache_block(tables[seq.req_id][done], block_hash, parent if done else None,
-                             size, tokens)
+                             size, tokens, getattr(seq, "lora_name", None))
             num_hashed[seq.req_id] = full
 
     # -- allocation ---------------------------------------------------------------------

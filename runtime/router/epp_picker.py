@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.runtime.router.epp_protocol import Refusal
+from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
 from shoal.runtime.router.policy import Decision, ReplicaSnapshot, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
@@ -112,6 +113,8 @@ class EndpointPicker:
         if saturated(snapshots, self.shed_limit):
             return Refusal(429, "every endpoint is saturated; retry later",
                            retry_after_s=SHED_RETRY_AFTER_S)
+        if any(s.lora is not None for s in snapshots):  # some endpoint serves adapters
+            snapshots = prefer_adapter(model_of(body), snapshots)
         now = time.monotonic()
         decisions = choose_endpoints(self.policy, keys, snapshots, self.endpoints_per_pick, now)
         primary = decisions[0]

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from shoal.runtime.router.request_keys import RequestKeys
 
+from shoal.contract.metrics import LoraInfo
 from shoal.contract.policies import ROUTING_POLICIES as POLICY_NAMES
 
 SPILL_LOAD_CAP = "load_cap"  # the best-matching replica was over the load cap
@@ -27,6 +28,7 @@ class ReplicaSnapshot:
     num_waiting: int = 0  # scraped from the replica's /metrics
     num_running: int = 0
     kv_usage: float = 0.0  # 0..1
+    lora: LoraInfo | None = None  # its adapter slots (lora_requests_info); None: LoRA off
 
     @property
     def pressure(self) -> float:

@@ -43,6 +43,7 @@ from shoal.runtime.router.asgi import (
 )
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.hold_queue import CapacityHold
+from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
 from shoal.runtime.router.poison import FailedRequests, fingerprint
 from shoal.runtime.router.policy import SPILL_LOAD_CAP, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
@@ -275,7 +276,10 @@ class RouterApp:
             if not candidates:
                 break
             now = time.monotonic()
-            decision = self.policy.choose(keys, [r.snapshot() for r in candidates], now)
+            snapshots = [r.snapshot() for r in candidates]
+            if any(s.lora is not None for s in snapshots):  # some replica serves adapters
+                snapshots = prefer_adapter(model_of(body), snapshots)
+            decision = self.policy.choose(keys, snapshots, now)
             replica = self.pool.replicas[decision.url]
             tried.add(replica.url)
             # recorded now, not when the answer starts: a non-streaming answer starts only

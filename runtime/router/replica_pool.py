@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from shoal.runtime.router.policy import ReplicaSnapshot
 
-from shoal.contract.metrics import EngineMetrics, parse_engine_metrics
+from shoal.contract.metrics import EngineMetrics, LoraInfo, parse_engine_metrics, parse_lora_info
 from shoal.contract.response_ids import READY_INSTANCE_FIELD
 
 log = logging.getLogger("shoal.router.replicas")
@@ -40,10 +40,12 @@ class Replica:
     affinity_hits: int = 0  # routed here because a prefix match was found
     ejections: int = 0
     instance: str | None = None  # the API process's tag in its response ids (its /ready)
+    lora: LoraInfo | None = None  # scraped lora_requests_info; None: LoRA off
 
     def snapshot(self) -> ReplicaSnapshot:
         return ReplicaSnapshot(self.url, self.in_flight, int(self.metrics.waiting),
-                               int(self.metrics.running), self.metrics.kv_cache_usage)
+                               int(self.metrics.running), self.metrics.kv_cache_usage,
+                               self.lora)
 
 
 def ready_instance(body: bytes) -> str | None:
@@ -145,6 +147,7 @@ class ReplicaPool:
                     text = await response.text()
                     if response.status == 200:
                         replica.metrics = parse_engine_metrics(text)
+                        replica.lora = parse_lora_info(text)
                         replica.metrics_time = time.monotonic()
             except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
                 pass  # keep the last numbers; health is decided by /ready

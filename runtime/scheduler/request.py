@@ -23,6 +23,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "status", "version",
         "block_hashes", "extra_digest", "max_tokens", "seen_by_worker", "ever_admitted",
         "maybe_stop_ids", "logprobs_k", "queued_time", "scheduled_time", "prompt_logprobs",
+        "lora_name",
     )
 
     def __init__(self, request: EngineCoreRequest, arrival_seq: int, max_model_len: int,
@@ -44,6 +45,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.version = 0
         self.block_hashes: list[int] = []
+        self.lora_name = request.adapter_id  # the LoRA adapter; None: the base model
         self.extra_digest = ExtraKeys(model_revision, request.adapter_id,
                                       request.cache_salt).digest()
         room = max_model_len - self.num_prompt_tokens

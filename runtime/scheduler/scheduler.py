@@ -32,6 +32,7 @@ from shoal.runtime.engine.messages import (
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.decode_batch import DecodeBatch
+from shoal.runtime.scheduler.lora_admission import LoraGate, adapters_of
 from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
 from shoal.runtime.scheduler.row_logprobs import row_logprobs, store_prompt_logprobs
@@ -49,6 +50,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     model_revision: str = ""
+    max_loras: int = 0  # LoRA adapter slots per step (0: LoRA off, no gate)
 
 
 @dataclass
@@ -219,8 +221,14 @@ class Scheduler:
 
     def _admit(self, budget: int, rows: StepRows, new_requests: list[NewRequestData]) -> None:
         kv, waiting = self.kv, self.waiting
+        gate = LoraGate(self.config.max_loras, self.running) if self.config.max_loras else None
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = waiting.peek()
+            if gate is not None and not gate.fits(req):  # its adapter waits for a slot
+                found = gate.first_fitting(waiting)
+                if found is None:
+                    break
+                req = found
             # prompt logprobs need every prompt position computed: no prefix-cache reads
             hits = kv.find_cached_prefix(req) if req.prompt_logprobs is None \
                 or req.output_token_ids else []
@@ -229,7 +237,12 @@ class Scheduler:
             if not kv.allocate_slots(req, computed, count, hits):
                 break
             kv.cache_blocks_ahead(req, computed + count)
-            waiting.pop()
+            if req is waiting.peek():
+                waiting.pop()
+            else:
+                waiting.remove(req)
+            if gate is not None:
+                gate.admitted(req)
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += computed
             if not req.ever_admitted:
@@ -247,6 +260,7 @@ class Scheduler:
                 output_token_ids=list(req.output_token_ids),
                 sampling_params=req.sampling_params,
                 generator_offset=len(req.output_token_ids),
+                lora_name=req.lora_name,
             ))
             rows.add(req, count, kv.rows[req.req_id])
             budget -= count
@@ -409,6 +423,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            running_lora_adapters=adapters_of(self.running) if self.config.max_loras else [],
+            waiting_lora_adapters=adapters_of(self.waiting) if self.config.max_loras else [],
         )
 
     def check_invariants(self) -> None:
@@ -420,5 +436,7 @@ class Scheduler:
             raise AssertionError(f"requests hold blocks but are not running: {holders - running}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")
+        if self.config.max_loras and len(adapters_of(self.running)) > self.config.max_loras:
+            raise AssertionError("more distinct LoRA adapters running than max_loras")
         if set(self.requests) != running | {r.req_id for r in self.waiting}:
             raise AssertionError("request registry disagrees with the running/waiting queues")

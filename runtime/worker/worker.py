@@ -23,6 +23,7 @@ from shoal.runtime.sample.state import (
 )
 from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.worker.lora_manager import LoraManager
 from shoal.runtime.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,6 +61,7 @@ class Worker:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
         self._grammars: GrammarBackend | None = None  # prepared by warmup(), before ready
+        self.lora: LoraManager | None = None  # with --enable-lora, made by load_model
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -86,6 +88,27 @@ class Worker:
                                 self.config.quantization)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,
                                   self.config.block_size)
+        if self.config.enable_lora:
+            self.lora = self._attach_lora(model)
+
+    def _attach_lora(self, model) -> LoraManager:
+        from shoal.runtime.model.lora import attach_lora
+
+        config = self.config
+        made = attach_lora(model, config.max_loras, config.max_lora_rank, self.dtype,
+                           self.device)
+        return LoraManager(made, len(model.model.layers),
+                           config.max_cpu_loras or config.max_loras, self.dtype, self.device)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Parse, check and register an adapter; ``LoraAdapterError`` says why it is bad."""
+        if self.lora is None:
+            raise RuntimeError("LoRA is not enabled (--enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
 
     def _runner(self) -> ModelRunner:
         if self.runner is None:
@@ -107,7 +130,8 @@ class Worker:
         runner = self._runner()
         runner.decode_graphs = capture_decode_graphs(
             runner.model, runner.kv_caches, runner.backend, self.device, self.config.max_num_seqs,
-            self.max_model_len, self.config.block_size, self.config.enforce_eager)
+            self.max_model_len, self.config.block_size,
+            self.config.enforce_eager or self.config.enable_lora)  # LoRA steps run eager
         if runner.decode_graphs is not None:
             self.graph_capture_seconds = runner.decode_graphs.capture_seconds
         # before the engine reports ready: built later, it held the GIL against the first steps
@@ -163,9 +187,12 @@ class Worker:
     # -- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         runner = self._runner()
+        lora = self.lora
         for req_id in plan.finished_req_ids:
             self.states.pop(req_id, None)
             self._scoring_prompts.discard(req_id)
+            if lora is not None:
+                lora.forget(req_id)
         vocab = self.model_config().vocab_size
         eos = self.model_config().eos_token_ids
         for new in plan.new_requests:
@@ -175,6 +202,14 @@ class Worker:
                 self.grammars() if new.sampling_params.structured is not None else None)
             if self.states[new.req_id].prompt_for_logprobs is not None:
                 self._scoring_prompts.add(new.req_id)
+            if new.lora_name is not None:
+                if lora is None:
+                    raise RuntimeError(f"request {new.req_id} names LoRA adapter "
+                                       f"{new.lora_name!r} but LoRA is not enabled")
+                lora.track(new.req_id, new.lora_name)
+        if lora is not None:
+            with torch.no_grad():
+                lora.prepare(plan)
         sample_rows = np.asarray(plan.sample_rows, dtype=bool)
         sampled_ids = [rid for rid, s in zip(plan.req_ids, sample_rows, strict=True) if s]
         try:

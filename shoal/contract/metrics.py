@@ -25,6 +25,14 @@ PREFIX_CACHE_QUERIES = "prefix_cache_queries"
 PREFIX_CACHE_HITS = "prefix_cache_hits"
 NUM_PREEMPTIONS = "num_preemptions"
 REQUEST_SUCCESS = "request_success"
+# LoRA: the info gauge the Gateway API inference extension's model-server protocol and
+# llm-d's lora-affinity scorer read (labels below, comma lists; value: last update time), and
+# requests per adapter
+LORA_REQUESTS_INFO = "lora_requests_info"
+LORA_MAX_LABEL = "max_lora"
+LORA_RUNNING_LABEL = "running_lora_adapters"
+LORA_WAITING_LABEL = "waiting_lora_adapters"
+LORA_REQUESTS = "lora_requests"  # counter, label lora_name
 
 
 def sample_name(family: str, counter: bool = False, prefix: str = PREFIX) -> str:
@@ -89,3 +97,53 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     values = {field: samples.get(name, 0.0) for field, name in SAMPLES.items()}
     values["kv_cache_usage"] = min(max(values["kv_cache_usage"], 0.0), 1.0)
     return EngineMetrics(**values)
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """An engine's ``lora_requests_info``: its adapter slots and the adapters in them."""
+
+    max_lora: int = 0
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    base_models: frozenset[str] = frozenset()  # the base's served name(s): not adapters
+
+    @property
+    def active(self) -> frozenset[str]:
+        """Adapters with requests running or queued: those it holds (or is about to)."""
+        return self.running | self.waiting
+
+    @property
+    def has_free_slot(self) -> bool:
+        return len(self.running) < self.max_lora
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(n for n in (p.strip() for p in value.split(",")) if n)
+
+
+def parse_lora_info(text: str, prefix: str = PREFIX) -> LoraInfo | None:
+    """The latest-stamped ``lora_requests_info`` sample (any prefix given), or None when the
+    engine exports none (LoRA off)."""
+    wanted = f"{prefix}:{LORA_REQUESTS_INFO}"
+    base_sample = sample_name(NUM_REQUESTS_RUNNING, prefix=prefix)
+    best: tuple[float, LoraInfo] | None = None
+    bases: set[str] = set()
+    for family in _families(text):
+        for sample in family.samples:
+            if sample.name == base_sample and "model_name" in sample.labels:
+                bases.add(sample.labels["model_name"])
+            if sample.name != wanted:
+                continue
+            labels = sample.labels
+            try:
+                max_lora = int(labels.get(LORA_MAX_LABEL, "0") or 0)
+            except ValueError:
+                max_lora = 0
+            info = LoraInfo(max_lora, _names(labels.get(LORA_RUNNING_LABEL, "")),
+                            _names(labels.get(LORA_WAITING_LABEL, "")))
+            if best is None or sample.value >= best[0]:
+                best = (sample.value, info)
+    if best is None:
+        return None
+    return LoraInfo(best[1].max_lora, best[1].running, best[1].waiting, frozenset(bases))

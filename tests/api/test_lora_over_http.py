@@ -1,0 +1,122 @@
+"""Multi-LoRA over HTTP (``shoal serve --enable-lora``), checked against transformers + peft.
+
+Three PEFT adapters made by peft on the tiny llama (ranks 8/4/16, different target sets, one
+rsLoRA): two given at startup (``NAME=PATH`` and the JSON form), one loaded at run time.
+Greedy completions for the base and every adapter, sent concurrently so they share steps,
+with 2 adapter slots for 3 adapters, equal peft's greedy token for token (near-ties aside).
+Then the errors: unknown adapter 404, bad adapters 400 naming why (the server keeps
+serving), unload, and the LoRA metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, make_lora_adapter):
+    return {
+        "qv8": make_lora_adapter(tiny_llama, "qv8", 8, 16, ["q_proj", "v_proj"], seed=1,
+                                 gain=4.0),
+        "all4": make_lora_adapter(tiny_llama, "all4", 4, 8, ALL, use_rslora=True, seed=2,
+                                  gain=3.0),
+        "mlp16": make_lora_adapter(tiny_llama, "mlp16", 16, 32,
+                                   ["o_proj", "gate_proj", "down_proj"], seed=3, gain=2.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_server(start_server, tiny_llama, adapters):
+    json_form = json.dumps({"name": "all4", "path": str(adapters["all4"]),
+                            "base_model_name": "shoal-test"})
+    return start_server("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
+                        "--max-lora-rank", "16", "--max-num-seqs", "16",
+                        "--lora-modules", f"qv8={adapters['qv8']}", json_form,
+                        model_dir=tiny_llama)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60)
+
+
+def complete(server, model: str, prompt: list[int]) -> list[int]:
+    response = post(server, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == model
+    return body["choices"][0]["token_ids"]
+
+
+def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, adapters,
+                                                      peft_greedy):
+    server = lora_server
+    response = post(server, "/v1/load_lora_adapter",
+                    {"lora_name": "mlp16", "lora_path": str(adapters["mlp16"])})
+    assert response.status_code == 200, response.text
+    assert "added successfully" in response.text
+    cards = {c["id"]: c for c in httpx.get(server.v1 + "/models").json()["data"]}
+    assert cards["shoal-test"]["parent"] is None
+    for name, path in adapters.items():
+        assert cards[name]["parent"] == "shoal-test" and cards[name]["root"] == str(path)
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 33, 50)]
+    jobs = [(model, i) for i in range(len(prompts))
+            for model in ("shoal-test", "qv8", "all4", "mlp16")]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # all in flight at once: mixed steps
+        results = list(pool.map(lambda job: complete(server, job[0], prompts[job[1]]), jobs))
+    got = dict(zip(jobs, results, strict=True))
+    for (model, i), tokens in got.items():
+        reference = peft_greedy(tiny_llama, None if model == "shoal-test" else adapters[model])
+        assert reference.agrees(prompts[i], tokens), (model, i, tokens,
+                                                      reference.generate(prompts[i], MAX_TOKENS))
+    for name in adapters:
+        assert sum(got[(name, i)] != got[("shoal-test", i)] for i in range(4)) >= 2, name
+
+    metrics = httpx.get(server.base_url + "/metrics").text
+    info = re.search(r'^shoal:lora_requests_info\{(.*)\} ([0-9.e+]+)$', metrics, re.M)
+    assert info and 'max_lora="2"' in info.group(1) and float(info.group(2)) > 1e9
+    for name in adapters:
+        assert re.search(rf'^shoal:lora_requests_total\{{.*lora_name="{name}".*\}} 4\.0$',
+                         metrics, re.M), name
+
+
+def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, adapters,
+                                                                  tmp_path):
+    server = lora_server
+    unknown = post(server, "/v1/completions", {"model": "nope", "prompt": [5, 6],
+                                               "max_tokens": 2})
+    assert unknown.status_code == 404
+    (tmp_path / "empty").mkdir()
+    for body, status, why in (
+        ({"lora_name": "x", "lora_path": str(tmp_path / "empty")}, 400,
+         "no adapter_config.json"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "absent")}, 400, "not a directory"),
+        ({"lora_name": "qv8", "lora_path": str(adapters["qv8"])}, 400, "already been loaded"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ):
+        response = post(server, "/v1/load_lora_adapter", body)
+        assert response.status_code == status, response.text
+        assert why in response.json()["error"]["message"], response.text
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "x"}).status_code == 404
+    assert len(complete(server, "qv8", [5, 6, 7])) == MAX_TOKENS  # still serving
+
+    temporary = post(server, "/v1/load_lora_adapter",
+                     {"lora_name": "temp", "lora_path": str(adapters["qv8"])})
+    assert temporary.status_code == 200, temporary.text
+    assert len(complete(server, "temp", [5, 6, 7])) == MAX_TOKENS
+    unloaded = post(server, "/v1/unload_lora_adapter", {"lora_name": "temp"})
+    assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+    after = post(server, "/v1/completions", {"model": "temp", "prompt": [5], "max_tokens": 1})
+    assert after.status_code == 404
+    assert "temp" not in {c["id"] for c in httpx.get(server.v1 + "/models").json()["data"]}
