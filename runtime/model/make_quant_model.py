@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FORMATS = ("fp8-block",)
+FORMATS = ("fp8-block", "fp8-block128", "ct-w4-group", "ct-w4-group128", "ct-w4-group-asym", "ct-w4-channel", "ct-w8-channel",
+           "ct-w8-group-asym", "gptq-w4", "gptq-w4-actorder", "awq-w4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -75,8 +76,8 @@ def make_quant_model(source: str | Path, fmt: str, out_dir: str | Path) -> Path:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
-    if fmt == "fp8-block":
-        _write_fp8_block(model, out, (32, 32))
+    if fmt.startswith("fp8-block"):
+        _write_fp8_block(model, out, (128, 128) if fmt == "fp8-block128" else (32, 32))
     elif fmt.startswith("ct-"):
         from shoal.runtime.model.quant_makers.compressed import write_compressed
 

@@ -51,12 +51,132 @@ def assert_greedy_equals_hf(server, model_dir, hf_loader=None) -> None:
     assert exact >= len(prompts) - 1
 
 
+def serve(start_server, model_dir, *flags: str):
+    """A server for one checkpoint; a 64-token step keeps the warm-up short, and startup may
+    take long on a loaded machine."""
+    server = start_server("--max-model-len", "64", "--max-num-batched-tokens", "64", *flags,
+                          model_dir=model_dir, wait=False)
+    try:
+        server.wait_ready(timeout=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 def says_quantization(server, method: str) -> None:
     models = httpx.get(server.v1 + "/models", timeout=5).json()["data"]
     assert [m["quantization"] for m in models] == [method]
     text = httpx.get(server.base_url + "/metrics", timeout=5).text
     assert f'shoal:model_config_info{{model_name="shoal-test",quantization="{method}"}} 1.0' \
         in text
+
+
+def ct_reference(model_dir):
+    """transformers' own loading of a compressed-tensors checkpoint, dequantized on load
+    (compressed-tensors' decompression into the HF class)."""
+    import torch
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(dequantize=True))
+
+
+def _fields(words):
+    """int32 [..., n] -> [..., n * 8] 4-bit fields, lowest bits first (AutoGPTQ's unpack)."""
+    import torch
+
+    return ((words.unsqueeze(-1) >> torch.arange(0, 32, 4)) & 15).reshape(
+        *words.shape[:-1], -1)
+
+
+def gptq_awq_reference(model_dir):
+    """transformers cannot load GPTQ / AWQ here (it needs optimum + gptqmodel or autoawq,
+    which build CUDA extensions): the reference is the checkpoint dequantized by AutoGPTQ's
+    formula (``(q - (qzeros + 1)) * scales[g_idx]``) or AutoAWQ's (its reverse field order,
+    ``(q - qzeros) * scales``), written independently of the runtime's unpacking, loaded into
+    transformers' own class for the architecture."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    method = config.quantization_config["quant_method"]
+    del config.quantization_config
+    state = load_file(str(model_dir / "model.safetensors"))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    group = json.loads((model_dir / "config.json").read_text())[
+        "quantization_config"]["group_size"]
+    reverse = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ's AWQ_REVERSE_ORDER
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        scales = state[f"{name}.scales"].float()
+        if method == "gptq":
+            q = _fields(state[f"{name}.qweight"].t()).t()  # [in, out]
+            zeros = _fields(state[f"{name}.qzeros"]) + 1
+            index = state[f"{name}.g_idx"].long()
+        else:
+            qweight, qzeros = state[f"{name}.qweight"], state[f"{name}.qzeros"]
+            q = _fields(qweight).reshape(qweight.shape[0], -1, 8)[..., reverse].reshape(
+                qweight.shape[0], -1)
+            zeros = _fields(qzeros).reshape(qzeros.shape[0], -1, 8)[..., reverse].reshape(
+                qzeros.shape[0], -1)
+            index = torch.arange(q.shape[0]) // group
+        with torch.no_grad():
+            module.weight.copy_(((q - zeros[index]) * scales[index]).t())
+    return model
+
+
+def _quant_dir(fmt: str):
+    from shoal.runtime.model.make_quant_model import cached_quant_model
+
+    return cached_quant_model("qwen3", "tiny", fmt)
+
+
+# one server per format family; the other variants run the same engine offline below
+@pytest.mark.parametrize("fmt, method, reference", [
+    ("ct-w4-group-asym", "compressed-tensors", ct_reference),
+    ("ct-w8-channel", "compressed-tensors", ct_reference),
+    ("gptq-w4-actorder", "gptq", gptq_awq_reference),
+    ("awq-w4", "awq", gptq_awq_reference),
+])
+def test_int_weight_greedy_over_http_equals_reference(start_server, fmt, method,
+                                                      reference) -> None:
+    model_dir = _quant_dir(fmt)
+    server = serve(start_server, model_dir)
+    try:
+        says_quantization(server, method)
+        assert_greedy_equals_hf(server, model_dir, reference)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fmt, reference", [
+    ("ct-w4-group", ct_reference), ("ct-w4-channel", ct_reference),
+    ("ct-w8-group-asym", ct_reference), ("gptq-w4", gptq_awq_reference),
+])
+def test_int_weight_variants_offline_equal_reference(fmt, reference) -> None:
+    from shoal.runtime.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    model_dir = _quant_dir(fmt)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+    outputs = LLM(str(model_dir), num_kv_blocks=64).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    model = reference(model_dir).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ours = output.outputs[0].token_ids
+        want, margins = hf_greedy(model, prompt)
+        for pos, (got, expected) in enumerate(zip(ours, want, strict=True)):
+            if got != expected:
+                assert margins[pos] < NEAR_TIE, (pos, ours, want)
+                break
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +187,7 @@ def fp8_dir():
 
 
 def test_fp8_block_greedy_over_http_equals_hf(start_server, fp8_dir) -> None:
-    server = start_server("--quantization", "fp8", "--max-model-len", "64", model_dir=fp8_dir)
+    server = serve(start_server, fp8_dir, "--quantization", "fp8")
     try:
         says_quantization(server, "fp8")
         assert_greedy_equals_hf(server, fp8_dir)

@@ -1,0 +1,149 @@
+"""CPU matmuls on integer weights that stay packed (what ``IntWeights`` becomes after loading).
+
+- ``Int4Packed``: torch's packed int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``; AVX2
+  and AVX-512): two codes a byte in torch's tiled layout, a (scale, offset) pair per group of
+  32/64/128/256 input columns, ``W = (code - 8) * scale + offset``. A checkpoint group larger
+  than 256 (or per channel) is split into kernel groups sharing its scale; GPTQ act-order's
+  permuted columns are sorted once and the activations gathered to match.
+- ``Int8Channel``: torch's int8 weight-only GEMM (``aten._weight_int8pack_mm``), one scale per
+  output channel; an asymmetric zero point is subtracted as ``sum(x) * zero * scale``.
+- ``DequantRows``: anything else (int8 in groups, int4 shapes the packed op refuses: output
+  features not a multiple of 16, groups under 32): one byte a code, a band of output rows
+  dequantized at a time inside the matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from shoal.runtime.model.quant.int_weight import IntWeights
+from torch import nn
+
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the packed int4 CPU op takes
+BAND_ELEMENTS = 1 << 20  # DequantRows: weights dequantized per band
+
+
+class IntKernel(Protocol):
+    def register(self, layer: nn.Module) -> None: ...
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def int4_group(weights: IntWeights) -> int | None:
+    """The packed op's group size for these weights, None when it cannot take them."""
+    out_features = weights.codes.shape[0]
+    if weights.bits != 4 or out_features % 16:
+        return None
+    if weights.group_index is not None:
+        counts = torch.bincount(weights.group_index, minlength=weights.scales.shape[1])
+        if not bool((counts == weights.group_size).all()):
+            return None  # act-order groups of unequal size cannot be made contiguous
+    return next((g for g in INT4_GROUPS if weights.group_size % g == 0), None)
+
+
+def int_kernel(weights: IntWeights, dtype: torch.dtype = torch.float32) -> IntKernel:
+    """``dtype``: the activations' (the scales are kept in it)."""
+    group = int4_group(weights)
+    if group is not None:
+        return Int4Packed(weights, group, dtype)
+    if weights.bits == 8 and weights.scales.shape[1] == 1:
+        return Int8Channel(weights, dtype)
+    return DequantRows(weights, dtype)
+
+
+def _sorted_columns(weights: IntWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]:
+    """(codes, scales, zeros, permutation): act-order columns sorted by group, so each group
+    is contiguous; the permutation gathers the activations the same way."""
+    if weights.group_index is None:
+        return weights.codes, weights.scales, weights.zeros, None
+    perm = torch.argsort(weights.group_index, stable=True)
+    return weights.codes[:, perm], weights.scales, weights.zeros, perm
+
+
+class Int4Packed:
+    def __init__(self, weights: IntWeights, group: int, dtype: torch.dtype) -> None:
+        codes, scales, zeros, perm = _sorted_columns(weights)
+        repeat = weights.group_size // group
+        scales = scales.repeat_interleave(repeat, dim=1)
+        zeros = zeros.repeat_interleave(repeat, dim=1)
+        self.group = group
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1)
+        # W = (code - zero) * scale = (code - 8) * scale + (8 - zero) * scale
+        self.scale_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1).transpose(
+            0, 1).contiguous().to(dtype)
+        self.perm = perm
+
+    def register(self, layer: nn.Module) -> None:
+        layer.register_buffer("int4_weight", self.weight)
+        layer.register_buffer("int4_scale_zeros", self.scale_zeros)
+        if self.perm is not None:
+            layer.register_buffer("int4_perm", self.perm)
+        del self.weight, self.scale_zeros, self.perm  # the layer's buffers are the copies
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        perm = getattr(layer, "int4_perm", None)
+        if perm is not None:
+            rows = rows[:, perm]
+        scale_zeros = layer.int4_scale_zeros
+        if scale_zeros.dtype != x.dtype:
+            scale_zeros = scale_zeros.to(x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.int4_weight,
+                                                         self.group, scale_zeros)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int8Channel:
+    def __init__(self, weights: IntWeights, dtype: torch.dtype) -> None:
+        self.weight = (weights.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        self.scales = weights.scales[:, 0].contiguous().to(dtype)
+        zero = weights.zeros[:, 0] - 128
+        self.correction = (zero * weights.scales[:, 0]).to(dtype) if bool(zero.any()) else None
+
+    def register(self, layer: nn.Module) -> None:
+        layer.register_buffer("int8_weight", self.weight)
+        layer.register_buffer("int8_scales", self.scales)
+        if self.correction is not None:
+            layer.register_buffer("int8_zero_correction", self.correction)
+        del self.weight, self.scales, self.correction
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        scales = layer.int8_scales.to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(rows, layer.int8_weight, scales)
+        correction = getattr(layer, "int8_zero_correction", None)
+        if correction is not None:
+            out = out - rows.sum(-1, keepdim=True) * correction.to(x.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class DequantRows:
+    def __init__(self, weights: IntWeights, dtype: torch.dtype) -> None:
+        self.weights = weights
+
+    def register(self, layer: nn.Module) -> None:
+        w = self.weights
+        layer.register_buffer("int_codes", w.codes.contiguous())
+        layer.register_buffer("int_scales", w.scales.contiguous())
+        layer.register_buffer("int_zeros", w.zeros.contiguous())
+        index = w.group_index if w.group_index is not None else (
+            torch.arange(w.codes.shape[1]) // w.group_size)
+        layer.register_buffer("int_group_index", index)
+        del self.weights
+
+    def matmul(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        codes, index = layer.int_codes, layer.int_group_index
+        out_rows, in_features = codes.shape
+        band = max(1, BAND_ELEMENTS // max(1, in_features))
+        out = torch.empty(*x.shape[:-1], out_rows, dtype=x.dtype, device=x.device)
+        for start in range(0, out_rows, band):
+            end = min(out_rows, start + band)
+            scales = layer.int_scales[start:end][:, index]
+            zeros = layer.int_zeros[start:end][:, index]
+            w = ((codes[start:end].float() - zeros) * scales).to(x.dtype)
+            out[..., start:end] = F.linear(x, w)
+        return out

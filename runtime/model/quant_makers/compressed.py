@@ -1,0 +1,59 @@
+"""compressed-tensors ``pack-quantized`` checkpoints, written by the compressed-tensors library
+itself: its config applied to the model, min/max weight observers turned into scales and zero
+points by its ``calculate_qparams`` (llm-compressor's RTN path, no calibration data), then its
+``ModelCompressor`` packing and its ``update_config`` writing ``quantization_config``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# format name -> (bits, group size or None for per-channel, symmetric)
+SCHEMES = {
+    "ct-w4-group": (4, 32, True),
+    "ct-w4-group128": (4, 128, True),
+    "ct-w4-group-asym": (4, 32, False),
+    "ct-w4-channel": (4, None, True),
+    "ct-w8-channel": (8, None, True),
+    "ct-w8-group-asym": (8, 32, False),
+}
+
+
+def write_compressed(model: Any, out: Path, fmt: str) -> None:
+    """``model``: a transformers ``*ForCausalLM`` in float32; quantized in place."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    bits, group, symmetric = SCHEMES[fmt]
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                            strategy="group" if group else "channel", group_size=group)
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"], quantization_status=QuantizationStatus.FROZEN)
+    apply_quantization_config(model, config)
+    module: Any
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        weight = module.weight.data
+        rows = weight.reshape(weight.shape[0], -1, group or weight.shape[1])
+        scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(str(out))
