@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+from shoal.operator.adapters import LoraSpec, sync_replica
 from shoal.operator.autoscale import (
     Activity,
     Recommendation,
@@ -120,6 +121,22 @@ async def _probe_all(ctx: ReconcileContext, pods: list[dict[str, Any]]
     return list(await asyncio.gather(*(one(p) for p in pods)))
 
 
+async def _sync_adapters(ctx: ReconcileContext, lora: LoraSpec, replicas: list[ReplicaState]
+                         ) -> tuple[list[ReplicaState], list[str]]:
+    """Load and unload on every ready replica so it serves exactly spec.adapters."""
+    wanted = {a.name: a.engine_path for a in lora.adapters}
+
+    async def one(r: ReplicaState) -> tuple[ReplicaState, list[str]]:
+        if not r.ready or r.pod_ip is None:
+            return r, []
+        result = await sync_replica(ctx.http, r.pod_ip, ctx.engine_port, wanted)
+        return replace(r, adapters=tuple(result.served)), [f"{r.name}: {e}"
+                                                          for e in result.errors]
+
+    done = await asyncio.gather(*(one(r) for r in replicas))
+    return [r for r, _ in done], sorted(e for _, errors in done for e in errors)
+
+
 async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
                           replicas: int) -> str:
     children = render_children(owner, spec, replicas)
@@ -202,6 +219,13 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
     now = _now()
     replicas = [observe_replica(p, r, now, spec.startup_timeout_seconds)
                 for p, r in zip(pods, probes, strict=True)]
+    adapter_errors: list[str] = []
+    if spec.lora is not None:  # before the gates open: a new replica serves them first
+        replicas, adapter_errors = await _sync_adapters(ctx, spec.lora, replicas)
+        reported = set(previous.get("adapterErrors") or [])
+        for error in adapter_errors:
+            if error not in reported:
+                await _event(ctx, owner, "Warning", "AdapterSyncFailed", error)
 
     for pod_name, patch in gate_patches(pods, replicas, now):
         await ctx.kube.strategic_patch(POD, owner.namespace, pod_name, patch,
@@ -224,6 +248,8 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
         served_name=spec.model.served_name, url=service_url(owner),
         selector=label_selector_string(engine_selector(owner)), previous=previous, now=now)
     recycle = after_round(recycle, status["readyReplicas"] >= desired and desired > 0)
+    if spec.lora is not None or "adapterErrors" in previous:
+        status["adapterErrors"] = adapter_errors if spec.lora is not None else None
     status["recycle"] = {"count": recycle.count, "lastAt": recycle.last_at}
 
     if gateway.condition is not None:

@@ -6,6 +6,7 @@ import hashlib
 import json
 from typing import Any
 
+from shoal.operator.adapters import adapter_volumes, lora_engine_args
 from shoal.operator.constants import (
     ANNOTATION_TEMPLATE_HASH,
     COMPONENT_ENGINE,
@@ -98,6 +99,9 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--metrics-compat", "vllm"]
     if publishes_kv_events(spec):  # the router follows the engines' real caches
         args += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
+    # the adapters themselves are loaded into running engines (adapters.py): a change of
+    # spec.adapters never changes the pod template
+    args += lora_engine_args(spec.lora)
     return args + list(rt.extra_args)
 
 
@@ -167,7 +171,8 @@ def _volumes(owner: Owner, spec: ServiceSpec) -> tuple[list[dict[str, Any]], lis
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model.source.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": PVC_MODEL_MOUNT, "readOnly": True})
-    return volumes, mounts
+    adapter_vols, adapter_mounts = adapter_volumes(spec.lora, None)
+    return volumes + adapter_vols, mounts + adapter_mounts
 
 
 def _engine_container_mounts(spec: ServiceSpec, mounts: list[dict[str, Any]]

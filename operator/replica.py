@@ -45,6 +45,7 @@ class ReplicaState:
     metrics: EngineMetrics | None
     template_hash: str | None
     started_at: datetime | None
+    adapters: tuple[str, ...] | None = None  # LoRA adapters it serves (spec.adapters set)
 
 
 def parse_time(value: str | None) -> datetime | None:

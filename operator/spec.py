@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.operator.adapters import LoraSpec, parse_adapters
 from shoal.operator.constants import DEFAULT_RUNTIME_IMAGE
 from shoal.operator.model_uri import ModelSource, ModelUriError, parse_model_uri
 from shoal.operator.spec_reader import SpecError, SpecReader
@@ -140,6 +141,7 @@ class ServiceSpec:
     storage: StorageSpec | None
     auth: AuthSpec | None
     service_monitor: bool
+    lora: LoraSpec | None = None  # spec.adapters / spec.lora; None: LoRA off
 
 
 def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
@@ -190,11 +192,16 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     )
     storage = _parse_storage(root.sub("storage")) if root.has("storage") else None
     auth = _parse_auth(root.sub("auth")) if root.has("auth") else None
+    lora = parse_adapters(spec.get("adapters"), spec.get("lora"), model.served_name)
+    if lora is not None and resources.gpus > 1:
+        raise SpecError("spec.adapters", "LoRA adapters need resources.gpus <= 1 (the engine "
+                        "does not run adapters under tensor parallelism yet)")
     return ServiceSpec(
         model=model, runtime=runtime, resources=resources, replicas=replicas,
         autoscaling=autoscaling, routing=routing, startup_timeout_seconds=startup or 1800,
         scheduling=scheduling, storage=storage, auth=auth,
         service_monitor=root.sub("monitoring").boolean("serviceMonitor", False),
+        lora=lora,
     )
 
 

@@ -109,6 +109,8 @@ def replica_status_entry(r: ReplicaState) -> dict[str, Any]:
                      running=int(r.metrics.running), waiting=int(r.metrics.waiting))
     if r.failure is not None:
         entry["lastFailure"] = {"reason": r.failure.reason, "message": r.failure.message}
+    if r.adapters is not None:
+        entry["adapters"] = list(r.adapters)
     return entry
 
 

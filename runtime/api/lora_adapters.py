@@ -96,3 +96,35 @@ def model_cards(state: ServerState) -> list[dict]:
                       "parent": module.base_model_name or settings.model_name,
                       "max_model_len": state.max_model_len})
     return cards
+
+
+ADMIN_PATHS = ("/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def lora_admin_app(state: ServerState):
+    """The adapter endpoints on the ``--metrics-port`` listener, without the API key: the
+    operator keeps running engines' adapters in sync with spec.adapters through them (it
+    holds no client key). That port is the cluster-internal one the operator already probes
+    (/ready, /metrics); clients reach only the main port."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    admin = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    @admin.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @admin.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": model_cards(state)}
+
+    @admin.post("/v1/load_lora_adapter")
+    async def load(request: Request) -> PlainTextResponse:
+        return await load_lora_adapter(request, state)
+
+    @admin.post("/v1/unload_lora_adapter")
+    async def unload(request: Request) -> PlainTextResponse:
+        return await unload_lora_adapter(request, state)
+
+    return admin

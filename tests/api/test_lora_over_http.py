@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from .conftest import API_KEY, free_port
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_TOKENS = 8
 
@@ -37,14 +39,18 @@ def adapters(tiny_llama, make_lora_adapter):
 def lora_server(start_server, tiny_llama, adapters):
     json_form = json.dumps({"name": "all4", "path": str(adapters["all4"]),
                             "base_model_name": "shoal-test"})
-    return start_server("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
-                        "--max-lora-rank", "16", "--max-num-seqs", "16",
-                        "--lora-modules", f"qv8={adapters['qv8']}", json_form,
-                        model_dir=tiny_llama)
+    metrics_port = free_port()
+    server = start_server("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
+                          "--max-lora-rank", "16", "--max-num-seqs", "16",
+                          "--metrics-port", str(metrics_port),
+                          "--lora-modules", f"qv8={adapters['qv8']}", json_form,
+                          model_dir=tiny_llama, api_key=API_KEY)
+    server.metrics_port = metrics_port  # type: ignore[attr-defined]
+    return server
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=60)
+    return httpx.post(server.base_url + path, json=body, timeout=60, headers=server.headers())
 
 
 def complete(server, model: str, prompt: list[int]) -> list[int]:
@@ -64,7 +70,8 @@ def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, a
                     {"lora_name": "mlp16", "lora_path": str(adapters["mlp16"])})
     assert response.status_code == 200, response.text
     assert "added successfully" in response.text
-    cards = {c["id"]: c for c in httpx.get(server.v1 + "/models").json()["data"]}
+    cards = {c["id"]: c for c in httpx.get(server.v1 + "/models",
+                                           headers=server.headers()).json()["data"]}
     assert cards["shoal-test"]["parent"] is None
     for name, path in adapters.items():
         assert cards[name]["parent"] == "shoal-test" and cards[name]["root"] == str(path)
@@ -83,7 +90,7 @@ def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, a
     for name in adapters:
         assert sum(got[(name, i)] != got[("shoal-test", i)] for i in range(4)) >= 2, name
 
-    metrics = httpx.get(server.base_url + "/metrics").text
+    metrics = httpx.get(server.base_url + "/metrics", headers=server.headers()).text
     info = re.search(r'^shoal:lora_requests_info\{(.*)\} ([0-9.e+]+)$', metrics, re.M)
     assert info and 'max_lora="2"' in info.group(1) and float(info.group(2)) > 1e9
     for name in adapters:
@@ -119,4 +126,24 @@ def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, a
     assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
     after = post(server, "/v1/completions", {"model": "temp", "prompt": [5], "max_tokens": 1})
     assert after.status_code == 404
-    assert "temp" not in {c["id"] for c in httpx.get(server.v1 + "/models").json()["data"]}
+    assert "temp" not in {c["id"] for c in httpx.get(server.v1 + "/models",
+                                                     headers=server.headers()).json()["data"]}
+    assert post(server, "/v1/load_lora_adapter", {}).status_code == 400
+    no_key = httpx.post(server.base_url + "/v1/load_lora_adapter", timeout=10,
+                        json={"lora_name": "k", "lora_path": str(adapters["qv8"])})
+    assert no_key.status_code == 401
+
+
+def test_metrics_port_serves_the_adapter_endpoints_without_the_key(lora_server, adapters):
+    """The operator's channel: /v1/models and load/unload on --metrics-port, nothing else
+    of /v1 there."""
+    admin = f"http://127.0.0.1:{lora_server.metrics_port}"
+    cards = httpx.get(admin + "/v1/models", timeout=10).json()["data"]
+    assert {"qv8", "all4"} <= {c["id"] for c in cards if c["parent"]}
+    loaded = httpx.post(admin + "/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "via-admin", "lora_path": str(adapters["qv8"])})
+    assert loaded.status_code == 200, loaded.text
+    assert httpx.post(admin + "/v1/unload_lora_adapter", json={"lora_name": "via-admin"},
+                      timeout=60).status_code == 200
+    assert httpx.post(admin + "/v1/completions", json={"prompt": "x"},
+                      timeout=10).status_code == 404

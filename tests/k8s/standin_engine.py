@@ -47,6 +47,8 @@ def main() -> None:
                                 "capturing": 0.0}, "model": args.model}
 
     label = f'model_name="{args.model}"'
+    adapters: dict[str, str] = {}  # LoRA adapters loaded through the endpoints
+    loads: list[str] = []  # every load, in order (a restart would start it empty)
 
     def current(name: str) -> float:
         if args.metrics_file:
@@ -87,8 +89,35 @@ def main() -> None:
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self) -> None:  # noqa: N802
+            """The LoRA endpoints (vLLM's bodies): a path containing "bad" is refused."""
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            name = body.get("lora_name", "")
+            if self.path == "/v1/load_lora_adapter":
+                path = body.get("lora_path", "")
+                if "bad" in path or name in adapters:
+                    error = {"error": {"message": f"cannot load {name} from {path}"}}
+                    self._send(400, json.dumps(error).encode(), "application/json")
+                    return
+                adapters[name] = path
+                loads.append(name)
+                self._send(200, b"Success", "text/plain")
+            elif self.path == "/v1/unload_lora_adapter":
+                if adapters.pop(name, None) is None:
+                    self._send(404, b'{"error": {"message": "not found"}}', "application/json")
+                    return
+                self._send(200, b"Success", "text/plain")
+            else:
+                self._send(404, b"{}", "application/json")
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path == "/health":
+            if self.path == "/v1/models":
+                cards = [{"id": args.model, "parent": None}] + [
+                    {"id": n, "root": p, "parent": args.model} for n, p in adapters.items()]
+                self._send(200, json.dumps({"data": cards, "loads": loads}).encode(),
+                           "application/json")
+            elif self.path == "/health":
                 self._send(200, b'{"status":"ok"}', "application/json")
             elif self.path == "/ready":
                 code, body = ready_body()

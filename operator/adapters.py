@@ -1,0 +1,174 @@
+"""spec.adapters: LoRA adapters served beside the model, kept in sync on running engines.
+
+``spec.adapters: [{name, source}]`` (source: ``pvc://claim/path`` or an absolute path in the
+image; ``hf://`` is refused for now: engine pods do not download after start), with
+``spec.lora.maxLoras`` / ``maxLoraRank``. The engines run with ``--enable-lora`` and those
+limits; the adapter list is not in the pod template, so adding or removing one never rolls
+the pods. Each round the operator asks every ready replica which adapters it serves
+(``/v1/models`` on its metrics port) and loads or unloads the difference through vLLM's
+endpoints (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), in the same round and
+before the replica's readiness gate opens, so a new replica receives traffic only once it
+serves the declared adapters. Unloading lets running requests finish (the engine's rule).
+Adapter claims are mounted read-only at ``/mnt/adapters/<claim>``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from shoal.operator.model_uri import ModelSource, ModelUriError, parse_model_uri
+from shoal.operator.spec_reader import SpecError
+
+ADAPTER_MOUNT = "/mnt/adapters"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
+SYNC_TIMEOUT_S = 60.0
+DEFAULT_MAX_LORAS = 4
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    uri: str
+    source: ModelSource
+
+    @property
+    def engine_path(self) -> str:
+        """Where the engine reads the adapter's files."""
+        if self.source.scheme == "pvc":
+            return f"{ADAPTER_MOUNT}/{self.source.claim}/{self.source.path}".rstrip("/")
+        return self.source.path
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    adapters: tuple[AdapterSpec, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+def parse_adapters(data: Any, lora: dict[str, Any] | None, served_name: str) -> LoraSpec | None:
+    """spec.adapters and spec.lora; None when neither is given (LoRA off)."""
+    if data is None and lora is None:
+        return None
+    if data is None:
+        data = []
+    if not isinstance(data, list):
+        raise SpecError("spec.adapters", "must be a list of {name, source}")
+    adapters: list[AdapterSpec] = []
+    for i, item in enumerate(data):
+        at = f"spec.adapters[{i}]"
+        if not isinstance(item, dict):
+            raise SpecError(at, "must be an object {name, source}")
+        name, uri = item.get("name"), item.get("source")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise SpecError(f"{at}.name", "must be 1-127 letters, digits, '.', '_' or '-'")
+        if name == served_name:
+            raise SpecError(f"{at}.name", "must differ from the model's served name")
+        if any(a.name == name for a in adapters):
+            raise SpecError(f"{at}.name", f"{name!r} is declared twice")
+        if not isinstance(uri, str):
+            raise SpecError(f"{at}.source", "is required")
+        try:
+            source = parse_model_uri(uri)
+        except ModelUriError as exc:
+            raise SpecError(f"{at}.source", str(exc).replace("model.uri", "source")) from exc
+        if source.scheme not in ("pvc", "path"):
+            raise SpecError(f"{at}.source", "must be pvc://claim/path or an absolute path in "
+                            "the image (hf:// adapters are not supported yet)")
+        adapters.append(AdapterSpec(name, uri, source))
+    lora = lora or {}
+    # not derived from the list: the flags are in the pod template, the list is not
+    max_loras = lora.get("maxLoras", DEFAULT_MAX_LORAS)
+    max_rank = lora.get("maxLoraRank", 16)
+    for key, value in (("maxLoras", max_loras), ("maxLoraRank", max_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecError(f"spec.lora.{key}", "must be an integer >= 1")
+    return LoraSpec(tuple(adapters), max_loras, max_rank)
+
+
+def lora_engine_args(lora: LoraSpec | None) -> list[str]:
+    if lora is None:
+        return []
+    return ["--enable-lora", "--max-loras", str(lora.max_loras),
+            "--max-lora-rank", str(lora.max_lora_rank)]
+
+
+def adapter_volumes(lora: LoraSpec | None, model_claim: str | None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Read-only volumes and mounts for the adapters' claims (each once)."""
+    claims = sorted({a.source.claim for a in (lora.adapters if lora else ())
+                     if a.source.scheme == "pvc"})
+    volumes, mounts = [], []
+    for i, claim in enumerate(claims):
+        volumes.append({"name": f"adapters-{i}", "persistentVolumeClaim": {
+            "claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"adapters-{i}", "mountPath": f"{ADAPTER_MOUNT}/{claim}",
+                       "readOnly": True})
+    del model_claim  # a claim shared with the model is simply mounted twice, read-only
+    return volumes, mounts
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    load: list[tuple[str, str]]  # (name, path)
+    unload: list[str]
+
+
+def plan_sync(wanted: dict[str, str], served: dict[str, str]) -> SyncPlan:
+    """What to load and unload so ``served`` (name -> path) becomes ``wanted``. A changed path
+    is an unload and a load."""
+    unload = sorted(n for n, p in served.items() if wanted.get(n) != p)
+    load = sorted((n, p) for n, p in wanted.items() if served.get(n) != p)
+    return SyncPlan(load, unload)
+
+
+@dataclass
+class SyncResult:
+    served: list[str] = field(default_factory=list)  # adapters the replica serves afterwards
+    errors: list[str] = field(default_factory=list)  # "name: why" for each failed change
+
+
+async def sync_replica(http: httpx.AsyncClient, host: str, port: int,
+                       wanted: dict[str, str]) -> SyncResult:
+    """Bring one ready replica's adapters to ``wanted``; never raises."""
+    base = f"http://{host}:{port}"
+    result = SyncResult()
+    try:
+        listing = await http.get(f"{base}/v1/models", timeout=SYNC_TIMEOUT_S)
+        cards = listing.json().get("data") or []
+        served = {c["id"]: c.get("root", "") for c in cards if c.get("parent")}
+    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError) as exc:
+        result.errors.append(f"listing adapters: {type(exc).__name__}: {exc}")
+        return result
+    plan = plan_sync(wanted, served)
+    now = dict(served)
+    for name in plan.unload:
+        if await _post(http, f"{base}/v1/unload_lora_adapter", {"lora_name": name}, name,
+                       result):
+            now.pop(name, None)
+    for name, path in plan.load:
+        if await _post(http, f"{base}/v1/load_lora_adapter",
+                       {"lora_name": name, "lora_path": path}, name, result):
+            now[name] = path
+    result.served = sorted(now)
+    return result
+
+
+async def _post(http: httpx.AsyncClient, url: str, body: dict[str, str], name: str,
+                result: SyncResult) -> bool:
+    try:
+        response = await http.post(url, json=body, timeout=SYNC_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        result.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        return False
+    if response.status_code == 200:
+        return True
+    try:
+        why = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        why = response.text[:200]
+    result.errors.append(f"{name}: {response.status_code} {why}")
+    return False
