@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shoal.runtime.lora_modules import LoraModule
+from shoal.runtime.pooling_config import PoolerConfig
 
 
 @dataclass
@@ -41,6 +42,8 @@ class EngineConfig:
     max_loras: int = 1  # adapter slots one step may use
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept parsed in memory (LRU); None: max_loras
+    # --runner pooling: every request is an embedding (its prompt pooled, nothing sampled)
+    pooler: PoolerConfig | None = None
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

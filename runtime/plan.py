@@ -73,3 +73,5 @@ class StepResult:
     top_logprobs: np.ndarray | None = None  # float32 [S, K]
     # rows whose request asked for prompt logprobs and computed prompt tokens this step
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # the pooling runner: request id -> its prompt's pooled vector (float32 bytes)
+    pooled: dict[str, bytes] | None = None

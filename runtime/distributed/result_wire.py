@@ -20,6 +20,7 @@ class ResultWire(msgspec.Struct, array_like=True):
     top_token_ids: bytes | None  # int64 [S, K]
     top_logprobs: bytes | None  # float32 [S, K]
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    pooled: dict[str, bytes] | None = None
 
 
 def sampled_req_ids(plan: StepPlan) -> list[str]:
@@ -42,6 +43,7 @@ def encode_result(result: StepResult, plan: StepPlan) -> bytes:
         top_token_ids=_opt(top, np.int64),
         top_logprobs=_opt(result.top_logprobs, np.float32),
         prompt_logprobs=result.prompt_logprobs,
+        pooled=result.pooled,
     ))
 
 
@@ -66,4 +68,5 @@ def decode_result(data: bytes, plan: StepPlan) -> StepResult:
         top_token_ids=matrix(wire.top_token_ids, np.int64),
         top_logprobs=matrix(wire.top_logprobs, np.float32),
         prompt_logprobs=wire.prompt_logprobs,
+        pooled=wire.pooled,
     )

@@ -59,6 +59,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     # when the engine core received it and when it was first scheduled (queue/prefill metrics)
     queued_time: float = 0.0
     scheduled_time: float = 0.0
+    pooled: bytes | None = None  # the pooling runner: the prompt's vector, float32
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):

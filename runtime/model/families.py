@@ -92,9 +92,14 @@ TEXT_ONLY_WRAPPERS = {
 
 def family_for(architecture: str, model_type: str) -> Family:
     """The family row for a checkpoint, or ValueError naming what is not supported."""
-    if not (architecture.endswith("ForCausalLM") or architecture in TEXT_ONLY_WRAPPERS):
+    # a base decoder saved without its LM head (``Qwen3Model``: embedding checkpoints) is the
+    # same decoder; it can only be served with --runner pooling (no logits to sample)
+    base = architecture.endswith("Model") and \
+        architecture[:-len("Model")].lower() == model_type.replace("_", "")
+    if not (architecture.endswith("ForCausalLM") or base or architecture in TEXT_ONLY_WRAPPERS):
         raise ValueError(f"unsupported architecture {architecture!r} (config.json "
-                         f"'architectures'): shoal serves decoder-only *ForCausalLM models and "
+                         f"'architectures'): shoal serves decoder-only *ForCausalLM models "
+                         f"(and their *Model base for embeddings) and "
                          f"{', '.join(sorted(TEXT_ONLY_WRAPPERS))} text-only")
     family = FAMILIES.get(model_type)
     if family is None:

@@ -154,6 +154,9 @@ def _unwrapped(ckpt_name: str, prefix: str | None) -> str | None:
     return None
 
 
+_BASE_MODEL_PARTS = ("embed_tokens.", "layers.", "norm.")
+
+
 def _target(model: DecoderForCausalLM, ckpt_name: str,
             params: dict | None = None) -> tuple[str, object] | None:
     if "rotary_emb" in ckpt_name:
@@ -162,6 +165,8 @@ def _target(model: DecoderForCausalLM, ckpt_name: str,
     if unwrapped is None:
         return None
     ckpt_name = unwrapped
+    if ckpt_name.startswith(_BASE_MODEL_PARTS):  # saved from the base decoder (``Qwen3Model``)
+        ckpt_name = "model." + ckpt_name
     if ckpt_name.startswith("lm_head.") and model.config.tie_word_embeddings:
         return None  # same tensor as the embedding
     moe = expert_checkpoint_target(ckpt_name)

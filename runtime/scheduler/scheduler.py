@@ -310,6 +310,9 @@ class Scheduler:
                 outputs += self._update_rows(step.plan, step.rows, result, num_rows)
         if len(self.running) > len(self._batch):
             self._join_batch()
+        if result.pooled:  # the pooling runner: each prompt's vector with its only output
+            for output in outputs:
+                output.pooled = result.pooled.get(output.request_id)
         return outputs
 
     def _update_batch(self, batch: DecodeBatch, result: StepResult) -> list[EngineCoreOutput]:

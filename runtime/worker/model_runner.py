@@ -91,6 +91,14 @@ class ModelRunner:
         """Logits [S, vocab] for the sampling rows, in row order."""
         return self.forward_with_extra_rows(plan, None)[0]
 
+    def forward_hidden(self, plan: StepPlan) -> torch.Tensor:
+        """The final hidden state of every scheduled token [T, hidden] (the pooling runner:
+        prompts only, so always eager)."""
+        if not self.kv_caches:
+            raise RuntimeError("init_kv_cache must run before the first step")
+        inputs = self.prepare(plan)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+
     def forward_with_extra_rows(self, plan: StepPlan, extra_token_indices: np.ndarray | None
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampling rows' logits, and the logits at ``extra_token_indices`` (flat token

@@ -8,6 +8,8 @@ worker keeps per-request sampling state keyed by request id: created from
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from shoal.runtime.config import EngineConfig
@@ -25,6 +27,7 @@ from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend
 from shoal.runtime.worker.lora_manager import LoraManager
 from shoal.runtime.worker.model_runner import ModelRunner
+from shoal.runtime.worker.pooler import PromptPooler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,6 +65,7 @@ class Worker:
         self.graph_capture_seconds: float | None = None  # set by warmup when graphs are captured
         self._grammars: GrammarBackend | None = None  # prepared by warmup(), before ready
         self.lora: LoraManager | None = None  # with --enable-lora, made by load_model
+        self.pooler = PromptPooler(config.pooler.pooling_type) if config.pooler else None
 
     # -- setup ---------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
@@ -81,6 +85,8 @@ class Worker:
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype,
                                         mc.attention_features)
         max_positions = max(self.max_model_len, mc.max_position_embeddings)
+        if self.config.pooler is not None:  # no logits: an LM head need not be stored
+            mc = dataclasses.replace(mc, tie_word_embeddings=True)
         with torch.no_grad():  # not inference_mode: parameters stay ordinary tensors
             model = build_model(mc, self.config.model, backend, self.parallel, max_positions,
                                 self.dtype, self.device, self.config.load_format,
@@ -186,6 +192,8 @@ class Worker:
 
     # -- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.pooler is not None:
+            return self._execute_pooling(plan, self.pooler)
         runner = self._runner()
         lora = self.lora
         for req_id in plan.finished_req_ids:
@@ -238,6 +246,18 @@ class Worker:
         result = self._result(plan.step_id, sampled_ids, states, out)
         result.prompt_logprobs = prompt_lps
         return result
+
+    def _execute_pooling(self, plan: StepPlan, pooler: PromptPooler) -> StepResult:
+        """Prompts pooled, nothing sampled: each completed prompt's row gets token 0 as a
+        placeholder (its request asked for one token, so the scheduler finishes it there)
+        and its vector in ``pooled``."""
+        pooler.forget(plan.finished_req_ids + [n.req_id for n in plan.new_requests])
+        with torch.inference_mode():
+            pooled = pooler.pool(plan, self._runner().forward_hidden(plan))
+        done = [rid for rid, s in zip(plan.req_ids, np.asarray(plan.sample_rows).tolist(),
+                                      strict=True) if s]
+        return StepResult(plan.step_id, done, np.zeros(len(done), dtype=np.int64),
+                          pooled=pooled or None)
 
     def _result(self, step_id: int, req_ids: list[str], states: list[RequestSamplingState],
                 out: SamplerOutput) -> StepResult:
