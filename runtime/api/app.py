@@ -27,6 +27,7 @@ from .responses_store import ResponseStore
 from .serving_chat import chat_prompt, create_chat_completion, render_chat
 from .serving_common import check_prompt_text, parse_body
 from .serving_completion import create_completion
+from .serving_embeddings import create_embedding
 from .serving_messages import count_tokens, create_message
 from .serving_responses import create_response
 from .state import ServerState
@@ -110,24 +111,32 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
+        state.check_generates()
         return await create_completion(request, state)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
+        state.check_generates()
         return await create_chat_completion(request, state)
 
     @app.post("/v1/messages", dependencies=guarded)
     async def messages(request: Request) -> Response:
+        state.check_generates()
         return await create_message(request, state)
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def messages_count_tokens(request: Request) -> dict:
         return await count_tokens(request, state)
 
+    @app.post("/v1/embeddings", dependencies=guarded)
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, state)
+
     responses = ResponseStore()
 
     @app.post("/v1/responses", dependencies=guarded)
     async def create_responses(request: Request) -> Response:
+        state.check_generates()
         return await create_response(request, state, responses)
 
     @app.get("/v1/models", dependencies=guarded)

@@ -109,6 +109,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "request")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="zmq PUB address for KV-cache events, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"topic\": \"...\"}' (default topic kv@<pod>@<model>, llm-d's)")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
                    help="also export metrics under this runtime's names")
     p.add_argument("--generation-config", default="auto",
@@ -134,6 +138,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept parsed in memory (LRU; others are read again when "
                         "needed); default: --max-loras")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool_choice auto reads calls from the model's text, by vLLM's "
+                        "names: mistral, qwen3_coder, pythonic, deepseek_v3; default: hermes "
+                        "<tool_call> JSON and Llama 3 JSON (hermes, llama3_json)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve /v1/embeddings (each prompt pooled to one vector, "
+                        "nothing generated); auto: pooling for a base-model architecture "
+                        "(*Model), generate otherwise")
+    p.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
+                   help="embed: a *ForCausalLM checkpoint served as an embedding model "
+                        "(implies --runner pooling, as vLLM's adapter)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="override the checkpoint's pooling, vLLM's keys: "
+                        "'{\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                        "\"use_activation\": true}' (use_activation: normalise)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_main)
@@ -204,6 +225,35 @@ def _main(args: argparse.Namespace) -> int:
                           args.max_cpu_loras, args.tensor_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"shoal serve: {exc}") from None
+    from .tool_formats import TOOL_CALL_PARSERS
+
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise SystemExit(f"shoal serve: --tool-call-parser {args.tool_call_parser!r} is not one "
+                         f"of {', '.join(TOOL_CALL_PARSERS)}")
+    try:
+        pooler = _pooler_config(args, model)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"shoal serve: {exc}") from None
+    if pooler is not None and args.enable_lora:
+        raise SystemExit("shoal serve: --enable-lora serves generating models; it cannot be "
+                         "combined with --runner pooling")
+    if pooler is not None and pooler.uses_every_prompt_token and args.enable_prefix_caching:
+        # a cache hit skips the hidden states MEAN and CLS pool
+        logging.getLogger("shoal.api").info("%s pooling: prefix caching off",
+                                            pooler.pooling_type)
+        args.enable_prefix_caching = False
+    kv_endpoint, kv_topic = args.kv_events_endpoint, None
+    if args.kv_events_config is not None:
+        from shoal.runtime.engine.kv_events_config import parse_kv_events_config
+
+        if kv_endpoint is not None:
+            raise SystemExit("shoal serve: give --kv-events-config or --kv-events-endpoint, "
+                             "not both")
+        try:
+            kv_settings = parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            raise SystemExit(f"shoal serve: {exc}") from None
+        kv_endpoint, kv_topic = kv_settings.endpoint, kv_settings.topic
     config = EngineConfig(
         model=model, served_model_name=names[0], model_revision=model_revision,
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
@@ -215,10 +265,11 @@ def _main(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         quantization=args.quantization,
         attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-        max_logprobs=args.max_logprobs, kv_events_endpoint=args.kv_events_endpoint,
+        max_logprobs=args.max_logprobs, kv_events_endpoint=kv_endpoint,
+        kv_events_topic=kv_topic,
         grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,
         lora_modules=lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras)
+        max_cpu_loras=args.max_cpu_loras, pooler=pooler)
     from .sampling_defaults import load_sampling_defaults
 
     try:
@@ -240,9 +291,25 @@ def _main(args: argparse.Namespace) -> int:
         stream_stall_timeout=args.stream_stall_timeout,
         metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth,
         reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults,
-        enable_lora=args.enable_lora, lora_modules=lora_modules)
+        enable_lora=args.enable_lora, lora_modules=lora_modules, pooler=pooler,
+        tool_call_parser=args.tool_call_parser)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)
     return asyncio.run(serve(config, settings, args.host, args.port, args.metrics_compat,
                              args.log_level, limits, args.metrics_port))
+
+
+def _pooler_config(args: argparse.Namespace, model: str):
+    """The pooling runner's config, or None when the model generates."""
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.pooling_config import load_pooler_config, wants_pooling
+
+    if args.runner == "generate" and args.convert == "embed":
+        raise ValueError("--convert embed needs --runner pooling (or auto)")
+    runner = "pooling" if args.convert == "embed" else args.runner
+    if not wants_pooling(runner, load_model_config(model).architecture):
+        if args.pooler_config:
+            raise ValueError("--pooler-config needs --runner pooling")
+        return None
+    return load_pooler_config(model, args.pooler_config)

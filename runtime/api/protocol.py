@@ -262,3 +262,18 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body plus vLLM's extensions (served with ``--runner pooling``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # accepted, ignored (OpenAI's abuse tracking)
+    add_special_tokens: bool = True  # vLLM: as HF encodes text inputs
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the last N tokens (-1: max_model_len)
+    priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM: separates prefix-cache sharing

@@ -1,9 +1,11 @@
 """The Responses API's objects and its stream of events, in the order the openai client and
 agent SDKs parse: response.created, response.in_progress; per output item
-output_item.added, then for a message content_part.added, output_text.delta...,
-output_text.done, content_part.done, for a function call function_call_arguments.delta...,
-function_call_arguments.done; output_item.done; finally response.completed (its status is
-"incomplete" when max_output_tokens cut it short). Every event has a sequence_number.
+output_item.added, then for a reasoning item (``--reasoning-parser``) content_part.added,
+reasoning_text.delta..., reasoning_text.done, content_part.done, for a message
+content_part.added, output_text.delta..., output_text.done, content_part.done, for a
+function call function_call_arguments.delta..., function_call_arguments.done;
+output_item.done; finally response.completed (its status is "incomplete" when
+max_output_tokens cut it short). Every event has a sequence_number.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [reasoning_text(text)] if status == "completed" else []}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def response_object(response_id: str, created: int, model: str, echo: dict[str, Any],
@@ -56,6 +67,16 @@ class ResponseEvents:
 
     def fields(self, fields: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if fields.get("reasoning_content"):
+            if self._open is None or self._open["type"] != "reasoning":
+                out += self._close()
+                out += self._open_item(reasoning_item(f"rs_{uuid.uuid4().hex}", "",
+                                                      "in_progress"))
+                out.append(self._event("response.content_part.added", **self._where(),
+                                       content_index=0, part=reasoning_text("")))
+            self._text += fields["reasoning_content"]
+            out.append(self._event("response.reasoning_text.delta", **self._where(),
+                                   content_index=0, delta=fields["reasoning_content"]))
         if fields.get("content"):
             if self._open is None or self._open["type"] != "message":
                 out += self._close()
@@ -98,7 +119,14 @@ class ResponseEvents:
             return []
         out: list[dict[str, Any]] = []
         where = self._where()
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = reasoning_text(self._text)
+            out.append(self._event("response.reasoning_text.done", **where, content_index=0,
+                                   text=self._text))
+            out.append(self._event("response.content_part.done", **where, content_index=0,
+                                   part=part))
+            done = {**item, "status": "completed", "content": [part]}
+        elif item["type"] == "message":
             part = output_text(self._text)
             out.append(self._event("response.output_text.done", **where, content_index=0,
                                    text=self._text, logprobs=[]))

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from msgspec.structs import replace
@@ -46,6 +47,7 @@ from .serving_completion import usage
 from .state import ServerState
 from .structured_request import grammar_for
 from .tool_calls import ToolPolicy, calls_from_constrained, tool_grammar, tool_policy
+from .tool_formats import parse_whole
 from .tool_parsers import parse_tool_calls
 from .tool_stream import ToolDeltaStream
 
@@ -130,7 +132,8 @@ def assistant_message(text: str, policy: ToolPolicy, finish: str | None,
         if not calls:
             content = text  # cut short by max_tokens: what there is
     else:
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_whole(policy.format, text) if policy.format \
+            else parse_tool_calls(text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.to_json() for c in calls]
@@ -149,7 +152,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     top_k = body.top_logprobs or 0
-    policy = tool_policy(body.tools, body.tool_choice)
+    policy = tool_policy(body.tools, body.tool_choice, state.settings.tool_call_parser)
     grammar = output_grammar(body, policy)
     params = sampling_params(body, state, max_tokens, top_k if body.logprobs else None, grammar)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -161,6 +164,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         allow_special_tokens_in_content=body.allow_special_tokens_in_content)),
         body.truncate_prompt_tokens, state)
     fmt, params = with_reasoning(state, params, prompt)
+    if policy.format is not None and policy.format.keeps_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)  # its markers
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.response_model(body.model)
     names = token_names(state.tokenizer, body.return_tokens_as_token_ids)

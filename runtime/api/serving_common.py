@@ -31,7 +31,7 @@ from .admission import kv_blocks_estimate
 from .body import decode_json, read_body
 from .errors import APIError, bad_request, engine_died, engine_unavailable, internal_error
 from .generation import ChoiceDelta, Generation, PromptInput
-from .protocol import SamplingFields
+from .protocol import EmbeddingRequest, SamplingFields
 from .sampling_defaults import default_of
 from .state import ServerState
 
@@ -203,7 +203,7 @@ def check_template_inputs(state: ServerState, parts: dict[str, object]) -> None:
 
 def start_generation(request: Request, state: ServerState, prefix: str,
                      prompts: list[PromptInput], params: SamplingParams,
-                     body: SamplingFields) -> Generation:
+                     body: SamplingFields | EmbeddingRequest) -> Generation:
     """Every engine request (n per prompt) is built and validated before the first is
     admitted; admission counts all of them; only then is anything sent."""
     cache_salt = effective_cache_salt(getattr(request.state, "cache_tenant", None),

@@ -116,7 +116,7 @@ def usage(choice: Choice) -> dict[str, int]:
 async def create_message(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, state, MessagesRequest)
     chat = as_chat_request(body)
-    policy = tool_policy(chat.tools, chat.tool_choice)
+    policy = tool_policy(chat.tools, chat.tool_choice, state.settings.tool_call_parser)
     grammar = output_grammar(chat, policy)
     params = sampling_params(chat, state, chat.max_tokens, None, grammar)
     if params.n != 1:

@@ -34,7 +34,7 @@ from .protocol import (
     ToolChoiceFunction,
 )
 from .reasoning import ReasoningFormat, ReasoningStream
-from .responses_events import ResponseEvents, message_item, response_object
+from .responses_events import ResponseEvents, message_item, reasoning_item, response_object
 from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
 from .responses_store import ConversationTooLarge, ResponseStore, encode_conversation
 from .serving_chat import (
@@ -133,7 +133,7 @@ async def create_response(request: Request, state: ServerState,
         raise bad_request(str(exc), "previous_response_id" if body.previous_response_id
                           else "input") from exc
     chat = as_chat_request(body, messages)
-    policy = tool_policy(chat.tools, chat.tool_choice)
+    policy = tool_policy(chat.tools, chat.tool_choice, state.settings.tool_call_parser)
     grammar = output_grammar(chat, policy)
     params = sampling_params(chat, state, chat.max_tokens, None, grammar)
     if params.n != 1:
@@ -155,10 +155,9 @@ async def create_response(request: Request, state: ServerState,
 
     def finished(gen: Generation, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         choice = gen.choices[0]
-        if output is None:
+        if output is None:  # (a stream's items include its reasoning item already)
             message, _ = assistant_message(choice.text, policy, choice.finish_reason, fmt)
-            output = output_items(message)
-        output = reasoning_items(choice.text, fmt) + output
+            output = reasoning_items(choice.text, fmt) + output_items(message)
         store.put(response_id, tenant, messages + [assistant_turn(output)])
         return response_object(response_id, created, model, echo, output,
                                choice.finish_reason,
@@ -204,14 +203,12 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def reasoning_items(text: str, fmt: ReasoningFormat | None) -> list[dict[str, Any]]:
-    """The ``<think>`` span as a reasoning output item (``--reasoning-parser``); in a stream
-    it comes whole in response.completed (no reasoning_text deltas yet)."""
+    """The ``<think>`` span as a reasoning output item (``--reasoning-parser``); a stream
+    sends it as response.reasoning_text.delta events (``responses_events.py``)."""
     reasoning = fmt.split(text)[0] if fmt is not None else None
     if not reasoning:
         return []
-    return [{"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-             "content": [{"type": "reasoning_text", "text": reasoning}],
-             "status": "completed"}]
+    return [reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "completed")]
 
 
 def usage(gen: Generation, reasoning_tokens: int = 0) -> dict[str, Any]:

@@ -17,10 +17,11 @@ from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.http_listener import RETRY_SAFE_HEADER
 from shoal.runtime.lora_modules import LoraModule
+from shoal.runtime.pooling_config import PoolerConfig
 from shoal.runtime.sampling_params import DEFAULT_LIMITS, RequestLimits
 
 from .admission import CompletionRate, decide
-from .errors import APIError, engine_unavailable
+from .errors import APIError, bad_request, engine_unavailable
 from .generation import Generation
 from .metrics import ServerMetrics
 
@@ -45,6 +46,8 @@ class ServerSettings:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span split off
     enable_lora: bool = False  # the load/unload endpoints answer only with it
     lora_modules: list[LoraModule] = field(default_factory=list)  # served from the start
+    pooler: PoolerConfig | None = None  # --runner pooling: /v1/embeddings only
+    tool_call_parser: str | None = None  # --tool-call-parser; None: hermes and Llama 3 JSON
 
     @property
     def model_name(self) -> str:
@@ -124,6 +127,12 @@ class ServerState:
             raise engine_unavailable("the server is shutting down")
         if not self.client.is_ready:
             raise engine_unavailable(f"the engine is not ready yet (phase {self.phase})")
+
+    def check_generates(self) -> None:
+        """A pooling runner has no logits: the generation endpoints are refused, naming why."""
+        if self.settings.pooler is not None:
+            raise bad_request(f"Model {self.settings.model_name!r} is served with --runner "
+                              "pooling: it answers /v1/embeddings only", "model")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.settings.served_model_names \

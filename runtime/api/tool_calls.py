@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.runtime.structured.spec import GrammarSpec, json_schema_spec
 
 from .errors import bad_request
 from .json_text import raw_array_items, raw_members
 from .protocol import ChatTool, NamedToolChoice, ToolChoice
+
+if TYPE_CHECKING:
+    from .tool_formats import ToolFormat
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -46,13 +49,15 @@ class ToolPolicy:
 
     mode: str  # "none" | "auto" | "required" | "named"
     named: str | None = None  # the function, when mode == "named"
+    format: ToolFormat | None = None  # --tool-call-parser's, for auto; None: hermes / Llama 3
 
     @property
     def constrained(self) -> bool:
         return self.mode in ("required", "named")
 
 
-def tool_policy(tools: list[ChatTool] | None, choice: ToolChoice | None) -> ToolPolicy:
+def tool_policy(tools: list[ChatTool] | None, choice: ToolChoice | None,
+                parser: str | None = None) -> ToolPolicy:
     if not tools:
         if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -63,7 +68,10 @@ def tool_policy(tools: list[ChatTool] | None, choice: ToolChoice | None) -> Tool
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not "
                               f"among the tools ({', '.join(names)})", "tool_choice")
         return ToolPolicy("named", choice.function.name)
-    return ToolPolicy(choice or "auto")
+    from .tool_formats import tool_format  # (the formats import ToolCall from here)
+
+    return ToolPolicy(choice or "auto", format=tool_format(
+        parser, [t.model_dump(exclude_none=True) for t in tools]))
 
 
 def tool_grammar(tools: list[ChatTool], policy: ToolPolicy, parallel: bool) -> GrammarSpec:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .tool_call_stream import AutoCallStream, RequiredCallStream
 from .tool_calls import ToolCall, ToolPolicy, calls_from_constrained
+from .tool_formats import FormatCallStream
 
 
 class ToolDeltaStream:
@@ -17,7 +18,9 @@ class ToolDeltaStream:
         self.text = ""
         self.num_calls = 0
         self._named: ToolCall | None = None
-        self._auto = AutoCallStream() if policy.mode == "auto" else None
+        self._auto: AutoCallStream | FormatCallStream | None = None
+        if policy.mode == "auto":
+            self._auto = FormatCallStream(policy.format) if policy.format else AutoCallStream()
         self._required = RequiredCallStream() if policy.mode == "required" else None
 
     def feed(self, text: str) -> dict[str, Any]:

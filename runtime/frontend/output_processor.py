@@ -54,6 +54,7 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, when asked
+    pooled: bytes | None = None  # the pooling runner: the prompt's vector (float32)
 
     @property
     def finished(self) -> bool:
@@ -94,6 +95,8 @@ class OutputProcessor:
             choice.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             choice.prompt_logprobs = output.prompt_logprobs
+        if output.pooled is not None:
+            choice.pooled = output.pooled
         detok = self.detokenizer
         if detok.update(output.new_token_ids) is not None:
             choice.finish_reason, choice.stop_reason = FinishReason.STOP.value, detok.stop_string

@@ -1,7 +1,9 @@
-"""--kv-events-endpoint: the engine core publishes the blocks it caches, for precise routing."""
+"""--kv-events-endpoint / vLLM's --kv-events-config: the engine core publishes the blocks it
+caches, for precise routing."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -11,9 +13,16 @@ import zmq
 
 
 @pytest.mark.slow
-def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, free_tcp_port):
+@pytest.mark.parametrize("flag", ["endpoint", "vllm-config"])
+def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, free_tcp_port,
+                                                               flag):
     endpoint = f"tcp://127.0.0.1:{free_tcp_port}"
-    server = start_server("--kv-events-endpoint", endpoint, "--block-size", "16")
+    if flag == "endpoint":
+        server = start_server("--kv-events-endpoint", endpoint, "--block-size", "16")
+    else:  # as llm-d's deployments write it, with the topic spelled out
+        server = start_server("--block-size", "16", "--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+            "topic": "kv@10.0.0.7@shoal-test", "hwm": 1000}))
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -40,6 +49,8 @@ def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, fre
                     continue
                 topic, sequence, payload = sub.recv_multipart()
                 assert topic.startswith(b"kv@") and topic.endswith(b"@shoal-test")
+                if flag == "vllm-config":
+                    assert topic == b"kv@10.0.0.7@shoal-test"
                 _timestamp, events, dp_rank = msgspec.msgpack.decode(payload)  # vLLM's batch
                 assert dp_rank == 0
                 for event in events:
@@ -53,3 +64,29 @@ def test_the_engine_publishes_block_stored_events_for_a_prompt(start_server, fre
     finally:
         sub.close(0)
         context.term()
+
+
+@pytest.mark.parametrize("text,endpoint,topic", [
+    ('{"enable_kv_cache_events": true}', "tcp://*:5557", None),
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", "topic": "t"}',
+     "tcp://*:6000", "t"),
+    ('{"enable_kv_cache_events": true, "publisher": "null"}', None, None),
+    ('{"enable_kv_cache_events": false, "endpoint": "tcp://*:6000"}', None, None),
+])
+def test_vllm_kv_events_config_is_read_as_vllm_reads_it(text, endpoint, topic) -> None:
+    from shoal.runtime.engine.kv_events_config import parse_kv_events_config
+
+    settings = parse_kv_events_config(text)
+    assert (settings.endpoint, settings.topic) == (endpoint, topic)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not JSON"), ("[]", "JSON object"), ('{"replay_endpoint": "tcp://*:1"}', "replay"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+    ('{"endpont": "x"}', "unknown key"),
+])
+def test_bad_kv_events_config_is_refused_naming_it(text, message) -> None:
+    from shoal.runtime.engine.kv_events_config import parse_kv_events_config
+
+    with pytest.raises(ValueError, match=message):
+        parse_kv_events_config(text)

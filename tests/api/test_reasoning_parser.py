@@ -181,3 +181,35 @@ def test_responses_reasoning_item_and_anthropic_thinking_block(server) -> None:
         final = stream.get_final_message()
     assert [b.type for b in final.content] == [b.type for b in message.content]
     assert [b.thinking for b in final.content if b.type == "thinking"] == thinking
+
+
+def test_responses_stream_sends_reasoning_text_events_that_add_up_to_the_item(server) -> None:
+    """As OpenAI streams a reasoning model: the reasoning item opens first, its text arrives
+    as response.reasoning_text.delta events and closes with reasoning_text.done, then the
+    message (if any); the openai client's stream helper assembles the same output."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    kwargs = {"model": "shoal-test", "input": "Where?", "max_output_tokens": 12,
+              "temperature": 0}
+    whole = client.responses.create(**kwargs)
+    reasoning = [item.content[0].text for item in whole.output if item.type == "reasoning"]
+    assert reasoning, "deepseek_r1 opens the span: a cut-short answer is all reasoning"
+    kinds, deltas, done_text = [], "", None
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.reasoning_text.delta":
+                deltas += event.delta
+            elif event.type == "response.reasoning_text.done":
+                done_text = event.text
+        final = stream.get_final_response()
+    assert deltas == done_text == reasoning[0]
+    first = kinds.index("response.output_item.added")
+    assert kinds[first + 1:first + 3] == ["response.content_part.added",
+                                          "response.reasoning_text.delta"]
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_item.done")
+    assert kinds[-1] == "response.completed"
+    assert [(i.type, i.content[0].text) for i in final.output if i.type == "reasoning"] == \
+        [("reasoning", reasoning[0])]
+    assert len(final.output) == len(whole.output)

@@ -1,0 +1,173 @@
+"""``--tool-call-parser`` formats (mistral, qwen3_coder, pythonic, deepseek_v3): each read
+whole and as it streams, cut at every point; the streamed calls assemble to the whole ones.
+The expected calls are what vLLM's parsers return for the same text
+(bench/tool_parsers_vs_vllm.py runs vLLM's own parsers on these cases). Then served: the
+tiny model is made to write each format (vLLM's ``structured_outputs`` choice), and the
+openai client reads the calls, streamed and not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from shoal.runtime.api.tool_formats import (
+    FORMATS,
+    FormatCallStream,
+    parse_whole,
+    tool_format,
+)
+from shoal.runtime.api.tool_formats.mistral import mistral_call_id
+from shoal.runtime.api.tool_formats.qwen3_coder import typed_value
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"},
+                                     "hours": {"type": "array"}, "zip": {"type": "string"}}}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {}}}}]
+DS_BEGIN, DS_CALL, DS_SEP, DS_END, DS_ALL_END = (
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>")
+
+# (format, model text, expected content, expected [(name, arguments object)])
+CASES = [
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "Sure.",
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]ping[ARGS]{}', None,
+     [("get_weather", {"city": "Oslo"}), ("ping", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}', None,
+     [("get_weather", {"city": "Rome"})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lima"}}, '
+                '{"name": "ping", "arguments": {}}]', None,
+     [("get_weather", {"city": "Lima"}), ("ping", {})]),
+    ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "[TOOL_CALLS]get_weather[ARGS]"
+                "{\"city\": ", []),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                    "New York\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+                    "<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n"
+                    "</parameter>\n<parameter=zip>\n10001\n</parameter>\n</function>\n"
+                    "</tool_call>", "Let me check.",
+     [("get_weather", {"city": "New York", "days": 3, "metric": True, "hours": [1, 2],
+                       "zip": "10001"})]),
+    ("qwen3_coder", "<tool_call>\n<function=ping>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                    "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>", None,
+     [("ping", {}), ("get_weather", {"city": "Oslo", "extra": "7"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nBern", None,
+     [("get_weather", {"city": "Bern"})]),  # cut short: what was written counts
+    ("qwen3_coder", "a <tool_call> b", "a <tool_call> b", []),
+    ("pythonic", '[get_weather(city="San Francisco", days=2, metric=True), ping()]', None,
+     [("get_weather", {"city": "San Francisco", "days": 2, "metric": True}), ("ping", {})]),
+    ("pythonic", '[get_weather(city="Paris", hours=[1, 2], zip=None)]', None,
+     [("get_weather", {"city": "Paris", "hours": [1, 2], "zip": None})]),
+    ("pythonic", ' [ping()]', ' [ping()]', []),  # vLLM: the message must be the list
+    ("pythonic", "[1, 2] are numbers", "[1, 2] are numbers", []),
+    ("pythonic", "It is [get_weather(city='x')]", "It is [get_weather(city='x')]", []),
+    ("pythonic", "[get_weather(city=foo)]", "[get_weather(city=foo)]", []),
+    ("deepseek_v3", f"Checking.{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+                    f'{{"city": "Tokyo"}}\n```{DS_END}{DS_CALL}function{DS_SEP}ping\n```json\n'
+                    f"{{}}\n```{DS_END}{DS_ALL_END}", "Checking.",
+     [("get_weather", {"city": "Tokyo"}), ("ping", {})]),
+    ("deepseek_v3", f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+                    '{"city": "Tok', f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n"
+                    '```json\n{"city": "Tok', []),
+]
+
+
+def assembled(name: str, text: str, step: int) -> tuple[str, list[tuple[str, str]], set]:
+    """(content, [(name, arguments text)], ids) as a client assembles the stream."""
+    stream = FormatCallStream(tool_format(name, TOOLS))  # type: ignore[arg-type]
+    content, calls, ids = "", {}, set()
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for out in [stream.feed(p) for p in pieces] + [stream.finish()]:
+        content += out[0]
+        for delta in out[1]:
+            assert delta["index"] not in calls  # each call is sent once, whole
+            calls[delta["index"]] = (delta["function"]["name"], delta["function"]["arguments"])
+            ids.add(delta["id"])
+    return content, [calls[i] for i in sorted(calls)], ids
+
+
+@pytest.mark.parametrize("name,text,content,expected", CASES)
+def test_whole_and_streamed_at_every_cut(name, text, content, expected) -> None:
+    got_content, calls = parse_whole(tool_format(name, TOOLS), text)  # type: ignore[arg-type]
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    for step in (1, 2, 5, len(text)):
+        streamed_content, streamed, ids = assembled(name, text, step)
+        assert streamed == [(c.name, c.arguments) for c in calls]
+        assert len(ids) == len(calls)
+        # content streams as written; the whole message trims it
+        assert (streamed_content.strip() or None) == (content.strip() if content else None)
+        if not calls:
+            assert streamed_content == text
+
+
+def test_mistral_ids_are_nine_alphanumerics_and_markers_kept() -> None:
+    assert len(mistral_call_id()) == 9 and mistral_call_id().isalnum()
+    _, calls = parse_whole(FORMATS["mistral"](TOOLS), '[TOOL_CALLS]ping[ARGS]{}')
+    assert len(calls[0].id) == 9
+    assert FORMATS["mistral"].keeps_special_tokens
+
+
+@pytest.mark.parametrize("text,schema_type,value", [
+    ("5", "integer", 5), ("5.0", "number", 5), ("2.5", "number", 2.5), ("x", "integer", "x"),
+    ("TRUE", "boolean", True), ("0", "boolean", False), ("null", ["string", "null"], None),
+    ('{"a": 1}', "object", {"a": 1}), ("inf", "number", "inf"), ("7", "string", "7"),
+    ("[1e999]", "array", "[1e999]"), ("12", None, 12),
+])
+def test_qwen3_coder_values_take_the_schema_type_in_vllm_order(text, schema_type, value):
+    assert typed_value(text, schema_type) == value
+
+
+# what the tiny model is made to write, per format, and the call it must come back as
+SERVED = {
+    "mistral": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+                {"city": "Paris", "days": 3}),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+                    "</tool_call>", {"city": "Paris", "days": 3}),
+    "pythonic": ('[get_weather(city="Paris", days=3)]', {"city": "Paris", "days": 3}),
+    "deepseek_v3": (f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+                    f'{{"city": "Paris", "days": 3}}\n```{DS_END}{DS_ALL_END}',
+                    {"city": "Paris", "days": 3}),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(SERVED))
+def test_served_calls_through_the_openai_client_streamed_and_not(start_server, tiny_qwen2,
+                                                                 parser) -> None:
+    openai = pytest.importorskip("openai")
+    text, arguments = SERVED[parser]
+    server = start_server("--tool-call-parser", parser, "--enable-auto-tool-choice",
+                          model_dir=tiny_qwen2)
+    try:
+        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        kwargs = {"model": "shoal-test", "tools": TOOLS, "max_tokens": 200, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                  "extra_body": {"structured_outputs": {"choice": [text]}}}
+        answer = client.chat.completions.create(**kwargs)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == arguments
+        calls: dict[int, dict] = {}
+        content, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+                    entry["id"] = entry["id"] or d.id
+                    entry["name"] += d.function.name or ""
+                    entry["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls" and content == ""
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (call.function.name, call.function.arguments)]
+        assert calls[0]["id"]
+    finally:
+        server.stop()
