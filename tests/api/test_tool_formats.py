@@ -1,7 +1,8 @@
 """``--tool-call-parser`` formats (mistral, qwen3_coder, pythonic, deepseek_v3): each read
 whole and as it streams, cut at every point; the streamed calls assemble to the whole ones.
 The expected calls are what vLLM's parsers return for the same text
-(bench/tool_parsers_vs_vllm.py runs vLLM's own parsers on these cases). Then served: the
+(bench/tool_parsers_vs_vllm.py runs vLLM's own parsers on these cases), except the few in
+DEPARTS_FROM_VLLM. Then served: the
 tiny model is made to write each format (vLLM's ``structured_outputs`` choice), and the
 openai client reads the calls, streamed and not."""
 
@@ -29,6 +30,15 @@ DS_BEGIN, DS_CALL, DS_SEP, DS_END, DS_ALL_END = (
     "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
     "<｜tool▁calls▁end｜>")
 
+# where Shoal reads a text differently from vLLM, on purpose (the bench reports them apart)
+DEPARTS_FROM_VLLM = {
+    '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}':
+        "vLLM keeps '[CALL_ID]a1b2c3d4e' in the function name",
+    '[TOOL_CALLS]get_weather[ARGS]{"city": ':
+        "vLLM returns a call whose arguments are not JSON; Shoal keeps cut-short text as "
+        "content, as its hermes reading does",
+}
+
 # (format, model text, expected content, expected [(name, arguments object)])
 CASES = [
     ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "Sure.",
@@ -54,8 +64,9 @@ CASES = [
                     "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
                     "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>", None,
      [("ping", {}), ("get_weather", {"city": "Oslo", "extra": "7"})]),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nBern", None,
-     [("get_weather", {"city": "Bern"})]),  # cut short: what was written counts
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>"
+                    "\n<parameter=city>\nBern", None,
+     [("get_weather", {"days": 2})]),  # cut short: the closed parameters count
     ("qwen3_coder", "a <tool_call> b", "a <tool_call> b", []),
     ("pythonic", '[get_weather(city="San Francisco", days=2, metric=True), ping()]', None,
      [("get_weather", {"city": "San Francisco", "days": 2, "metric": True}), ("ping", {})]),

@@ -12,7 +12,8 @@ Values are text; each becomes the JSON type the function's schema gives its para
 in vLLM's order (null, integer, number, boolean, object, array, then the text itself), and a
 parameter the schema does not type stays a string. One newline after ``<parameter=..>`` and
 before ``</parameter>`` is the template's markup, not the value. A call is complete at its
-``</function>``; when the output ends inside one, what was written of it counts.
+``</function>``; when the output ends inside one, the call counts with the parameters
+that were closed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from ..tool_calls import ToolCall
 from .base import ToolFormat
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(</function>|$)", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
+# a parameter ends at its close tag or where the next one opens; one cut off by the end of
+# the output is dropped (vLLM's reading)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=))",
                         re.DOTALL)
 _ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")
 
