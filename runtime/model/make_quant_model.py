@@ -20,7 +20,7 @@ import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FORMATS = ("fp8-block", "fp8-block128", "ct-w4-group", "ct-w4-group128", "ct-w4-group-asym", "ct-w4-channel", "ct-w8-channel",
-           "ct-w8-group-asym", "gptq-w4", "gptq-w4-actorder", "awq-w4")
+           "ct-w8-group-asym", "ct-fp8-dynamic", "ct-w8a8-int", "gptq-w4", "gptq-w4-actorder", "awq-w4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 

@@ -159,6 +159,7 @@ def test_int_weight_greedy_over_http_equals_reference(start_server, fmt, method,
 @pytest.mark.parametrize("fmt, reference", [
     ("ct-w4-group", ct_reference), ("ct-w4-channel", ct_reference),
     ("ct-w8-group-asym", ct_reference), ("gptq-w4", gptq_awq_reference),
+    ("ct-fp8-dynamic", ct_reference), ("ct-w8a8-int", ct_reference),
 ])
 def test_int_weight_variants_offline_equal_reference(fmt, reference) -> None:
     from shoal.runtime.llm import LLM

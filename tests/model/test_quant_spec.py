@@ -12,6 +12,7 @@ import pytest
 import torch
 from shoal.runtime.model.quant.spec import (
     Fp8BlockScheme,
+    Fp8ChannelScheme,
     IntWeightScheme,
     QuantizationError,
     check_flag,
@@ -49,6 +50,16 @@ def test_schemes_read_from_quantization_config() -> None:
         "quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
         "version": "gemm"}})
     assert awq is not None and awq.scheme == IntWeightScheme(4, 64, False, "awq")
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+            "symmetric": True}
+    fp8 = parse_quantization({"quantization_config": _ct(
+        {"type": "float", "num_bits": 8, "strategy": "channel", "group_size": None},
+        fmt="float-quantized", input_activations=acts)})
+    assert fp8 is not None and fp8.scheme == Fp8ChannelScheme(per_tensor=False)
+    w8a8 = parse_quantization({"quantization_config": _ct(
+        {"num_bits": 8, "strategy": "channel", "group_size": None}, fmt="int-quantized",
+        input_activations={**acts, "type": "int"})})
+    assert w8a8 is not None and w8a8.scheme == IntWeightScheme(8, None, True, "int-quantized")
     nested = parse_quantization({"text_config": {"quantization_config": FP8}})
     assert nested is not None and nested.method == "fp8"
 
@@ -62,6 +73,12 @@ def test_schemes_read_from_quantization_config() -> None:
     (_ct({}, input_activations={"num_bits": 8, "type": "int", "strategy": "token",
                                 "dynamic": True}), "only weight-only schemes"),
     (_ct({"num_bits": 2}), "2-bit weights are not supported"),
+    (_ct({"type": "float", "num_bits": 8, "strategy": "channel", "group_size": None},
+         fmt="float-quantized", input_activations={"num_bits": 8, "type": "float",
+                                                   "strategy": "tensor", "dynamic": False}),
+     "activations with dynamic=False are not supported"),
+    (_ct({"num_bits": 4, "strategy": "channel", "group_size": None}, fmt="int-quantized"),
+     "int-quantized 4-bit channel weights are not supported"),
     (_ct({"strategy": "tensor", "group_size": None}), "strategy 'tensor' is not supported"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq: 3-bit weights"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "gptq_v2"},

@@ -33,6 +33,7 @@ class Fp8BlockMethod:
 
     def create_weights(self, layer: _Linear, prefix: str, slots: dict[object, tuple[int, int]],
                        in_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        layer.fp8_block_in = self.block_in  # type: ignore[assignment]
         out_rows = total_rows(slots)
         in_blocks = _ceil(in_features, self.block_in)
         quant_param(layer, prefix, "weight", (out_rows, in_features), torch.float8_e4m3fn,
@@ -53,7 +54,8 @@ class Fp8BlockMethod:
         pass  # the checkpoint's layout is the kernel's
 
     def apply(self, layer: _Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_in, bias)
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
+                                layer.fp8_block_in, bias)  # type: ignore[arg-type]
 
 
 def _place(dst: torch.Tensor, tensor: torch.Tensor, first: int, rows: int,

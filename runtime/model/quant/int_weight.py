@@ -46,6 +46,10 @@ def layout_module(scheme: IntWeightScheme) -> ModuleType:
         from shoal.runtime.model.quant import ct_pack
 
         return ct_pack
+    if scheme.layout == "int-quantized":
+        from shoal.runtime.model.quant import ct_int
+
+        return ct_int
     if scheme.layout == "gptq":
         from shoal.runtime.model.quant import gptq
 

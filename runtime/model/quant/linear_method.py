@@ -17,6 +17,7 @@ import torch
 from shoal.runtime.model.linear import _Linear
 from shoal.runtime.model.quant.spec import (
     Fp8BlockScheme,
+    Fp8ChannelScheme,
     IntWeightScheme,
     QuantizationError,
     QuantSpec,
@@ -43,6 +44,10 @@ def method_for(spec: QuantSpec) -> QuantMethod:
         from shoal.runtime.model.quant.fp8_block import Fp8BlockMethod
 
         return Fp8BlockMethod(spec.scheme)
+    if isinstance(spec.scheme, Fp8ChannelScheme):
+        from shoal.runtime.model.quant.fp8_channel import Fp8ChannelMethod
+
+        return Fp8ChannelMethod(spec.scheme)
     if isinstance(spec.scheme, IntWeightScheme):
         from shoal.runtime.model.quant.int_weight import IntWeightMethod
 

@@ -39,11 +39,20 @@ class IntWeightScheme:
     bits: int
     group_size: int | None
     symmetric: bool
-    layout: str  # "pack-quantized" | "gptq" | "awq"
+    layout: str  # "pack-quantized" | "int-quantized" | "gptq" | "awq"
     desc_act: bool = False  # GPTQ act-order: g_idx maps input columns to groups
 
 
-Scheme = Fp8BlockScheme | IntWeightScheme
+@dataclass(frozen=True)
+class Fp8ChannelScheme:
+    """compressed-tensors ``float-quantized``: float8_e4m3fn weights with one ``weight_scale``
+    per output channel (or per tensor). Dynamic per-token activation quantization, which the
+    checkpoint also names, is not emulated on CPU: activations stay in the model dtype, as in
+    transformers' own CPU loading."""
+    per_tensor: bool
+
+
+Scheme = Fp8BlockScheme | Fp8ChannelScheme | IntWeightScheme
 
 
 @dataclass(frozen=True)
@@ -89,9 +98,11 @@ def parse_quantization(raw_config: dict) -> QuantSpec | None:
     if method not in METHODS:
         raise QuantizationError(f"quantization method {qc.get('quant_method')!r} is not "
                                 f"supported (supported: {', '.join(METHODS)})")
-    parse = {"fp8": _fp8, "compressed-tensors": _compressed_tensors, "gptq": _gptq,
-             "awq": _awq}[method]
-    return parse(qc)
+    if method == "compressed-tensors":
+        from shoal.runtime.model.quant.ct_spec import parse_compressed_tensors
+
+        return parse_compressed_tensors(qc)
+    return {"fp8": _fp8, "gptq": _gptq, "awq": _awq}[method](qc)
 
 
 def _fp8(qc: dict) -> QuantSpec:
@@ -112,14 +123,14 @@ def _fp8(qc: dict) -> QuantSpec:
                      tuple(qc.get("modules_to_not_convert") or ()))
 
 
-def _int_bits(method: str, bits: Any, allowed: tuple[int, ...]) -> int:
+def int_bits(method: str, bits: Any, allowed: tuple[int, ...]) -> int:
     if bits not in allowed:
         raise QuantizationError(f"{method}: {bits}-bit weights are not supported "
                                 f"(supported: {', '.join(map(str, allowed))})")
     return int(bits)
 
 
-def _group(method: str, group: Any) -> int | None:
+def group_size(method: str, group: Any) -> int | None:
     if group in (None, -1):
         return None
     if not isinstance(group, int) or group <= 0:
@@ -133,8 +144,8 @@ def _gptq(qc: dict) -> QuantSpec:
                                 "is not supported (only gptq)")
     if qc.get("lm_head"):
         raise QuantizationError("gptq: a quantized lm_head is not supported")
-    bits = _int_bits("gptq", qc.get("bits"), (4, 8))
-    return QuantSpec("gptq", IntWeightScheme(bits, _group("gptq", qc.get("group_size")),
+    bits = int_bits("gptq", qc.get("bits"), (4, 8))
+    return QuantSpec("gptq", IntWeightScheme(bits, group_size("gptq", qc.get("group_size")),
                                              bool(qc.get("sym", True)), "gptq",
                                              bool(qc.get("desc_act", False))),
                      tuple(qc.get("modules_to_not_convert") or ()))
@@ -144,56 +155,10 @@ def _awq(qc: dict) -> QuantSpec:
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise QuantizationError(f"awq: version {version!r} is not supported (only gemm)")
-    bits = _int_bits("awq", qc.get("bits", qc.get("w_bit")), (4,))
-    group = _group("awq", qc.get("group_size", qc.get("q_group_size")))
+    bits = int_bits("awq", qc.get("bits", qc.get("w_bit")), (4,))
+    group = group_size("awq", qc.get("group_size", qc.get("q_group_size")))
     return QuantSpec("awq", IntWeightScheme(bits, group, not qc.get("zero_point", True), "awq"),
                      tuple(qc.get("modules_to_not_convert") or ()))
-
-
-def _compressed_tensors(qc: dict) -> QuantSpec:
-    """compressed-tensors' own model of its config parses it; one weight-only scheme served."""
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        config = QuantizationConfig.model_validate(qc)
-    except Exception as exc:  # pydantic's ValidationError names the field
-        raise QuantizationError(f"compressed-tensors: quantization_config is invalid: "
-                                f"{exc}") from None
-    if len(config.config_groups) != 1:
-        raise QuantizationError("compressed-tensors: more than one config group "
-                                f"({', '.join(config.config_groups)}) is not supported")
-    (name, group), = config.config_groups.items()
-    fmt = str(group.format or config.format)
-    if fmt != "pack-quantized":
-        raise QuantizationError(f"compressed-tensors: format {fmt!r} is not supported "
-                                "(supported: pack-quantized)")
-    if group.input_activations is not None or group.output_activations is not None:
-        raise QuantizationError(f"compressed-tensors: {name} quantizes activations; only "
-                                "weight-only schemes are supported")
-    if config.kv_cache_scheme is not None:
-        raise QuantizationError("compressed-tensors: kv_cache_scheme is not supported")
-    if [t for t in group.targets if t != "Linear"]:
-        raise QuantizationError(f"compressed-tensors: targets {group.targets} are not "
-                                "supported (only Linear)")
-    w = group.weights
-    if w is None:
-        raise QuantizationError(f"compressed-tensors: {name} has no weights scheme")
-    if str(w.type) != "int":
-        raise QuantizationError(f"compressed-tensors: {w.type} weights in pack-quantized")
-    bits = _int_bits("compressed-tensors", w.num_bits, (4, 8))
-    strategy = str(w.strategy)
-    if strategy not in ("group", "channel"):
-        raise QuantizationError(f"compressed-tensors: strategy {strategy!r} is not supported "
-                                "(supported: group, channel)")
-    if w.actorder not in (None, "static") and str(w.actorder) not in ("static",):
-        raise QuantizationError(f"compressed-tensors: actorder {w.actorder!r} is not "
-                                "supported")
-    if w.dynamic:
-        raise QuantizationError("compressed-tensors: dynamic weight scales are not supported")
-    group_size = w.group_size if strategy == "group" else None
-    return QuantSpec("compressed-tensors",
-                     IntWeightScheme(bits, group_size, bool(w.symmetric), "pack-quantized"),
-                     tuple(config.ignore or ()))
 
 
 def is_ignored(module_name: str, ignore: tuple[str, ...]) -> bool:

@@ -17,6 +17,12 @@ SCHEMES = {
     "ct-w8-channel": (8, None, True),
     "ct-w8-group-asym": (8, 32, False),
 }
+# format name -> (compressed-tensors' preset scheme, its compression format): weights and
+# dynamic per-token activations
+PRESETS = {
+    "ct-fp8-dynamic": ("FP8_DYNAMIC", "float-quantized"),
+    "ct-w8a8-int": ("W8A8", "int-quantized"),
+}
 
 
 def write_compressed(model: Any, out: Path, fmt: str) -> None:
@@ -29,15 +35,22 @@ def write_compressed(model: Any, out: Path, fmt: str) -> None:
         QuantizationStatus,
         apply_quantization_config,
     )
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import save_file
 
-    bits, group, symmetric = SCHEMES[fmt]
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                            strategy="group" if group else "channel", group_size=group)
-    config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        ignore=["lm_head"], quantization_status=QuantizationStatus.FROZEN)
+    if fmt in PRESETS:
+        preset, compression = PRESETS[fmt]
+        scheme = preset_name_to_scheme(preset, ["Linear"])
+        args, group = scheme.weights, None
+    else:
+        bits, group, symmetric = SCHEMES[fmt]
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                                strategy="group" if group else "channel", group_size=group)
+        scheme, compression = QuantizationScheme(targets=["Linear"], weights=args), \
+            "pack-quantized"
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                quantization_status=QuantizationStatus.FROZEN)
     apply_quantization_config(model, config)
     module: Any
     for module in model.modules():
@@ -50,7 +63,7 @@ def write_compressed(model: Any, out: Path, fmt: str) -> None:
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, compression)
     compressor.compress_model(model)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:

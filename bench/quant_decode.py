@@ -1,0 +1,117 @@
+"""Decode throughput of quantized checkpoints against the same model in float32 (the CPU default) or bf16,
+through the offline engine (``LLM.generate``), at several batch sizes, in one run.
+
+The model has Qwen3-0.6B's layer shapes (hidden 1024, MLP 3072, 16 query heads and 8 KV heads
+of 128) with ``--layers`` layers and the test tokenizer's 1024-token vocabulary, random weights;
+it is quantized by ``make_quant_model`` (compressed-tensors int4 group 128 through the
+compressed-tensors library; FP8 in 128x128 blocks). Each (mode, batch) generates ``--tokens``
+tokens for ``batch`` prompts of 8 tokens, greedy, ignoring EOS, after one warm-up call; tok/s
+counts generated tokens over the call's wall time (the short prefill included). The machine's
+load moves every row: compare rows of one run.
+
+    .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+MODES = {  # name -> (checkpoint format or None for the dense one, engine dtype)
+    "f32": (None, "float32"),  # the engine's CPU default
+    "bf16": (None, "bfloat16"),  # not in the default set: see below
+    "int4-w4a16": ("ct-w4-group128", "float32"),
+    "fp8-block": ("fp8-block128", "float32"),
+    "int4-bf16": ("ct-w4-group128", "bfloat16"),
+}
+# bf16 dense on a CPU without AVX512-BF16 (this AVX2 machine) took 102 s for 16 tokens at batch
+# 1 (load average ~18): the default compares against float32, the engine's CPU default
+DEFAULT_MODES = "f32,int4-w4a16,fp8-block"
+
+
+def dense_checkpoint(layers: int) -> Path:
+    import torch
+    from shoal.runtime.model.make_model import cache_dir, cached_model
+    from shoal.runtime.model.make_quant_model import TOKENIZER_FILES
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out = cache_dir() / "models" / f"qwen3-0.6b-shape-{layers}l"
+    if (out / "config.json").exists():
+        return out
+    tokenizer_source = cached_model("qwen3", "tiny")
+    config = Qwen3Config(vocab_size=1024, hidden_size=1024, intermediate_size=3072,
+                         num_hidden_layers=layers, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         max_position_embeddings=512, eos_token_id=2, bos_token_id=0)
+    torch.manual_seed(0)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).is_file() and name != "generation_config.json":
+            shutil.copy(tokenizer_source / name, tmp / name)
+    os.rename(tmp, out)
+    return out
+
+
+def checkpoint(dense: Path, fmt: str | None) -> Path:
+    from shoal.runtime.model.make_quant_model import make_quant_model
+
+    if fmt is None:
+        return dense
+    out = dense.with_name(f"{dense.name}-{fmt}")
+    if not (out / "config.json").exists():
+        make_quant_model(dense, fmt, out.with_name(out.name + ".tmp"))
+        os.rename(out.with_name(out.name + ".tmp"), out)
+    return out
+
+
+def run(mode: str, model_dir: Path, dtype: str, batches: list[int], tokens: int) -> dict:
+    from shoal.runtime.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, num_kv_blocks=max(batches) * 4 + 8,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(512, 8 * max(batches)))
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], params)  # warm-up
+    rows = {}
+    for batch in batches:
+        prompts = [[3 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows[batch] = produced / elapsed
+        print(f"{mode:>11} batch {batch:>3}: {rows[batch]:8.1f} tok/s ({elapsed:.2f} s)",
+              flush=True)
+    del llm
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--modes", default=DEFAULT_MODES)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    dense = dense_checkpoint(args.layers)
+    results = {}
+    for mode in args.modes.split(","):
+        fmt, dtype = MODES[mode]
+        results[mode] = run(mode, checkpoint(dense, fmt), dtype, batches, args.tokens)
+    base_name = next(iter(results))
+    for mode, rows in results.items():
+        ratios = ", ".join(f"b{b} {rows[b] / results[base_name][b]:.2f}x" for b in batches)
+        print(f"{mode:>11} vs {base_name}: {ratios}")
+    print(json.dumps({"load_average": os.getloadavg(), "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
