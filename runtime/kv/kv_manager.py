@@ -1,18 +1,19 @@
 """Per-request block tables over the block pool, with prefix caching by chained hashes.
 
-The scheduler asks for the slots a step needs (``allocate_slots``: all or nothing), looks up
-a waiting request's cached prefix (``find_cached_prefix``), reports progress so blocks that
-became full get hashed and shareable (``cache_full_blocks``), and frees a request's blocks
-when it finishes or is preempted. Only full blocks are ever hashed, so only full blocks are
-shared; a shared block is read-only because nobody appends into a full block.
+The scheduler asks for the slots a step needs (``allocate_slots`` for an admission,
+``extend_tables`` for the running rows: all or nothing), looks up a waiting request's cached
+prefix (``find_cached_prefix``), offers the blocks each step fills to the prefix cache
+(``cache_blocks_ahead``), and frees a request's blocks when it finishes or is preempted. Only
+full blocks are ever hashed, so only full blocks are shared; a shared block is read-only
+because nobody appends into a full block.
 
-A prefill chunk's blocks are hashed when the chunk is scheduled (``cache_blocks_ahead``), not
-after its step: a request admitted later in the same step then shares them instead of
-computing the same prefix again (many users sending one system prompt at once). Every
-attention backend writes a step's K/V before any row of the step reads the cache, so the
-sharer reads them complete. A step that fails wrote nothing anyone may trust: its
-ahead-hashed blocks are forgotten (``forget_unwritten``); a step that ran clears the record
-(``written``).
+Blocks are hashed when the step that fills them is scheduled, not after it ran (the tokens
+are known by then, a decode's as much as a prefill chunk's): a request admitted later in the
+same step then shares them instead of computing the same prefix again (many users sending
+one system prompt at once). Every attention backend writes a step's K/V before any row of
+the step reads the cache, so the sharer reads them complete. A step that fails wrote nothing
+anyone may trust: its ahead-hashed blocks are forgotten (``forget_unwritten``); a step that
+ran clears the record (``written``).
 
 Block tables also live in one persistent int32 array, one row per request holding blocks,
 so building a step's ``block_tables`` is a single fancy-indexing copy.
@@ -21,6 +22,7 @@ so building a step's ``block_tables`` is a single fancy-indexing copy.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -125,16 +127,34 @@ class KVCacheManager:
                                tokens, getattr(seq, "lora_name", None))
         self._num_hashed[seq.req_id] = full
 
-    def cache_blocks_ahead(self, seq: KVSequence, num_tokens: int) -> None:
-        """``cache_full_blocks`` for a chunk being scheduled: the blocks that are full once
-        the step computes ``num_tokens`` become shareable now (see the module docstring)."""
+    def cache_blocks_ahead(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int]
+                           ) -> None:
+        """Rows being scheduled: the blocks that are full once the step computes
+        ``num_tokens[i]`` of ``seqs[i]`` become shareable now (see the module docstring), and
+        are recorded as unwritten until the step has run. The common case, a decode whose
+        token fills one block, hashes just that block."""
         if not self.enable_prefix_caching:
             return
-        done = self._num_hashed.get(seq.req_id)
-        if done is None or num_tokens // self.block_size <= done:
-            return
-        self.cache_full_blocks(seq, num_tokens)
-        self._unwritten.extend(self.tables[seq.req_id][done:self._num_hashed[seq.req_id]])
+        size, num_hashed, tables, pool = self.block_size, self._num_hashed, self.tables, self.pool
+        unwritten = self._unwritten
+        for seq, total in zip(seqs, num_tokens, strict=True):
+            full = total // size
+            done = num_hashed.get(seq.req_id)
+            if done is None or full <= done:
+                continue
+            hashes = seq.block_hashes
+            table = tables[seq.req_id]
+            if full == done + 1 and len(hashes) == done:  # one new block, not hashed before
+                parent = hashes[-1] if done else NONE_HASH
+                tokens = seq.all_token_ids[done * size:full * size]
+                block_hash = hash_block(parent, tokens, seq.extra_digest)
+                hashes.append(block_hash)
+                pool.cache_block(table[done], block_hash, parent if done else None, size,
+                                 tokens, getattr(seq, "lora_name", None))
+                num_hashed[seq.req_id] = full
+            else:
+                self.cache_full_blocks(seq, total)
+            unwritten.extend(table[done:full])
 
     def written(self) -> None:
         """The step in flight ran: its ahead-hashed blocks hold their K/V."""
@@ -146,27 +166,6 @@ class KVCacheManager:
         for block in self._unwritten:
             self.pool.uncache(block)
         self._unwritten.clear()
-
-    def cache_filled_blocks(self, seqs: list[KVSequence], num_computed: list[int]) -> None:
-        """``cache_full_blocks`` for decode rows whose last step filled a block, once per
-        block size steps each: the one-new-block case hashes only that block."""
-        if not self.enable_prefix_caching:
-            return
-        size, num_hashed, tables, pool = self.block_size, self._num_hashed, self.tables, self.pool
-        for seq, computed in zip(seqs, num_computed, strict=True):
-            full = computed // size
-            done = num_hashed[seq.req_id]
-            hashes = seq.block_hashes
-            if full != done + 1 or len(hashes) != done:  # several blocks, or hashed already
-                self.cache_full_blocks(seq, computed)
-                continue
-            parent = hashes[-1] if done else NONE_HASH
-            tokens = seq.all_token_ids[done * size:full * size]
-            block_hash = hash_block(parent, tokens, seq.extra_digest)
-            hashes.append(block_hash)
-            pool.cache_block(tables[seq.req_id][done], block_hash, parent if done else None,
-                             size, tokens, getattr(seq, "lora_name", None))
-            num_hashed[seq.req_id] = full
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, seq: KVSequence, num_computed_tokens: int, num_new_tokens: int,
@@ -208,25 +207,35 @@ class KVCacheManager:
             row[start:len(table)] = [b.block_id for b in table[start:]]
         return True
 
-    def allocate_decode_slots(self, req_ids: list[str], positions: list[int]) -> bool:
-        """A slot at ``positions[i]`` for each decoding request, whose table covers every
-        position before it: a new block where the position starts one. All or nothing;
-        the steady decode path's one call per step instead of ``allocate_slots`` per row."""
-        size = self.block_size
-        tables = self.tables
-        growing = [(req_id, tables[req_id]) for req_id, position in zip(req_ids, positions,
-                                                                         strict=True)
-                   if position >= len(tables[req_id]) * size]
-        if len(growing) > self.pool.free_list.num_free:
+    def extend_tables(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> bool:
+        """Grow the tables of requests that hold blocks to cover ``num_tokens[i]`` tokens
+        each, all or nothing (False, nothing changed, when the pool cannot cover them all):
+        the running rows' one call per step instead of ``allocate_slots`` per row."""
+        size, tables, max_blocks = self.block_size, self.tables, self.max_blocks_per_seq
+        growth = []
+        for req_id, total in zip(req_ids, num_tokens, strict=True):
+            table = tables[req_id]
+            needed = cdiv(total, size) - len(table)
+            if needed > 0:
+                if len(table) + needed > max_blocks:
+                    raise ValueError(f"{req_id!r}: {total} tokens exceed max_model_len")
+                growth.append((req_id, table, needed))
+        total = sum(n for _, _, n in growth)
+        if total > self.pool.free_list.num_free:
             return False
-        for req_id, table in growing:
-            if len(table) >= self.max_blocks_per_seq:
-                raise ValueError(f"{req_id!r}: a block beyond max_model_len")
         array, rows = self.block_table_array, self.rows
-        for (req_id, table), block in zip(growing, self.pool.allocate(len(growing)),
-                                          strict=True):
-            array[rows[req_id], len(table)] = block.block_id
-            table.append(block)
+        blocks = self.pool.allocate(total)
+        at = 0
+        for req_id, table, needed in growth:
+            start = len(table)
+            if needed == 1:
+                block = blocks[at]
+                table.append(block)
+                array[rows[req_id], start] = block.block_id
+            else:
+                table.extend(blocks[at:at + needed])
+                array[rows[req_id], start:len(table)] = [b.block_id for b in table[start:]]
+            at += needed
         return True
 
     def free(self, req_id: str) -> None:

@@ -22,8 +22,7 @@ class Request:
         "arrival_time", "priority", "arrival_seq", "all_token_ids", "output_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "status", "version",
         "block_hashes", "extra_digest", "max_tokens", "seen_by_worker", "ever_admitted",
-        "maybe_stop_ids", "logprobs_k", "queued_time", "scheduled_time", "prompt_logprobs",
-        "lora_name",
+        "logprobs_k", "queued_time", "scheduled_time", "prompt_logprobs", "lora_name",
     )
 
     def __init__(self, request: EngineCoreRequest, arrival_seq: int, max_model_len: int,
@@ -52,9 +51,6 @@ class Request:
         self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.seen_by_worker = False
         self.ever_admitted = False
-        # tokens after which check_stop must look closer (a cheap set test per step)
-        self.maybe_stop_ids = self.stop_token_ids | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
         self.logprobs_k = params.logprobs
         # prompt_logprobs: filled chunk by chunk (index i: prompt token i + 1), sent with the
         # first output; such a request is never served from the prefix cache

@@ -5,39 +5,46 @@ running prefill ``min(remaining, budget)``), so decode is never starved by prefi
 running request that cannot get a block preempts the newest running request (or, under the
 priority policy, the worst-priority one) by recompute. If nothing was preempted, waiting
 requests are admitted while budget, ``max_num_seqs`` and blocks allow, prefix-cache hits
-skipping their prefill (blocks an earlier row of the same step computes count: they are
-hashed when scheduled, ``KVCacheManager.cache_blocks_ahead``). Chunked prefill is always on
-and mixes with decodes in one step.
+skipping their prefill (blocks an earlier row of the same step fills count: they are hashed
+when scheduled, ``KVCacheManager.cache_blocks_ahead``). Chunked prefill is always on and
+mixes with decodes in one step.
 
-``schedule()`` returns a ``ScheduledStep`` (the plan plus the version of every row);
-``update()`` consumes the StepResult and drops rows whose version moved on (preempted or
-aborted while the step was in flight).
+One path: the running requests are the rows of a persistent batch (``running_batch.py``),
+so a step is decided with array operations over them whatever they do (decode, prefill,
+both); only rows that need blocks the pool lacks are taken one by one, preempting. Outputs
+are built in one place (``step_outputs.py``), whether a request stopped is decided in one
+place (``stops.py``), and blocks reach the prefix cache one way (hashed when the step that
+fills them is scheduled).
 
-The leading running requests that decode form the decode batch (``decode_batch.py``):
-their rows are planned and their outputs processed with array operations; the general
-per-row path handles only the rest (prefills, admissions) and any step that preempts.
+``schedule()`` returns a ``ScheduledStep`` (the plan plus its rows' requests); ``update()``
+consumes the StepResult, skipping rows preempted or aborted while the step was in flight.
+One step is in flight at a time: ``update()`` or, if it failed, ``revoke()`` ends it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import compress
 
-from shoal.runtime.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    SchedulerStats,
-    TokenLogprobs,
-)
+import numpy as np
+from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
-from shoal.runtime.scheduler.decode_batch import DecodeBatch
 from shoal.runtime.scheduler.lora_admission import LoraGate, adapters_of
-from shoal.runtime.scheduler.plan_builder import StepRows, build_plan
+from shoal.runtime.scheduler.plan_builder import allot_budget, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
-from shoal.runtime.scheduler.row_logprobs import row_logprobs, store_prompt_logprobs
-from shoal.runtime.scheduler.stops import check_stop
+from shoal.runtime.scheduler.running_batch import RunningBatch
+from shoal.runtime.scheduler.step_outputs import (
+    add_first_output_extras,
+    add_logprobs,
+    append_tokens,
+    store_prompt_logprobs,
+)
+from shoal.runtime.scheduler.stops import check_stop, maybe_stopped
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
+
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -55,9 +62,13 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledStep:
+    """A step between ``schedule()`` and ``update()``: its plan, the requests of its rows
+    (the running batch's leading rows when it was planned) and the batch's revision then
+    (unchanged at update: no row left meanwhile, so the rows are still the leading ones)."""
+
     plan: StepPlan
-    rows: StepRows  # the rows after the decode batch's
-    batch: DecodeBatch  # supplied the leading rows, one token each (maybe none)
+    reqs: list[Request]
+    revision: int
 
 
 class Scheduler:
@@ -69,11 +80,10 @@ class Scheduler:
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.max_num_seqs,
                                  config.max_model_len, config.enable_prefix_caching)
         self.waiting = make_waiting_queue(config.scheduling_policy)
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._batch = RunningBatch(config.max_num_seqs, config.max_model_len)
+        self._in_flight: ScheduledStep | None = None
         self._finished_for_worker: list[str] = []
-        self._batch = DecodeBatch(config.max_model_len)  # always a prefix of running
-        self._batch_in_flight = False
         self._step_id = 0
         self._arrivals = 0
         self.num_preemptions = 0
@@ -81,6 +91,11 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in running order (the batch's rows; do not mutate)."""
+        return self._batch.reqs
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> Request:
@@ -96,19 +111,18 @@ class Scheduler:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Free their blocks now; any result still in flight for them is stale."""
-        aborted = False
+        rows = []
         for req_id in request_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
             if req.status == RequestStatus.RUNNING:
-                aborted = True
-                self._leave_batch(req)
+                rows.append(self._batch.index_of(req))
             else:
                 self.waiting.remove(req)
             self._retire(req)
-        if aborted:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if rows:
+            self._batch.remove(sorted(rows))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -116,6 +130,7 @@ class Scheduler:
     def revoke(self, req_ids: list[str], finished_for_worker: list[str]) -> None:
         """A step failed: preempt its running rows (recomputed later, outputs kept) and
         re-send the drop list the failed plan carried (dropping is idempotent)."""
+        self._in_flight = None
         self._finished_for_worker.extend(finished_for_worker)
         self.kv.forget_unwritten()
         for req_id in req_ids:
@@ -125,88 +140,95 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.plan.step_id} is in flight: update() "
+                               "or revoke() it before scheduling another")
         budget = self.config.max_num_batched_tokens
-        block_size = self.config.block_size
-        batch = self._batch
-        if batch and (self._batch_in_flight or not batch.reserve_slots(self.kv, block_size)):
-            # scheduled again before its update, or a row needs a block the pool lacks: the
-            # general path takes every row (and decides who is preempted)
-            batch = self._new_batch()
-        rows, new_requests = self._schedule_rows(budget - len(batch), len(batch))
-        if not batch and not rows.reqs:
+        counts, num_scheduled, decode_only, preempted = self._schedule_running(budget)
+        budget -= num_scheduled
+        new_requests: list[NewRequestData] = []
+        if not preempted and budget > 0:
+            admitted = self._admit(budget, new_requests)
+            if admitted:
+                counts = np.concatenate([counts, np.asarray(admitted, np.int64)])
+                decode_only = False
+        if not counts.size:
             return None
         self._step_id += 1
-        plan = build_plan(self._step_id, batch, rows, self.kv.block_table_array, block_size,
-                          new_requests, self._finished_for_worker)
+        batch = self._batch
+        plan = build_plan(self._step_id, batch, counts, self.kv.block_table_array,
+                          self.config.block_size, new_requests, self._finished_for_worker)
         self._finished_for_worker = []
-        if batch:
-            batch.advance()
-            self._batch_in_flight = True
-        return ScheduledStep(plan, rows, batch)
+        batch.advance(len(counts), counts, decode_only, plan.sample_rows)
+        step = self._in_flight = ScheduledStep(plan, batch.reqs[:len(counts)], batch.revision)
+        return step
 
-    def _new_batch(self) -> DecodeBatch:
-        self._batch = DecodeBatch(self.config.max_model_len)
-        self._batch_in_flight = False
-        return self._batch
-
-    def _leave_batch(self, req: Request) -> None:
-        """``req`` stops running: if it is one of the batch's rows, start a new batch."""
-        num_rows = len(self._batch)
-        if num_rows and any(r is req for r in self.running[:num_rows]):
-            self._new_batch()
-
-    def _schedule_rows(self, budget: int, first: int
-                       ) -> tuple[StepRows, list[NewRequestData]]:
-        """The general path: running requests from index ``first`` on, row by row, then
-        admissions."""
-        block_size = self.config.block_size
-        rows = StepRows()
+    def _schedule_running(self, budget: int) -> tuple[np.ndarray, int, bool, bool]:
+        """Tokens for the running rows (the leading ones the budget reaches) and their
+        blocks; the blocks they fill are offered to the cache. Returns the counts, their
+        sum, whether every running row decodes one token, whether a row had to preempt."""
+        batch, kv, block_size = self._batch, self.kv, self.config.block_size
+        num_rows = len(batch)
+        if not num_rows:
+            return _NO_ROWS, 0, False, False
+        computed = batch.computed[:num_rows]
+        counts = batch.num_tokens[:num_rows] - computed
+        wanted = int(counts.sum())
+        decode_only = wanted == num_rows  # one token each (the steady state)
+        if wanted <= budget:
+            ends = batch.num_tokens[:num_rows]  # every row computes all it knows
+        else:
+            counts = allot_budget(counts, budget)
+            num_rows = int(np.count_nonzero(counts))  # the budget reaches a prefix of the rows
+            counts, computed = counts[:num_rows], computed[:num_rows]
+            wanted, decode_only = budget, False
+            ends = computed + counts
+        short = np.flatnonzero(ends > batch.capacity[:num_rows])
         preempted = False
-        kv = self.kv
-        tables, table_rows = kv.tables, kv.rows
-        running = self.running
-        # the hot loop: StepRows.add inlined, list appends bound once
-        add_req, add_id, add_count = rows.reqs.append, rows.req_ids.append, rows.counts.append
-        add_start, add_row, add_sample = rows.starts.append, rows.table_rows.append, \
-            rows.sample.append
-        add_version, add_input, extend_input = rows.versions.append, rows.input_ids.append, \
-            rows.input_ids.extend
-        i = first
-        while i < len(running) and budget > 0:
-            req = running[i]
-            req_id = req.req_id
-            computed = req.num_computed_tokens
-            tokens = req.all_token_ids
-            num_tokens = len(tokens)
-            count = num_tokens - computed
-            if count > budget:
-                count = budget
-            table = tables.get(req_id)
-            # fast path: the step's tokens fit the blocks it already holds
-            if (table is None or computed + count > len(table) * block_size) \
-                    and not kv.allocate_slots(req, computed, count):
-                preempted = True
-                if not self._preempt_until_allocated(req, i, count):
-                    continue  # it preempted itself; running[i] is now the next request
-            if count == 1:
-                add_input(tokens[computed])
+        if short.size:
+            req_ids = batch.req_ids
+            if kv.extend_tables([req_ids[i] for i in short.tolist()], ends[short].tolist()):
+                if decode_only:  # one new block each
+                    batch.capacity[short] += block_size
+                else:
+                    batch.capacity[short] = (ends[short] + block_size - 1) // block_size \
+                        * block_size
             else:
-                extend_input(tokens[computed:computed + count])
-                kv.cache_blocks_ahead(req, computed + count)  # shareable by admissions below
-            add_req(req)
-            add_id(req_id)
-            add_count(count)
-            add_start(computed)
-            add_row(table_rows[req_id])
-            add_sample(computed + count >= num_tokens)
-            add_version(req.version)
-            req.num_computed_tokens = computed + count
+                counts = self._schedule_rows_preempting(budget)
+                preempted, decode_only = True, False
+                num_rows = len(counts)
+                wanted = int(counts.sum())
+                ends = batch.computed[:num_rows] + counts
+        if kv.enable_prefix_caching:
+            if decode_only and block_size > 1:  # a row's blocks hold exactly its tokens,
+                filling = np.flatnonzero(ends == batch.capacity[:num_rows])  # so: it is full
+            else:
+                filling = np.flatnonzero(ends % block_size < counts)  # the step fills a block
+            if filling.size:
+                reqs = batch.reqs
+                kv.cache_blocks_ahead([reqs[i] for i in filling.tolist()],
+                                      ends[filling].tolist())
+        return counts, wanted, decode_only, preempted
+
+    def _schedule_rows_preempting(self, budget: int) -> np.ndarray:
+        """The same decision row by row, when the pool cannot cover every row's blocks: a
+        row that cannot get its blocks preempts until it can (or is itself preempted)."""
+        batch, kv, block_size = self._batch, self.kv, self.config.block_size
+        counts: list[int] = []
+        i = 0
+        while i < len(batch) and budget > 0:
+            req = batch.reqs[i]
+            computed = int(batch.computed[i])
+            count = min(int(batch.num_tokens[i]) - computed, budget)
+            if computed + count > batch.capacity[i] \
+                    and not kv.allocate_slots(req, computed, count) \
+                    and not self._preempt_until_allocated(req, i, count):
+                continue  # it preempted itself; row i is now the next request
+            batch.capacity[i] = kv.num_blocks_of(req.req_id) * block_size
+            counts.append(count)
             budget -= count
             i += 1
-        new_requests: list[NewRequestData] = []
-        if not preempted:
-            self._admit(budget, rows, new_requests)
-        return rows, new_requests
+        return np.asarray(counts, np.int64)
 
     def _preempt_until_allocated(self, req: Request, first_unscheduled: int,
                                  count: int) -> bool:
@@ -219,10 +241,14 @@ class Scheduler:
             if self.kv.allocate_slots(req, req.num_computed_tokens, count):
                 return True
 
-    def _admit(self, budget: int, rows: StepRows, new_requests: list[NewRequestData]) -> None:
-        kv, waiting = self.kv, self.waiting
-        gate = LoraGate(self.config.max_loras, self.running) if self.config.max_loras else None
-        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, budget: int, new_requests: list[NewRequestData]) -> list[int]:
+        """Waiting requests join the batch while budget, ``max_num_seqs`` and blocks allow;
+        the tokens each computes this step."""
+        kv, waiting, batch = self.kv, self.waiting, self._batch
+        block_size = self.config.block_size
+        counts: list[int] = []
+        gate = LoraGate(self.config.max_loras, batch.reqs) if self.config.max_loras else None
+        while waiting and budget > 0 and len(batch) < self.config.max_num_seqs:
             req = waiting.peek()
             if gate is not None and not gate.fits(req):  # its adapter waits for a slot
                 found = gate.first_fitting(waiting)
@@ -232,11 +258,11 @@ class Scheduler:
             # prompt logprobs need every prompt position computed: no prefix-cache reads
             hits = kv.find_cached_prefix(req) if req.prompt_logprobs is None \
                 or req.output_token_ids else []
-            computed = len(hits) * self.config.block_size
+            computed = len(hits) * block_size
             count = min(req.num_tokens - computed, budget)
             if not kv.allocate_slots(req, computed, count, hits):
                 break
-            kv.cache_blocks_ahead(req, computed + count)
+            kv.cache_blocks_ahead((req,), (computed + count,))  # shareable by the next one
             if req is waiting.peek():
                 waiting.pop()
             else:
@@ -253,7 +279,7 @@ class Scheduler:
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             req.seen_by_worker = True
-            self.running.append(req)
+            batch.append(req, kv.rows[req.req_id], kv.num_blocks_of(req.req_id) * block_size)
             new_requests.append(NewRequestData(
                 req_id=req.req_id,
                 prompt_token_ids=req.prompt_token_ids,
@@ -262,8 +288,9 @@ class Scheduler:
                 generator_offset=len(req.output_token_ids),
                 lora_name=req.lora_name,
             ))
-            rows.add(req, count, kv.rows[req.req_id])
+            counts.append(count)
             budget -= count
+        return counts
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """Among running requests not yet scheduled this step (the asking one included):
@@ -273,8 +300,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
-        self._leave_batch(req)
-        self.running.remove(req)
+        self._batch.remove([self._batch.index_of(req)])
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
         req.version += 1
@@ -286,6 +312,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _retire(self, req: Request) -> None:
+        """A finished or aborted request lets go (the caller removes its batch row)."""
         self.kv.free(req.req_id)
         req.status = RequestStatus.FINISHED
         req.version += 1
@@ -295,124 +322,79 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------
     def update(self, step: ScheduledStep, result: StepResult) -> list[EngineCoreOutput]:
+        """Output processing: every live sampled row gets its token and one output; rows
+        that stopped leave. Rows preempted or aborted in flight are skipped."""
+        if step is not self._in_flight:
+            raise ValueError(f"step {step.plan.step_id} is not the step in flight")
+        self._in_flight = None
         self.kv.written()
-        batch = step.batch
-        if not batch:
-            outputs = self._update_rows(step.plan, step.rows, result, 0)
-        elif batch is not self._batch:  # its rows were revoked while the step was in flight
-            rows = StepRows.of_step(batch, step.plan, step.rows)
-            outputs = self._update_rows(step.plan, rows, result, 0)
-        else:
-            self._batch_in_flight = False
-            num_rows = len(batch)  # before finished rows leave it
-            outputs = self._update_batch(batch, result)
-            if step.rows.reqs:
-                outputs += self._update_rows(step.plan, step.rows, result, num_rows)
-        if len(self.running) > len(self._batch):
-            self._join_batch()
+        plan, batch = step.plan, self._batch
+        sample = plan.sample_rows
+        all_sampled = bool(sample.all())
+        expected = plan.req_ids if all_sampled else list(compress(plan.req_ids, sample.tolist()))
+        if result.req_ids != expected:
+            raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
+                             f"the plan's sampled rows {expected}")
+        if result.prompt_logprobs:
+            for req_id, chunk in result.prompt_logprobs.items():
+                req = self.requests.get(req_id)
+                if req is not None and req.status is RequestStatus.RUNNING:
+                    store_prompt_logprobs(req, chunk)
+        tokens = result.sampled_token_ids
+        if batch.revision == step.revision:  # the step's rows are still the leading rows
+            if all_sampled:
+                rows: slice | np.ndarray = slice(0, len(step.reqs))
+                reqs = step.reqs
+            else:
+                rows = np.flatnonzero(sample)
+                reqs = [step.reqs[i] for i in rows.tolist()]
+            result_rows = None
+        else:  # rows left while it was in flight: their results are stale
+            rows, result_rows, reqs = self._live_rows(step, sample)
+            tokens = tokens[result_rows]
+        token_list = tokens.tolist()
+        outputs = append_tokens(reqs, token_list)
+        if batch.num_wanting_logprobs:
+            for k in np.flatnonzero(batch.wants_logprobs[rows]).tolist():
+                add_logprobs(outputs[k], result,
+                             k if result_rows is None else int(result_rows[k]),
+                             reqs[k].logprobs_k)
+        if batch.num_fresh:
+            for k in np.flatnonzero(batch.fresh[rows]).tolist():
+                add_first_output_extras(outputs[k], reqs[k])
         if result.pooled:  # the pooling runner: each prompt's vector with its only output
             for output in outputs:
                 output.pooled = result.pooled.get(output.request_id)
-        return outputs
-
-    def _update_batch(self, batch: DecodeBatch, result: StepResult) -> list[EngineCoreOutput]:
-        """Output processing of the decode batch's rows (the result's leading rows)."""
-        num_rows = len(batch)
-        if result.req_ids[:num_rows] != batch.req_ids:
-            raise ValueError(f"step {result.step_id}: result rows {result.req_ids} do not "
-                             f"start with the decode batch's rows {batch.req_ids}")
-        outputs, maybe_done = batch.absorb(result, self.kv, self.config.block_size)
-        self.generation_tokens += num_rows
+        batch.append_tokens(rows, tokens)
+        self.generation_tokens += len(reqs)
         finished = []
-        for i in maybe_done:
-            req, output = batch.reqs[i], outputs[i]
-            output.finish_reason, output.stop_reason = check_stop(
-                req, output.new_token_ids[0], self.config.max_model_len)
-            if output.finish_reason is not None:
-                finished.append(i)
-                del self.requests[req.req_id]
-                self._retire(req)
-        if finished:
-            batch.drop(finished)
-            self.running = batch.reqs + self.running[num_rows:]
-        return outputs
-
-    def _join_batch(self) -> None:
-        """Running requests after the batch that decode now join it, in running order (so
-        the batch stays a prefix of running), as many as one step's token budget holds."""
-        batch, running = self._batch, self.running
-        start = end = len(batch)
-        limit = min(len(running), self.config.max_num_batched_tokens)
-        while end < limit and DecodeBatch.is_decoding(running[end]):
-            end += 1
-        if end > start:
-            joining = running[start:end]
-            batch.extend(joining, [self.kv.rows[r.req_id] for r in joining])
-
-    def _update_rows(self, plan: StepPlan, rows: StepRows, result: StepResult,
-                     first_result: int) -> list[EngineCoreOutput]:
-        """Output processing row by row, stale rows skipped; their sampled tokens are the
-        result's rows from ``first_result`` on."""
-        sample_flags = rows.sample
-        expected = rows.req_ids if all(sample_flags) else [
-            rid for rid, s in zip(rows.req_ids, sample_flags, strict=True) if s]
-        got = result.req_ids[first_result:] if first_result else result.req_ids
-        if got != expected:
-            raise ValueError(f"step {plan.step_id}: result rows {result.req_ids} do not match "
-                             f"the plan's sampled rows {expected}")
-        sampled = result.sampled_token_ids.tolist()
-        prompt_chunks = result.prompt_logprobs
-        outputs: list[EngineCoreOutput] = []
-        kv = self.kv
-        block_size = self.config.block_size
         max_model_len = self.config.max_model_len
-        running_status = RequestStatus.RUNNING
-        sample_index = first_result
-        num_generated = 0
-        any_finished = False
-        for req, version, sample, count in zip(rows.reqs, rows.versions, sample_flags,
-                                               rows.counts, strict=True):
-            index = sample_index
-            sample_index += sample
-            if req.version != version or req.status is not running_status:
-                continue  # preempted or aborted since it was scheduled: stale
-            computed = req.num_computed_tokens
-            if count == 1 and computed % block_size == 0:  # a decode filled a block
-                kv.cache_full_blocks(req, computed)  # (longer chunks: hashed when scheduled)
-            if prompt_chunks and req.req_id in prompt_chunks:
-                store_prompt_logprobs(req, prompt_chunks[req.req_id])
-            if not sample:
-                continue
-            token = sampled[index]
-            req.all_token_ids.append(token)
-            req.output_token_ids.append(token)
-            num_generated += 1
-            finish = stop_reason = None
-            if (token in req.maybe_stop_ids or len(req.output_token_ids) >= req.max_tokens
-                    or len(req.all_token_ids) >= max_model_len):
-                finish, stop_reason = check_stop(req, token, max_model_len)
-            output = EngineCoreOutput(request_id=req.req_id, version=version,
-                                      new_token_ids=[token],
-                                      num_cached_tokens=req.num_cached_tokens)
-            if req.logprobs_k is not None:
-                output.new_logprobs = row_logprobs(result, index, req.logprobs_k)
-            if len(req.output_token_ids) == 1:  # its first output carries the phase stamps
-                output.queued_time = req.queued_time
-                output.scheduled_time = req.scheduled_time
-                if req.prompt_logprobs is not None:
-                    output.prompt_logprobs = [lp or TokenLogprobs(float("nan"), [], [])
-                                              for lp in req.prompt_logprobs]
-            outputs.append(output)
-            if finish is not None:
-                output.finish_reason = finish
-                output.stop_reason = stop_reason
-                any_finished = True
+        for k in maybe_stopped(tokens, batch.steps_left[rows], batch.stop_ids).tolist():
+            req, output = reqs[k], outputs[k]
+            output.finish_reason, output.stop_reason = check_stop(req, token_list[k],
+                                                                  max_model_len)
+            if output.finish_reason is not None:
                 del self.requests[req.req_id]
                 self._retire(req)
-        self.generation_tokens += num_generated
-        if any_finished:
-            self.running = [r for r in self.running if r.status is running_status]
+                finished.append(k if isinstance(rows, slice) else int(rows[k]))
+        if finished:
+            batch.remove(sorted(finished))
         return outputs
+
+    def _live_rows(self, step: ScheduledStep, sample: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, list[Request]]:
+        """The step's sampled rows still running: their batch rows, their indices in the
+        result, their requests (a request that left cannot have come back: scheduling
+        waits for this update)."""
+        where = {id(req): i for i, req in enumerate(self._batch.reqs)}
+        rows, result_rows, reqs = [], [], []
+        for k, i in enumerate(np.flatnonzero(sample).tolist()):
+            req = step.reqs[i]
+            if req.status is RequestStatus.RUNNING:
+                rows.append(where[id(req)])
+                result_rows.append(k)
+                reqs.append(req)
+        return np.asarray(rows, np.int64), np.asarray(result_rows, np.int64), reqs
 
     # -- observability ------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -432,7 +414,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        self._batch.check(self.running, self.kv.rows)
+        self._batch.check(self.kv.rows, {r: len(t) for r, t in self.kv.tables.items()},
+                          self.config.block_size)
         holders = set(self.kv.tables)
         running = {r.req_id for r in self.running}
         if not holders <= running:

@@ -152,11 +152,12 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
             rows = [(req_id, seq, computed) for req_id, (seq, computed) in sorted(live.items())
                     if computed < 64]
             before = (kv.num_free_blocks, {r: kv.block_ids(r) for r in live})
-            if kv.allocate_decode_slots([r for r, _, _ in rows], [c for _, _, c in rows]):
+            if kv.extend_tables([r for r, _, _ in rows], [c + 1 for _, _, c in rows]):
                 for req_id, seq, computed in rows:
                     seq.all_token_ids.append(9000 + computed)
                     live[req_id] = (seq, computed + 1)
-                kv.cache_filled_blocks([seq for _, seq, _ in rows], [c + 1 for _, _, c in rows])
+                kv.cache_blocks_ahead([seq for _, seq, _ in rows], [c + 1 for _, _, c in rows])
+                kv.written()
             else:
                 assert (kv.num_free_blocks, {r: kv.block_ids(r) for r in live}) == before
         elif kind == "free" and live:
@@ -170,15 +171,17 @@ def test_random_interleavings_keep_invariants_and_free_everything(make_seq, ops,
     assert kv.num_free_blocks == num_blocks
 
 
-def test_decode_slots_take_a_block_only_where_a_row_starts_one_all_or_nothing(make_seq):
-    kv = manager(num_blocks=5)
+def test_extend_tables_grows_only_rows_that_need_blocks_all_or_nothing(make_seq):
+    kv = manager(num_blocks=7)
     a, b = make_seq("a", list(range(8))), make_seq("b", list(range(100, 106)))
-    assert kv.allocate_slots(a, 0, 8) and kv.allocate_slots(b, 0, 6)  # 2 + 2 blocks, 1 free
-    assert kv.allocate_decode_slots(["a", "b"], [8, 6])  # a starts block 3, b is inside one
+    assert kv.allocate_slots(a, 0, 8) and kv.allocate_slots(b, 0, 6)  # 2 + 2 blocks, 3 free
+    assert kv.extend_tables(["a", "b"], [9, 7])  # a's 9th token starts block 3, b fits
     assert kv.num_blocks_of("a") == 3 and kv.num_blocks_of("b") == 2
     kv.check_invariants()  # the persistent block-table rows follow
-    assert not kv.allocate_decode_slots(["a", "b"], [12, 8])  # two new blocks, none free
+    assert not kv.extend_tables(["a", "b"], [13, 16])  # 1 + 2 new blocks, 2 free
     assert kv.num_blocks_of("a") == 3 and kv.num_blocks_of("b") == 2
+    assert kv.extend_tables(["b"], [16])  # a chunk: two blocks at once
+    assert kv.num_blocks_of("b") == 4 and kv.num_free_blocks == 0
     kv.check_invariants()
 
 

@@ -1,6 +1,7 @@
-"""The steady decode batch: once every running request decodes, steps are planned from
-persistent arrays. These tests pin down when it applies, that its plans and outputs are the
-general path's, and that rows keep their identity when batch mates finish."""
+"""The running batch: every running request is a row of persistent arrays from which each
+step is planned and its result processed, whatever the rows do (decode, prefill, both).
+These tests pin down its plans, that outputs stay exact and with their row when batch mates
+finish, join or are preempted, and when blocks reach the prefix cache."""
 
 from __future__ import annotations
 
@@ -40,10 +41,7 @@ def test_decoding_requests_step_through_the_batch_and_finish_exactly(fake_engine
     lengths = {"r0": 2, "r1": 9, "r2": 5, "r3": 13, "r4": 5}  # finishes mid-batch, two at once
     for req_id, prompt in prompts.items():
         core.add_request(request(req_id, prompt, lengths[req_id]))
-    in_batch = []
-    tokens, reasons = run_to_completion(
-        core, on_step=lambda _: in_batch.append(len(core.scheduler._batch) > 0))
-    assert in_batch[0] and all(in_batch[:-1]) and not in_batch[-1]  # built after the prefill
+    tokens, reasons = run_to_completion(core)
     for req_id, prompt in prompts.items():
         assert tokens[req_id] == reference(executor, prompt, lengths[req_id]), req_id
         assert reasons[req_id] == FinishReason.LENGTH
@@ -57,21 +55,23 @@ def test_decoding_requests_step_through_the_batch_and_finish_exactly(fake_engine
         assert plan.query_start_loc.tolist() == list(range(plan.num_reqs + 1))
 
 
-def test_an_arrival_prefills_beside_the_batch_and_joins_it_once_it_decodes(
+def test_an_arrival_prefills_in_chunks_beside_a_decode_then_decodes_with_it(
         fake_engine, run_to_completion):
     core, executor = fake_engine(block_size=4, max_num_batched_tokens=8)
     prompts = {"a": prompt_of(5, 1), "b": prompt_of(11, 2)}
     core.add_request(request("a", prompts["a"], 12))
     first = [out.new_token_ids[0] for _ in range(2) for out in core.step()]
-    assert core.scheduler._batch.req_ids == ["a"]
+    running = core.scheduler.running
+    assert [r.req_id for r in running] == ["a"]
     core.add_request(request("b", prompts["b"], 4))  # chunked: 7 tokens, then 4
     outputs = core.step()
     core.check_invariants()
-    assert core.scheduler._batch.req_ids == ["a"]
+    assert [r.req_id for r in running] == ["a", "b"]
     assert executor.plans[-1].query_start_loc.tolist() == [0, 1, 8]
+    assert executor.plans[-1].sample_rows.tolist() == [True, False]
     outputs += core.step()
     core.check_invariants()
-    assert core.scheduler._batch.req_ids == ["a", "b"]
+    assert executor.plans[-1].query_start_loc.tolist() == [0, 1, 5]
     assert executor.plans[-1].sample_rows.tolist() == [True, True]
     tokens, _ = run_to_completion(core)
     for out in reversed(outputs):
@@ -81,7 +81,7 @@ def test_an_arrival_prefills_beside_the_batch_and_joins_it_once_it_decodes(
         assert tokens[req_id] == reference(executor, prompts[req_id], max_tokens), req_id
 
 
-def test_a_waiting_request_does_not_stop_the_batch_and_is_admitted_when_blocks_free(
+def test_a_waiting_request_does_not_stop_the_decodes_and_is_admitted_when_blocks_free(
         fake_engine):
     core, executor = fake_engine(block_size=4, num_kv_blocks=8, max_num_seqs=4)
     prompts = {"a": prompt_of(10, 1), "b": prompt_of(10, 2), "c": prompt_of(10, 3)}
@@ -96,9 +96,9 @@ def test_a_waiting_request_does_not_stop_the_batch_and_is_admitted_when_blocks_f
         for out in core.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         core.check_invariants()
-        sizes.append((len(core.scheduler._batch), len(core.scheduler.waiting)))
-    # c waits while a and b decode through the batch; a finishes, freeing blocks; c is
-    # admitted next step, its whole prompt in one chunk, and joins the batch behind b
+        sizes.append((len(core.scheduler.running), len(core.scheduler.waiting)))
+    # c waits while a and b decode; a finishes, freeing blocks; c is admitted next step,
+    # its whole prompt in one chunk, in the row behind b
     assert sizes[:4] == [(2, 0), (2, 1), (1, 1), (2, 0)]
     assert executor.plans[3].req_ids == ["b", "c"] and executor.plans[3].new_requests
     for req_id, prompt in prompts.items():
@@ -227,3 +227,42 @@ def test_random_arrivals_aborts_in_flight_and_preemption_stay_exact(fake_engine,
             assert got == want, req_id
         else:  # aborted: a prefix of what it would have said
             assert got == want[:len(got)], req_id
+
+
+def test_one_step_in_flight_at_a_time(fake_engine, run_to_completion):
+    core, executor = fake_engine(block_size=4)
+    core.add_request(request("a", prompt_of(6, 1), 5))
+    scheduler = core.scheduler
+    scheduled = scheduler.schedule()
+    with pytest.raises(RuntimeError, match="in flight"):
+        scheduler.schedule()  # its rows' tokens are not known yet
+    result = executor.execute(scheduled.plan)
+    scheduler.update(scheduled, result)
+    with pytest.raises(ValueError, match="not the step in flight"):
+        scheduler.update(scheduled, result)  # once only
+    scheduled = scheduler.schedule()
+    scheduler.revoke(scheduled.plan.req_ids, [])  # a failed step ends too
+    core.check_invariants()
+    tokens, _ = run_to_completion(core)
+    assert tokens["a"] == reference(executor, prompt_of(6, 1), 5)[1:]
+
+
+def test_a_decode_offers_the_block_it_fills_when_scheduled_and_a_failed_step_unoffers_it(
+        fake_engine):
+    core, executor = fake_engine(block_size=4)
+    core.add_request(request("a", prompt_of(6, 1), 8))
+    scheduler, kv = core.scheduler, core.scheduler.kv
+    core.step()  # the prompt: block 0 full and cached, block 1 holds positions 4-5
+    core.step()  # position 6 decoded (its input was the first sampled token)
+    assert len(kv.pool.cached) == 1
+    scheduled = scheduler.schedule()  # position 7 fills block 1: hashed now, for sharers
+    assert scheduled.plan.positions.tolist() == [7]
+    assert len(kv.pool.cached) == 2
+    scheduler.revoke(scheduled.plan.req_ids, [])  # its K/V may never have been written
+    assert len(kv.pool.cached) == 1
+    core.check_invariants()
+    scheduled = scheduler.schedule()  # a recomputes after its cached block 0
+    assert scheduled.plan.positions.tolist() == [4, 5, 6, 7]  # block 0 still cached
+    scheduler.update(scheduled, executor.execute(scheduled.plan))
+    assert len(kv.pool.cached) == 2
+    core.check_invariants()
