@@ -14,7 +14,7 @@ class EngineConfig:
     model: str
     served_model_name: str | None = None
     model_revision: str = ""  # part of every block hash: a new revision never reuses old KV
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on GPU)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's on CPU, bf16 on GPU)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json

@@ -40,9 +40,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device,
+                  checkpoint: torch.dtype = torch.float32) -> torch.dtype:
+    """``--dtype``: ``auto`` on CPU is the checkpoint's own dtype (a bfloat16 checkpoint
+    serves in bfloat16, as vLLM's CPU build does, at half float32's memory; a float32 one stays
+    float32, the exact-HF path); on CUDA, bfloat16."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return checkpoint if device.type == "cpu" else torch.bfloat16
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
     return _DTYPES[name]
@@ -56,8 +60,8 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self._model_config: ModelConfig | None = None
+        self.dtype = resolve_dtype(config.dtype, self.device, self._checkpoint_dtype())
         self.runner: ModelRunner | None = None
         self.states: dict[str, RequestSamplingState] = {}
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are pending
@@ -68,6 +72,13 @@ class Worker:
         self.pooler = PromptPooler(config.pooler.pooling_type) if config.pooler else None
 
     # -- setup ---------------------------------------------------------------------------
+    def _checkpoint_dtype(self) -> torch.dtype:
+        """What ``--dtype auto`` follows; read only when it matters (tests build workers
+        over paths that are never loaded)."""
+        if self.config.dtype != "auto" or self.device.type != "cpu":
+            return torch.float32
+        return self.model_config().torch_dtype
+
     def model_config(self) -> ModelConfig:
         if self._model_config is None:
             self._model_config = load_model_config(self.config.model)

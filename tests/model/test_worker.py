@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -103,15 +106,28 @@ def test_min_tokens_keeps_the_model_eos_out(tiny_llama, load_worker, planner_fac
     assert n_token == eos[0] and m_token not in eos
 
 
-def test_dtype_and_device_resolution():
+def test_dtype_and_device_resolution(tiny_llama, tmp_path):
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, torch.bfloat16) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         resolve_dtype("fp8", cpu)
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         Worker(EngineConfig(model="x", device="tpu"))
+    # --dtype auto on CPU follows config.json: a bfloat16 checkpoint serves in bfloat16
+    assert Worker(EngineConfig(model=str(tiny_llama), device="cpu")).dtype == torch.float32
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_llama, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(config))
+    assert Worker(EngineConfig(model=str(bf16), device="cpu")).dtype == torch.bfloat16
+    assert Worker(EngineConfig(model=str(bf16), device="cpu",
+                               dtype="float32")).dtype == torch.float32
 
 
 def test_steps_before_setup_are_refused(tiny_llama, engine_config):
