@@ -1,4 +1,9 @@
-"""Engine configuration: one typed object built from CLI flags (vLLM's names) or kwargs."""
+"""Engine configuration: one typed object built from CLI flags (vLLM's names) or kwargs.
+
+It holds each engine default once (``shoal serve``'s flags and the scheduler take theirs from
+here) and checks itself when built or replaced: a value out of range is a ``ValueError``
+naming the field, before any process starts or any memory is sized.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,50 @@ from dataclasses import dataclass, field
 
 from shoal.runtime.lora_modules import LoraModule
 from shoal.runtime.pooling_config import PoolerConfig
+
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# field -> (lowest allowed, highest allowed or None, whether the lowest itself is allowed);
+# None values (meaning "derive it") are not checked
+RANGES: dict[str, tuple[float, float | None, bool]] = {
+    "max_num_seqs": (1, None, True),
+    "max_num_batched_tokens": (1, None, True),
+    "block_size": (1, None, True),
+    "max_model_len": (2, None, True),
+    "kv_cache_memory": (0, None, False),
+    "num_kv_blocks": (1, None, True),
+    "gpu_memory_utilization": (0.0, 1.0, False),
+    "tensor_parallel_size": (1, None, True),
+    "max_logprobs": (0, None, True),
+    "rank_timeout": (0.0, None, False),
+    "grammar_compile_timeout": (0.0, None, False),
+}
+
+
+class ConfigRangeError(ValueError):
+    """A field out of its range; ``field`` and ``rule`` let a CLI name its own flag."""
+
+    def __init__(self, field: str, rule: str, value: float) -> None:
+        super().__init__(f"{field} must be {rule}, got {value}")
+        self.field, self.rule, self.value = field, rule, value
+
+    def as_flag(self) -> str:
+        return f"--{self.field.replace('_', '-')} must be {self.rule}, got {self.value}"
+
+
+def check_range(name: str, value: float | None) -> None:
+    """Raises ConfigRangeError naming ``name`` when ``value`` lies outside ``RANGES[name]``."""
+    if value is None:
+        return
+    low, high, low_allowed = RANGES[name]
+    if value < low or (value == low and not low_allowed):
+        raise ConfigRangeError(name, f"at least {low}" if low_allowed else f"greater than {low}",
+                               value)
+    if high is not None and value > high:
+        raise ConfigRangeError(name, f"at most {high}", value)
 
 
 @dataclass
@@ -18,9 +67,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes of KV cache (CPU); None: a default budget
     num_kv_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
@@ -44,6 +93,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # adapters kept parsed in memory (LRU); None: max_loras
     # --runner pooling: every request is an embedding (its prompt pooled, nothing sampled)
     pooler: PoolerConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in RANGES:
+            check_range(name, getattr(self, name))
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shoal.runtime.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    ConfigRangeError,
+)
+
+from shoal.contract.kv import DEFAULT_BLOCK_SIZE
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API",
@@ -40,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "x-shoal-tenant behind a router that authenticates clients and "
                         "forwards it; only when clients cannot reach the engine directly)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
@@ -161,6 +169,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except ConfigRangeError as exc:  # EngineConfig checks its own ranges: name the flag
+        raise SystemExit(f"shoal serve: {exc.as_flag()}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
@@ -193,8 +208,6 @@ def _main(args: argparse.Namespace) -> int:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
     except OSError as exc:
         raise SystemExit(f"shoal serve: --api-key-file: {exc}") from None
-    if not args.grammar_compile_timeout > 0:
-        raise SystemExit("shoal serve: --grammar-compile-timeout must be > 0 seconds")
     if args.api_key_file is not None and not api_keys:
         raise SystemExit(f"shoal serve: --api-key-file {args.api_key_file} has no key")
     model, default_names = args.model, None

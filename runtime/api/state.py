@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any
 
 from msgspec.structs import replace
+from shoal.runtime.config import DEFAULT_MAX_NUM_SEQS
 from shoal.runtime.engine.client import AsyncEngineClient
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
@@ -32,7 +33,7 @@ class ServerSettings:
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_queued_requests: int = 1024
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 64

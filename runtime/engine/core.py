@@ -15,8 +15,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 
+from shoal.runtime import debug_plugins
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
 from shoal.runtime.engine.lora_registry import LoraRegistry
@@ -32,9 +32,6 @@ from shoal.runtime.structured.compiler import GrammarCompiler
 from shoal.runtime.structured.spec import GrammarError, GrammarSpec, check_grammar
 
 logger = logging.getLogger("shoal.engine.core")
-# test hook: a request whose cache salt contains this marker raises in every step it is in
-# (set only by the fault-isolation tests, read once at startup)
-FAULT_MARKER_ENV = "SHOAL_TEST_FAULT_SALT_MARKER"
 
 DEFAULT_KV_TOKENS_PER_SEQ = 1024  # default budget: room for max_num_seqs sequences of ~1k tokens
 DEFAULT_KV_RAM_SHARE = 0.25  # ... capped at this share of the machine's memory
@@ -125,8 +122,6 @@ class EngineCore:
                                     max_model_len=self.max_model_len)
         self.isolation = StepIsolation(self.scheduler)
         self._failures: list[RequestFailure] = []
-        self._fault_marker = os.environ.get(FAULT_MARKER_ENV) or None
-        self._faulty: set[str] = set()
         self._fault_log = RateLimitedLog(logger)
         self._grammars: GrammarCompiler | None = None  # made at the first grammar
         self._awaiting_grammar: dict[str, EngineCoreRequest] = {}
@@ -136,6 +131,8 @@ class EngineCore:
                 self.adapters.add(module.name, module.path)
             except ValueError as exc:
                 raise ValueError(f"--lora-modules {module.name}: {exc}") from None
+        debug_plugins.load_plugins()
+        self._hooks = debug_plugins.hooks()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
@@ -145,8 +142,6 @@ class EngineCore:
         asked = self.config.max_model_len
         if asked is None:
             return min(model_limit, kv_limit)
-        if asked < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {asked}")
         if asked > model_limit:
             raise ValueError(f"max_model_len {asked} exceeds the model's "
                              f"max_position_embeddings {model_limit}")
@@ -172,8 +167,8 @@ class EngineCore:
 
     def _schedule(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
-        if self._fault_marker and self._fault_marker in (request.cache_salt or ""):
-            self._faulty.add(request.request_id)
+        for hook in self._hooks:
+            hook.request_added(request)
 
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise InvalidParameter naming what is wrong (the same checks as the API
@@ -193,7 +188,8 @@ class EngineCore:
             self._awaiting_grammar.pop(request_id, None)
         self.scheduler.abort_requests(request_ids)
         self.isolation.forget(request_ids)
-        self._faulty.difference_update(request_ids)
+        for hook in self._hooks:
+            hook.requests_gone(request_ids)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         """None where the executor has no backend here (test fakes): then the spec is
@@ -230,8 +226,8 @@ class EngineCore:
             return []
         plan = scheduled.plan
         try:
-            if self._faulty and not self._faulty.isdisjoint(plan.req_ids):
-                raise RuntimeError("injected per-request fault (test hook)")
+            for hook in self._hooks:
+                hook.before_step(plan)
             result = self.executor.execute(plan)
             outputs = self.scheduler.update(scheduled, result)
         except Exception as exc:
@@ -242,7 +238,8 @@ class EngineCore:
                                 "step %d failed with %d request(s) in it; isolating",
                                 plan.step_id, len(plan.req_ids), exc_info=exc)
             failed = self.isolation.step_failed(list(plan.req_ids), plan.finished_req_ids)
-            self._faulty.difference_update(f.request_id for f in failed)
+            for hook in self._hooks:
+                hook.requests_gone([f.request_id for f in failed])
             self._failures.extend(failed)
             return []
         self.isolation.step_succeeded(plan.req_ids)

@@ -7,10 +7,7 @@ from shoal.runtime.executor.base import Executor
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    if config.tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, "
-                         f"got {config.tensor_parallel_size}")
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1:  # at least 1: EngineConfig checked it when built
         from shoal.runtime.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

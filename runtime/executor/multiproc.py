@@ -124,11 +124,6 @@ class _Rank:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S
                  ) -> None:
-        if config.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, "
-                             f"got {config.tensor_parallel_size}")
-        if config.rank_timeout <= 0:
-            raise ValueError(f"rank_timeout must be positive, got {config.rank_timeout}")
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.rank_timeout = float(config.rank_timeout)

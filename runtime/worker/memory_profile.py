@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from shoal.runtime.config import check_range
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ def kv_cache_budget(
     graph_reserve_bytes: int = 0,
 ) -> KVBudget:
     """The budget arithmetic; raises with the numbers when not even one block fits."""
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    check_range("gpu_memory_utilization", utilization)
     if bytes_per_block <= 0 or block_size <= 0:
         raise ValueError("bytes_per_block and block_size must be positive")
     usable = int(profile.total_bytes * utilization)

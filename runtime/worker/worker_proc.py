@@ -29,14 +29,11 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from shoal.runtime import debug_plugins
 from shoal.runtime.config import EngineConfig
 
 SETUP, PLAN, CALL, PING, STOP = b"S", b"P", b"C", b"H", b"Q"
 READY, REPLY, RESULT, DONE, PONG, ERROR = b"r", b"y", b"s", b"d", b"h", b"e"
-
-# Test-only fault injection: "RANK:PHASE" makes that rank fail in that phase
-# (load: raise while loading its shard; step: raise on its first plan). Unset in production.
-FAULT_ENV = "SHOAL_TEST_RANK_FAULT"
 
 CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block", "profile_num_kv_blocks"})
 
@@ -48,13 +45,6 @@ class RankSetup:
     world_size: int
     rendezvous_file: str
     collective_timeout_s: float
-
-
-def injected_fault(rank: int, phase: str) -> str | None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec == f"{rank}:{phase}":
-        return f"injected {phase} fault on rank {rank} ({FAULT_ENV}={spec})"
-    return None
 
 
 def _send(conn: Connection, kind: bytes, payload: bytes = b"") -> None:
@@ -86,9 +76,9 @@ def _start(setup: RankSetup):  # -> Worker
         torch.set_num_threads(max(1, cores // setup.world_size))
     parallel = init_tensor_parallel(setup.rank, setup.world_size, setup.rendezvous_file,
                                     device, setup.collective_timeout_s)
-    fault = injected_fault(setup.rank, "load")
-    if fault:
-        raise RuntimeError(fault)
+    debug_plugins.load_plugins()
+    for hook in debug_plugins.hooks():
+        hook.rank_started(setup.rank)
     worker = Worker(config, setup.rank, setup.world_size, parallel=parallel)
     worker.load_model()
     return worker
@@ -101,14 +91,14 @@ def serve(conn: Connection, setup: RankSetup) -> None:
     worker = _start(setup)
     _send(conn, READY, pickle.dumps(worker.kv_bytes_per_block()))
     decoder = PlanDecoder(setup.config.block_size)
-    step_fault = injected_fault(setup.rank, "step")
+    hooks = debug_plugins.hooks()
     while True:
         message = conn.recv_bytes()
         kind, payload = message[:1], message[1:]
         if kind == PLAN:
             plan = decoder.decode(payload)
-            if step_fault:
-                raise RuntimeError(step_fault)
+            for hook in hooks:
+                hook.before_rank_step(setup.rank, plan)
             result = worker.execute(plan)
             if setup.rank == 0:
                 _send(conn, RESULT, encode_result(result, plan))

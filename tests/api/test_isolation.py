@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from shoal.contract.tenant import tenant_of_key
+from tests.plugins import FAULTS
 
 from .test_cancellation import engine_idle, wait_idle_within
 
@@ -39,6 +40,7 @@ def tenant_server(start_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def global_server(start_server):
     """Shared caches, and the per-request fault hook armed."""
+    os.environ["SHOAL_DEBUG_PLUGINS"] = FAULTS
     os.environ["SHOAL_TEST_FAULT_SALT_MARKER"] = FAULT_MARKER
     try:
         server = start_server("--api-key", KEY_A, "--api-key", KEY_B,
@@ -46,7 +48,7 @@ def global_server(start_server):
         server.api_key = KEY_A  # /metrics on the serving port needs a key
         return server
     finally:
-        del os.environ["SHOAL_TEST_FAULT_SALT_MARKER"]
+        del os.environ["SHOAL_TEST_FAULT_SALT_MARKER"], os.environ["SHOAL_DEBUG_PLUGINS"]
 
 
 def complete(server, key: str, prompt: str, **extra) -> httpx.Response:

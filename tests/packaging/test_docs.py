@@ -205,3 +205,12 @@ def test_chart_values_reference_lists_every_value_with_its_default() -> None:
             assert f"| `{key}" in text, key
             continue
         assert f"| `{key}` |" in text and f"`{json.dumps(node)}`" in text, key
+
+
+def test_the_where_table_names_files_that_exist() -> None:
+    text = _text("docs/architecture.md")
+    section = text.split("## Where does X live", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| [^|]+ \| `([^`]+)` \|$", section, re.M)
+    assert len(rows) >= 30, "the table lost its rows"
+    missing = [path for path in rows if not (ROOT / path).is_file()]
+    assert missing == [], f"docs/architecture.md's where-table names missing files: {missing}"

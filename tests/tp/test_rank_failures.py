@@ -12,7 +12,8 @@ import time
 
 import pytest
 from shoal.runtime.executor.multiproc import RankFailure
-from shoal.runtime.worker.worker_proc import FAULT_ENV
+
+from tests.plugins import FAULTS
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,8 @@ def test_an_idle_stopped_rank_fails_the_health_check(tiny_llama, make_engine, al
 
 def test_an_exception_inside_a_rank_step_carries_its_message(tiny_llama, make_engine, greedy,
                                                               monkeypatch, alive_after):
-    monkeypatch.setenv(FAULT_ENV, "1:step")
+    monkeypatch.setenv("SHOAL_DEBUG_PLUGINS", FAULTS)
+    monkeypatch.setenv("SHOAL_TEST_RANK_FAULT", "1:step")
     core = make_engine(tiny_llama, tp=2)
     pids = core.executor.pids
     core.add_request(greedy("r", [1, 2, 3], max_tokens=4))

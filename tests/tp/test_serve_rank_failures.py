@@ -102,9 +102,10 @@ def test_sigstop_of_a_rank_brings_the_server_down_after_the_rank_timeout(tp_serv
 def test_a_rank_that_cannot_load_its_shard_fails_the_server_startup(tp_server):
     import subprocess
 
-    from shoal.runtime.worker.worker_proc import FAULT_ENV
+    from tests.plugins import FAULTS
 
-    server = tp_server(env={FAULT_ENV: "1:load"}, wait=False)
+    server = tp_server(env={"SHOAL_DEBUG_PLUGINS": FAULTS, "SHOAL_TEST_RANK_FAULT": "1:load"},
+                       wait=False)
     try:
         code = server.proc.wait(timeout=60)  # fails fast: no waiting for a timeout
     except subprocess.TimeoutExpired:

@@ -1,0 +1,40 @@
+"""EngineConfig checks itself: every ranged field is refused out of range wherever the
+config is built (kwargs, ``replace``, ``shoal serve``'s flags), naming the field or flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from shoal.runtime.config import RANGES, ConfigRangeError, EngineConfig
+
+
+def out_of_range(name: str) -> float:
+    low, _high, low_allowed = RANGES[name]
+    return low - 1 if low_allowed else low
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_each_ranged_field_is_refused_out_of_range_naming_it(name):
+    with pytest.raises(ConfigRangeError, match=rf"^{name} must be ") as err:
+        EngineConfig(model="m", **{name: out_of_range(name)})
+    assert err.value.field == name
+    with pytest.raises(ConfigRangeError, match=rf"^{name} must be "):
+        EngineConfig(model="m").replace(**{name: out_of_range(name)})
+
+
+def test_bounds_themselves_and_unset_values_are_accepted():
+    config = EngineConfig(model="m", max_num_seqs=1, max_model_len=2, gpu_memory_utilization=1.0,
+                          max_logprobs=0, num_kv_blocks=None, kv_cache_memory=None)
+    assert config.max_model_len == 2
+    with pytest.raises(ConfigRangeError, match="gpu_memory_utilization must be at most 1.0"):
+        config.replace(gpu_memory_utilization=1.5)
+
+
+def test_shoal_serve_names_the_flag_before_starting_anything(tiny_qwen3):
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "serve", "--model", str(tiny_qwen3),
+         "--port", "0", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "shoal serve: --max-num-seqs must be at least 1, got 0" in result.stderr
