@@ -79,16 +79,28 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """A start needs ~11 CPU-seconds (API + engine core, small_qwen3); on a shared 2-core
+        machine at load 18 it got ~15% of a core and took 72-86 s, so the bound is generous.
+        A server that exits fails at once; the message has the last phase reached."""
+        last = {"ready": "no answer yet"}
+
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                return self.get("/ready", timeout=2.0).status_code == 200
-            except httpx.HTTPError:
+                response = self.get("/ready", timeout=2.0)
+            except httpx.HTTPError as exc:
+                last["ready"] = repr(exc)
                 return False
+            last["ready"] = response.text  # the startup phase and each phase's duration
+            return response.status_code == 200
 
-        wait_until(ready, timeout, 0.1, "/ready")
+        try:
+            wait_until(ready, timeout, 0.1, "/ready")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last /ready: {last['ready']}; load average "
+                                 f"{os.getloadavg()}; log:\n{self.log()}") from None
 
     def stop(self) -> None:
         """Kill the server and its engine child, whatever state they are in."""
