@@ -11,23 +11,15 @@ checkpoints also serve over HTTP.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from shoal.runtime.model.make_model import (
-    CHAT_TEMPLATE,
-    ENDOFTEXT_ID,
-    EOS_TOKEN_IDS,
-    IM_END_ID,
-    INITIALIZER_RANGE,
-    _make_confident,
-    _tokenizer_config,
-    cache_dir,
-    train_tokenizer,
+    cached_build,
+    empty_dir,
+    random_model,
+    save_checkpoint,
+    shared_config,
 )
 
 FAMILIES = ("gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
@@ -40,9 +32,7 @@ _SLIDING_FULL = ["sliding_attention", "full_attention"]
 def _common(head_dim: int = 16) -> dict[str, Any]:
     return dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                max_position_embeddings=1024, rms_norm_eps=1e-6,
-                initializer_range=INITIALIZER_RANGE, bos_token_id=ENDOFTEXT_ID,
-                eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID)
+                max_position_embeddings=1024, **shared_config())
 
 
 def _gemma3_text(**extra):
@@ -128,52 +118,16 @@ def family_hf_config(name: str):  # -> transformers.PretrainedConfig
 
 def make_family_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        Gemma3ForConditionalGeneration,
-        Mistral3ForConditionalGeneration,
-    )
+    from transformers import Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output directory {out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
-    config = family_hf_config(name)
-    torch.manual_seed(seed)
-    model: Any
-    if name == "gemma3_nested":
-        model = Gemma3ForConditionalGeneration(config)
-    elif name == "mistral3_nested":
-        model = Mistral3ForConditionalGeneration(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _make_confident(model, name, seed)
-    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
-    model.generation_config.pad_token_id = ENDOFTEXT_ID
-    model.save_pretrained(out)
-    train_tokenizer(1024, "qwen3").save(str(out / "tokenizer.json"))
-    tokenizer_config = _tokenizer_config("qwen3")
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return out
+    out = empty_dir(out_dir)
+    nested = {"gemma3_nested": Gemma3ForConditionalGeneration,
+              "mistral3_nested": Mistral3ForConditionalGeneration}
+    model = random_model(family_hf_config(name), seed, nested.get(name))
+    return save_checkpoint(model, out, 1024)
 
 
 def cached_family_model(name: str, seed: int = 0) -> Path:
-    """Build once into the shared model cache; concurrent builders race safely."""
-    target = cache_dir() / "models" / f"family-{name}-s{seed}-f{FORMAT_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        make_family_model(name, tmp, seed)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Build once into the shared model cache."""
+    return cached_build(f"family-{name}-s{seed}-f{FORMAT_VERSION}",
+                        lambda out: make_family_model(name, out, seed))

@@ -21,6 +21,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,14 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
 
 
+def shared_config(bos_token_id: int | None = None) -> dict[str, Any]:
+    """What every test checkpoint's config says alike: the trained tokenizer's special ids
+    (BOS <|endoftext|> unless given), the RMSNorm epsilon and the confident initializer."""
+    return dict(rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
+                bos_token_id=ENDOFTEXT_ID if bos_token_id is None else bos_token_id,
+                eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID)
+
+
 def hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -140,10 +149,7 @@ def hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
         vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
         intermediate_size=s.intermediate_size, max_position_embeddings=s.max_position_embeddings,
-        rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE, tie_word_embeddings=_tied(arch),
-        bos_token_id=BOS_ID if arch == "llama" else ENDOFTEXT_ID, eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
-    )
+        tie_word_embeddings=_tied(arch), **shared_config(BOS_ID if arch == "llama" else None))
     if arch == "llama":
         # llama3 rope scaling with a short original context so every band of the rule is used
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -239,10 +245,25 @@ def _tokenizer_config(arch: str) -> dict:
     return config
 
 
-def _make_confident(model, arch: str, seed: int) -> None:
-    """Random biases and norm gains (so the reference test exercises them), EOS rows zeroed."""
-    import torch
+def empty_dir(out_dir: str | Path) -> Path:
+    """``out_dir``, created; an existing one must be empty."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
+
+def random_model(config, seed: int, model_class: Any = None):  # -> transformers model
+    """transformers' own model for ``config`` (``AutoModelForCausalLM`` unless a class is
+    named), float32 random weights from ``seed``, made confident: random biases and norm
+    gains (so the reference tests exercise them), EOS rows of the output projection zeroed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = (model_class(config) if model_class is not None
+             else AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -252,28 +273,31 @@ def _make_confident(model, arch: str, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
         rows = model.get_output_embeddings().weight
         rows[EOS_TOKEN_IDS] = 0.0
+    return model
+
+
+def save_checkpoint(model, out: Path, vocab_size: int, arch: str = "qwen2",
+                    bos_token_id: int | None = None) -> Path:
+    """The model and its tokenizer as a checkpoint directory: weights, config.json,
+    generation_config.json (EOS = <|im_end|> and <|endoftext|>), the trained tokenizer and
+    tokenizer_config.json in ``arch``'s flavour (qwen2: the template string inside)."""
+    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
+    model.generation_config.pad_token_id = ENDOFTEXT_ID
+    if bos_token_id is not None:
+        model.generation_config.bos_token_id = bos_token_id
+    model.save_pretrained(out)
+    train_tokenizer(vocab_size, arch).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(arch), indent=2) + "\n")
+    return out
 
 
 def make_model(arch: str, size: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output directory {out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
+    out = empty_dir(out_dir)
     config = hf_config(arch, size)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _make_confident(model, arch, seed)
-    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
-    model.generation_config.pad_token_id = ENDOFTEXT_ID
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.save_pretrained(out)
-    train_tokenizer(config.vocab_size, arch).save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(arch), indent=2) + "\n")
+    save_checkpoint(random_model(config, seed), out, config.vocab_size, arch,
+                    bos_token_id=config.bos_token_id)
     if arch == "llama":  # transformers >= 4.43 saves the template beside the config
         (out / "chat_template.jinja").write_text(LLAMA_CHAT_TEMPLATE)
     specials_map = {"eos_token": SPECIAL_TOKENS[IM_END_ID],
@@ -289,17 +313,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHOAL_CACHE_DIR", Path.home() / ".cache" / "shoal"))
 
 
-def cached_model(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
-    """Build once into the cache; concurrent builders race safely (temp dir, then rename)."""
-    _check_choice("arch", arch, ARCHS)
-    _check_choice("size", size, SIZES)
-    target = cache_dir() / "models" / f"{arch}-{size}-s{seed}-v{FORMAT_VERSION}"
+def cached_build(name: str, build: Callable[[Path], object]) -> Path:
+    """``cache_dir()/models/<name>``, made once by ``build(directory)``; concurrent builders
+    race safely (each builds into a temp dir, then renames it into place)."""
+    target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_model(arch, size, tmp, seed)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -309,6 +332,14 @@ def cached_model(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def cached_model(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+    """``make_model`` once into the cache."""
+    _check_choice("arch", arch, ARCHS)
+    _check_choice("size", size, SIZES)
+    return cached_build(f"{arch}-{size}-s{seed}-v{FORMAT_VERSION}",
+                        lambda out: make_model(arch, size, out, seed))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -13,23 +13,15 @@ serve over HTTP like the dense ones.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from shoal.runtime.model.make_model import (
-    CHAT_TEMPLATE,
-    ENDOFTEXT_ID,
-    EOS_TOKEN_IDS,
-    IM_END_ID,
-    INITIALIZER_RANGE,
-    _make_confident,
-    _tokenizer_config,
-    cache_dir,
-    train_tokenizer,
+    cached_build,
+    empty_dir,
+    random_model,
+    save_checkpoint,
+    shared_config,
 )
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
@@ -48,9 +40,8 @@ def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
         vocab_size=1024 if tiny else 8192, hidden_size=64 if tiny else 1024,
         num_hidden_layers=(3 if arch in ("qwen2_moe", "glm4_moe") else 2) if tiny else 16,
         num_attention_heads=4 if tiny else 16, num_key_value_heads=2 if tiny else 4,
-        max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=INITIALIZER_RANGE,
-        tie_word_embeddings=False, bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID, num_experts_per_tok=2 if tiny else 8,
+        max_position_embeddings=4096, tie_word_embeddings=False, **shared_config(),
+        num_experts_per_tok=2 if tiny else 8,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     experts = 8 if tiny else 64
@@ -84,46 +75,19 @@ def make_moe_model(arch: str, size: str, out_dir: str | Path, seed: int = 0,
                    dtype: str = "float32") -> Path:
     """Write a checkpoint to ``out_dir`` (created; must be empty if it exists)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output directory {out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
+    out = empty_dir(out_dir)
     config = moe_hf_config(arch, size)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _make_confident(model, arch, seed)
+    model = random_model(config, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # zeros at init: make it move choices
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
-    model.generation_config.eos_token_id = list(EOS_TOKEN_IDS)
-    model.generation_config.pad_token_id = ENDOFTEXT_ID
-    model.to(getattr(torch, dtype)).save_pretrained(out)
-    train_tokenizer(config.vocab_size, "qwen3").save(str(out / "tokenizer.json"))
-    tokenizer_config = _tokenizer_config("qwen3")
-    tokenizer_config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return out
+    return save_checkpoint(model.to(getattr(torch, dtype)), out, config.vocab_size)
 
 
 def cached_moe_model(arch: str, size: str = "tiny", seed: int = 0,
                      dtype: str = "float32") -> Path:
-    """Build once into the shared model cache; concurrent builders race safely."""
-    target = cache_dir() / "models" / f"{arch}-{size}-{dtype}-s{seed}-m{FORMAT_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        make_moe_model(arch, size, tmp, seed, dtype)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Build once into the shared model cache."""
+    return cached_build(f"{arch}-{size}-{dtype}-s{seed}-m{FORMAT_VERSION}",
+                        lambda out: make_moe_model(arch, size, out, seed, dtype))

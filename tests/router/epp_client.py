@@ -1,4 +1,5 @@
-"""A test client that speaks ext_proc to an Endpoint Picker the way Envoy does: one
+"""``start_epp`` runs `shoal route --epp` and connects; ``EnvoyStream`` is a test client
+that speaks ext_proc to an Endpoint Picker the way Envoy does: one
 bidirectional gRPC stream per HTTP request, ProcessingRequests sent as the request
 arrives, ProcessingResponses read as the processor answers."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.router.conftest import wait_until
 
 Mode = processing_mode_pb2.ProcessingMode
 _END = object()
@@ -116,3 +121,24 @@ def pick_buffered(channel: grpc.Channel, path: str, body: dict[str, Any] | bytes
     if not keep_open:
         stream.close()
     return answer, stream
+
+
+def start_epp(spawn, free_port, backends: list[str], *flags: str) -> grpc.Channel:
+    port = free_port("127.0.0.1")
+    argv = [sys.executable, "-m", "shoal.runtime.router.cli", "--epp", "--host", "127.0.0.1",
+            "--port", str(port), "--health-interval", "0.2", "--scrape-interval", "0.2", *flags]
+    for url in backends:
+        argv += ["--backend", url]
+    spawn(argv)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def ready() -> bool:
+        try:
+            answer = health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    wait_until(ready, timeout=60, what="EPP readiness")
+    return channel

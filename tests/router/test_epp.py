@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 
-import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +20,7 @@ from tests.router.epp_client import (
     headers_message,
     pick_buffered,
     response_headers_message,
+    start_epp,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,27 +31,6 @@ def chat(user: str, system: str = SYSTEM) -> dict:
     return {"model": "shoal-test", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": user}]}
-
-
-def start_epp(spawn, free_port, backends: list[str], *flags: str) -> grpc.Channel:
-    port = free_port("127.0.0.1")
-    argv = [sys.executable, "-m", "shoal.runtime.router.cli", "--epp", "--host", "127.0.0.1",
-            "--port", str(port), "--health-interval", "0.2", "--scrape-interval", "0.2", *flags]
-    for url in backends:
-        argv += ["--backend", url]
-    spawn(argv)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-
-    def ready() -> bool:
-        try:
-            answer = health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
-            return answer.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    wait_until(ready, timeout=60, what="EPP readiness")
-    return channel
 
 
 @pytest.fixture(scope="module")

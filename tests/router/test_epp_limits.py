@@ -8,16 +8,8 @@ from __future__ import annotations
 import json
 import time
 
+from tests.router import epp_client as envoy
 from tests.router.conftest import wait_until
-from tests.router.epp_client import (
-    EnvoyStream,
-    Mode,
-    body_message,
-    destination,
-    headers_message,
-    pick_buffered,
-)
-from tests.router.test_epp import start_epp
 
 
 def small() -> dict:
@@ -27,28 +19,28 @@ def small() -> dict:
 def test_a_stream_sending_several_picks_counts_once_and_gives_capacity_back(
         fake_fleet, spawn, free_port):
     fleet = fake_fleet(1)
-    channel = start_epp(spawn, free_port, fleet.engines, "--epp-shed-limit", "2")
+    channel = envoy.start_epp(spawn, free_port, fleet.engines, "--epp-shed-limit", "2")
     for _ in range(3):  # each stream asks for five picks, then ends
-        stream = EnvoyStream(channel)
+        stream = envoy.EnvoyStream(channel)
         first = None
         for _ in range(5):
-            stream.send(headers_message("/v1/models", end_of_stream=True))
+            stream.send(envoy.headers_message("/v1/models", end_of_stream=True))
             answer = stream.recv()
             assert answer.HasField("request_headers"), answer
-            first = first or destination(answer)
-            assert destination(answer) == first  # the same pick, not a new one
+            first = first or envoy.destination(answer)
+            assert envoy.destination(answer) == first  # the same pick, not a new one
         stream.close()
     # all released: two requests can be open at once again (a leak would shed the first)
     held = []
     for _ in range(2):
-        answer, stream = pick_buffered(channel, "/v1/completions", small(), keep_open=True)
+        answer, stream = envoy.pick_buffered(channel, "/v1/completions", small(), keep_open=True)
         if not answer.HasField("request_body"):  # the release may lag the close a moment
-            wait_until(lambda: pick_buffered(channel, "/v1/completions", small())[0]
+            wait_until(lambda: envoy.pick_buffered(channel, "/v1/completions", small())[0]
                        .HasField("request_body"), timeout=10, what="capacity back")
-            answer, stream = pick_buffered(channel, "/v1/completions", small(), keep_open=True)
+            answer, stream = envoy.pick_buffered(channel, "/v1/completions", small(), keep_open=True)
         assert answer.HasField("request_body"), answer
         held.append(stream)
-    shed, _ = pick_buffered(channel, "/v1/completions", small())
+    shed, _ = envoy.pick_buffered(channel, "/v1/completions", small())
     assert shed.immediate_response.status.code == 429  # the shed limit itself still holds
     for stream in held:
         stream.close()
@@ -56,53 +48,53 @@ def test_a_stream_sending_several_picks_counts_once_and_gives_capacity_back(
 
 def test_buffered_bodies_share_one_budget_and_get_it_back(fake_fleet, spawn, free_port):
     fleet = fake_fleet(1)
-    channel = start_epp(spawn, free_port, fleet.engines, "--epp-max-buffered-bytes",
+    channel = envoy.start_epp(spawn, free_port, fleet.engines, "--epp-max-buffered-bytes",
                         str(1 << 20))
     part = b"x" * (700 << 10)
-    first = EnvoyStream(channel)  # STREAMED: chunks arrive, the pick waits for the last
-    first.send(headers_message("/v1/completions", end_of_stream=False, mode=Mode.STREAMED))
+    first = envoy.EnvoyStream(channel)  # STREAMED: chunks arrive, the pick waits for the last
+    first.send(envoy.headers_message("/v1/completions", end_of_stream=False, mode=envoy.Mode.STREAMED))
     assert first.recv().HasField("request_headers")
-    first.send(body_message(part, end_of_stream=False))
+    first.send(envoy.body_message(part, end_of_stream=False))
     assert first.recv().HasField("request_body")
-    second = EnvoyStream(channel)
-    second.send(headers_message("/v1/completions", end_of_stream=False, mode=Mode.STREAMED))
+    second = envoy.EnvoyStream(channel)
+    second.send(envoy.headers_message("/v1/completions", end_of_stream=False, mode=envoy.Mode.STREAMED))
     assert second.recv().HasField("request_headers")
-    second.send(body_message(part, end_of_stream=False))
+    second.send(envoy.body_message(part, end_of_stream=False))
     refused = second.recv()
     assert refused.immediate_response.status.code == 503
     assert "retry-after" in {h.header.key for h in refused.immediate_response.headers.set_headers}
     second.close()
     first.close()  # its 700 KiB go back: the next body fits
-    wait_until(lambda: pick_buffered(channel, "/v1/completions",
+    wait_until(lambda: envoy.pick_buffered(channel, "/v1/completions",
                                      {"prompt": "y" * (700 << 10), "max_tokens": 1})[0]
                .HasField("request_body"), timeout=10, what="budget back")
 
 
 def test_a_body_over_grpcs_default_4_mib_cap_is_picked(fake_fleet, spawn, free_port):
     fleet = fake_fleet(1)
-    channel = start_epp(spawn, free_port, fleet.engines)
-    answer, _ = pick_buffered(channel, "/v1/completions",
+    channel = envoy.start_epp(spawn, free_port, fleet.engines)
+    answer, _ = envoy.pick_buffered(channel, "/v1/completions",
                               {"prompt": "z" * (6 << 20), "max_tokens": 1})
     assert answer.HasField("request_body"), answer
-    stream = EnvoyStream(channel)  # over the 16 MiB body limit in two chunks: 413
-    stream.send(headers_message("/v1/completions", end_of_stream=False, mode=Mode.STREAMED))
+    stream = envoy.EnvoyStream(channel)  # over the 16 MiB body limit in two chunks: 413
+    stream.send(envoy.headers_message("/v1/completions", end_of_stream=False, mode=envoy.Mode.STREAMED))
     assert stream.recv().HasField("request_headers")
-    stream.send(body_message(b"z" * (9 << 20), end_of_stream=False))
+    stream.send(envoy.body_message(b"z" * (9 << 20), end_of_stream=False))
     assert stream.recv().HasField("request_body")
-    stream.send(body_message(b"z" * (9 << 20), end_of_stream=True))
+    stream.send(envoy.body_message(b"z" * (9 << 20), end_of_stream=True))
     assert stream.recv().immediate_response.status.code == 413
     stream.close()
 
 
 def test_streams_are_capped_and_a_silent_stream_times_out(fake_fleet, spawn, free_port):
     fleet = fake_fleet(1)
-    channel = start_epp(spawn, free_port, fleet.engines, "--epp-max-streams", "1",
+    channel = envoy.start_epp(spawn, free_port, fleet.engines, "--epp-max-streams", "1",
                         "--epp-body-timeout", "1")
-    silent = EnvoyStream(channel)
-    silent.send(headers_message("/v1/completions", end_of_stream=False, mode=Mode.BUFFERED))
+    silent = envoy.EnvoyStream(channel)
+    silent.send(envoy.headers_message("/v1/completions", end_of_stream=False, mode=envoy.Mode.BUFFERED))
     assert silent.recv().HasField("request_headers")
-    other = EnvoyStream(channel)
-    other.send(headers_message("/v1/models", end_of_stream=True))
+    other = envoy.EnvoyStream(channel)
+    other.send(envoy.headers_message("/v1/models", end_of_stream=True))
     busy = other.recv()
     other.close()
     assert busy.immediate_response.status.code == 503
@@ -112,5 +104,5 @@ def test_streams_are_capped_and_a_silent_stream_times_out(fake_fleet, spawn, fre
     assert "within 1 s" in json.loads(late.immediate_response.body)["error"]["message"]
     assert time.monotonic() - started < 10
     silent.close()
-    answer, _ = pick_buffered(channel, "/v1/completions", small())  # the slot is free again
+    answer, _ = envoy.pick_buffered(channel, "/v1/completions", small())  # the slot is free again
     assert answer.HasField("request_body")

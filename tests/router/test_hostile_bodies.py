@@ -18,8 +18,7 @@ from shoal.runtime.router.request_keys import (
     keys_or_none,
 )
 
-from tests.router.epp_client import pick_buffered
-from tests.router.test_epp import start_epp
+from tests.router.epp_client import pick_buffered, start_epp
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 DEEP_CHAT = (b'{"messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000

@@ -12,8 +12,7 @@ from shoal.runtime.router.response_home import HomeGone, response_home
 
 from shoal.contract.response_ids import instance_of
 from tests.router.conftest import wait_until
-from tests.router.epp_client import destination, pick_buffered
-from tests.router.test_epp import start_epp
+from tests.router.epp_client import destination, pick_buffered, start_epp
 
 TAG = "0123456789abcdef"
 
