@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 from typing import Any
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from msgspec.structs import replace
@@ -109,6 +108,14 @@ def with_reasoning(state: ServerState, params: SamplingParams, prompt: PromptInp
     return fmt, replace(params, structured=replace(params.structured, start_after=marker))
 
 
+def with_tool_format(params: SamplingParams, policy: ToolPolicy) -> SamplingParams:
+    """A format whose markers are special tokens (Mistral's ``[TOOL_CALLS]``) needs them in
+    the detokenized text, as vLLM's parser asks of the request."""
+    if policy.format is not None and policy.format.keeps_special_tokens:
+        return replace(params, skip_special_tokens=False)
+    return params
+
+
 def reasoning_tokens(state: ServerState, choice: Choice, fmt: ReasoningFormat | None) -> int:
     if fmt is None:
         return 0
@@ -164,8 +171,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         allow_special_tokens_in_content=body.allow_special_tokens_in_content)),
         body.truncate_prompt_tokens, state)
     fmt, params = with_reasoning(state, params, prompt)
-    if policy.format is not None and policy.format.keeps_special_tokens:
-        params = msgspec.structs.replace(params, skip_special_tokens=False)  # its markers
+    params = with_tool_format(params, policy)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.response_model(body.model)
     names = token_names(state.tokenizer, body.return_tokens_as_token_ids)

@@ -39,6 +39,7 @@ from .serving_chat import (
     render_chat,
     stream_fields,
     with_reasoning,
+    with_tool_format,
 )
 from .serving_common import (
     ANTHROPIC_SSE,
@@ -125,6 +126,7 @@ async def create_message(request: Request, state: ServerState) -> Response:
         chat.messages, tools=_template_tools(chat.tools),
         template_kwargs=chat.chat_template_kwargs))
     fmt, params = with_reasoning(state, params, prompt)
+    params = with_tool_format(params, policy)
     generation = start_generation(request, state, "msg", [prompt], params, chat)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.settings.model_name

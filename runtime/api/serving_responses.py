@@ -45,6 +45,7 @@ from .serving_chat import (
     render_chat,
     stream_fields,
     with_reasoning,
+    with_tool_format,
 )
 from .serving_common import (
     first_delta,
@@ -142,6 +143,7 @@ async def create_response(request: Request, state: ServerState,
         else None
     prompt = await render_chat(state, chat_prompt(chat.messages, tools=template_tools))
     fmt, params = with_reasoning(state, params, prompt)
+    params = with_tool_format(params, policy)
     generation = start_generation(request, state, "resp", [prompt], params, chat)
     response_id = store.new_id()
     created, model = now_s(), state.settings.model_name

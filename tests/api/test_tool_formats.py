@@ -182,3 +182,15 @@ def test_served_calls_through_the_openai_client_streamed_and_not(start_server, t
         assert calls[0]["id"]
     finally:
         server.stop()
+
+
+def test_mistral_requests_keep_special_tokens_in_the_text_on_every_endpoint() -> None:
+    from shoal.runtime.api.serving_chat import with_tool_format
+    from shoal.runtime.api.tool_calls import ToolPolicy
+    from shoal.runtime.sampling_params import SamplingParams
+
+    mistral = ToolPolicy("auto", format=tool_format("mistral", TOOLS))
+    assert with_tool_format(SamplingParams(), mistral).skip_special_tokens is False
+    for other in (ToolPolicy("auto"), ToolPolicy("auto", format=tool_format("pythonic", TOOLS)),
+                  ToolPolicy("none")):
+        assert with_tool_format(SamplingParams(), other).skip_special_tokens is True
