@@ -13,6 +13,11 @@ then walks the keys causally reachable from the tile in tiles of ``TILE_N`` toke
 with an online softmax (flash attention's running max and sum). Programs whose tile lies past the request's query length
 exit at once; a pure-decode batch launches ``num_reqs * num_kv_heads`` programs.
 
+Gemma 2's logit softcap (``cap * tanh(s / cap)``, before the mask) and gpt-oss's attention
+sinks (a per-head logit in every softmax's denominator: the running max and sum start at the
+sink instead of at nothing, in the first split only) are runtime values, so they add no
+compiled variants; tanh is written with exp2 (``1 - 2 / (e^2x + 1)``) to stay on stable calls.
+
 Uses only long-stable ``tl.*`` calls (load/store/dot/exp2/where/max/sum), so the same
 source runs on triton 3.6 (GPU machine) and 3.9 (interpreter here).
 """
@@ -44,6 +49,9 @@ def _paged_attention_kernel(
     sum_ptr,  # SPLIT: fp32 [splits, T, H], each split's softmax denominator
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     sliding_window,  # keys a query sees, itself included (a huge value when unlimited)
+    softcap_log2,  # the logit softcap times log2(e); 0: no softcap
+    sinks_ptr,  # fp32 [num_heads]: attention sinks, read when has_sinks
+    has_sinks,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -111,9 +119,13 @@ def _paged_attention_kernel(
         tile_start = tile_start + split * per_split
         tile_end = tl.minimum(tile_end, tile_start + per_split)
 
-    # finite start for the running max: a tile with every key masked gives p = 0, not NaN
-    m_i = tl.full([ROWS], -1.0e30, tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
+    # finite start for the running max: a tile with every key masked gives p = 0, not NaN;
+    # with sinks, the sink is the first logit seen (once: in split 0)
+    # (scalars widened to the rows: the interpreter takes no scalar in a mask)
+    sink_row = row_valid & ((rows * 0 + split) == 0) & ((rows * 0 + has_sinks) != 0)
+    m_i = tl.load(sinks_ptr + head, mask=sink_row, other=-1.0e30).to(tl.float32)
+    m_i = tl.where(sink_row, m_i * 1.4426950408889634, -1.0e30)
+    l_i = tl.where(sink_row, 1.0, 0.0)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, TILE_N)
     head_base = kv_head.to(tl.int64) * stride_ch
@@ -134,6 +146,9 @@ def _paged_attention_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if softcap_log2 > 0.0:  # cap * tanh(s / cap), in base 2 like the scores
+            doubled = tl.exp2(scores * (2.0 / softcap_log2) * 1.4426950408889634)
+            scores = softcap_log2 * (1.0 - 2.0 / (doubled + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -310,12 +325,16 @@ def paged_attention(
     out: torch.Tensor | None = None,
     key_tile: int | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context; see module doc.
 
     ``key_tile``: keys per loop iteration, a power of two >= 16 (default: ``choose_tile``'s).
     ``num_splits``: programs per query tile splitting its keys, 1..MAX_SPLITS, decode only
-    (default: ``choose_splits``'s).
+    (default: ``choose_splits``'s). ``softcap``: scores become ``softcap * tanh(s / softcap)``.
+    ``sinks``: float32 ``[num_heads]``, one logit per query head joining its softmax's
+    denominator (gpt-oss).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -325,6 +344,11 @@ def paged_attention(
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be float32 [{num_heads}], got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_reqs + 1,) or block_tables.shape[0] != num_reqs:
         raise ValueError("query_start_loc must be [B+1] and block_tables [B, max_blocks]")
@@ -354,6 +378,7 @@ def paged_attention(
     maxes = torch.empty((num_splits, num_tokens, num_heads) if split else (1,),
                         dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxes)
+    sinks_arg = maxes if sinks is None else sinks  # any fp32 tensor: not read without sinks
     grid = (num_reqs, triton.cdiv(max(max_query_len, 1), tile.block_q) * num_splits,
             num_kv_heads)
     _paged_attention_kernel[grid](
@@ -369,6 +394,9 @@ def paged_attention(
         sums,
         scale * LOG2_E,
         sliding_window or NO_WINDOW,
+        (softcap or 0.0) * LOG2_E,
+        sinks_arg,
+        int(sinks is not None),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -418,7 +446,7 @@ def gpu_variants() -> list:
             pointers = dict(q_ptr=kv, out_ptr=kv, k_cache_ptr=kv, v_cache_ptr=kv,
                             block_tables_ptr="i32", query_start_loc_ptr="i32",
                             seq_lens_ptr="i32", partial_ptr="fp32", max_ptr="fp32",
-                            sum_ptr="fp32")
+                            sum_ptr="fp32", sinks_ptr="fp32")
             for group in v.GQA_GROUPS:
                 for block_size in v.BLOCK_SIZES:
                     for mode, query_len in (("decode", 1), ("prefill", PREFILL_QUERY_LEN)):
@@ -427,7 +455,7 @@ def gpu_variants() -> list:
                             constexprs = dict(tile.constexprs(head_dim, block_size, dtype, "cuda"),
                                               SPLIT=split)
                             sig = v.signature(_paged_attention_kernel, constexprs, pointers,
-                                              floats=("qk_scale",))
+                                              floats=("qk_scale", "softcap_log2"))
                             out.append(v.KernelVariant(
                                 f"paged_attention {mode}{' split' if split else ''} {kv} "
                                 f"d{head_dim} rows{tile.rows}",

@@ -54,8 +54,12 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks]
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
-    """Causal attention of each request's new queries over its whole cached context."""
+    """Causal attention of each request's new queries over its whole cached context; with
+    ``softcap``, scores become ``softcap * tanh(scores / softcap)``; with ``sinks``, one more
+    logit per head joins the softmax and its probability is dropped (gpt-oss)."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -77,8 +81,14 @@ def paged_attention_ref(
         visible = key_pos <= query_pos
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink as a last column, dropped after the softmax
+            column = sinks.float()[:, None, None].expand(-1, query_len, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
 

@@ -51,7 +51,8 @@ def tiny_model_dirs(tiny_llama: Path, tiny_qwen2: Path, tiny_qwen3: Path) -> dic
 @pytest.fixture(scope="session")
 def tiny_moe_model_dirs() -> dict[str, Path]:
     """Mixture-of-experts tiny checkpoints: qwen3_moe (renormalised top-k), qwen2_moe (gated
-    shared expert, a dense layer), mixtral (block_sparse_moe names)."""
+    shared expert, a dense layer), mixtral (block_sparse_moe names), glm4_moe, gpt_oss
+    (attention sinks, alternating sliding layers, yarn; see make_moe_model.py)."""
     from shoal.runtime.model.make_moe_model import MOE_ARCHS, cached_moe_model
 
     return {arch: cached_moe_model(arch, "tiny") for arch in MOE_ARCHS}

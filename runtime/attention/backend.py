@@ -6,6 +6,9 @@ the new K/V through ``slot_mapping`` and attends over each request's context rea
 its block table. Backends (torch reference, Triton, flashinfer) drop in without touching
 the model.
 
+Attention sinks (gpt-oss): a learned logit per query head that joins every softmax's
+denominator and attends to nothing: ``p_i = exp(s_i) / (exp(sink) + sum_j exp(s_j))``.
+
 KV cache layout, per layer: ``k_cache`` and ``v_cache`` each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
 """
@@ -60,5 +63,6 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,  # attend to the last this-many positions only
         softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+        sinks: torch.Tensor | None = None,  # float32 [num_heads]: gpt-oss's attention sinks
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

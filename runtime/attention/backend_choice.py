@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 # what each backend's kernels implement beyond causal attention over paged KV
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
-    "torch": frozenset({"sliding_window", "softcap"}),
+    "torch": frozenset({"sliding_window", "softcap", "sinks"}),
     "cpu": frozenset({"sliding_window", "softcap"}),
-    "triton": frozenset({"sliding_window"}),
+    "triton": frozenset({"sliding_window", "softcap", "sinks"}),
     "flashinfer": frozenset({"sliding_window", "softcap"}),
 }
 

@@ -68,7 +68,10 @@ class CpuAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:  # the backend choice routes models with sinks elsewhere
+            raise ValueError("the cpu attention backend does not implement attention sinks")
         plan = step_plan(self, meta, CpuAttentionPlan)
         cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows

@@ -85,7 +85,11 @@ class FlashInferBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the backend choice routes models with sinks elsewhere
+            raise ValueError("the flashinfer attention backend does not implement attention "
+                             "sinks")
         step = meta.extra
         if not isinstance(step, _StepPlans):
             raise RuntimeError("FlashInferBackend.forward called without build_metadata for the step")

@@ -9,7 +9,8 @@ matmul per side for all heads (GQA without repeating K/V). Few, large ops: on a 
 2-core machine every op pays a scheduling cost, so the op count per layer stays constant.
 Prefill chunks go through ``scaled_dot_product_attention`` one request at a time: causal on
 the fresh K/V when nothing is cached before them, otherwise over the context read through
-the block table with a causal mask shifted by the cached prefix.
+the block table with a causal mask shifted by the cached prefix. SDPA has neither softcaps
+(Gemma 2) nor attention sinks (gpt-oss): with either, the scores are written out.
 
 Positions at or past ``seq_len`` never influence a result: their scores are masked and
 the gather reads the row's first slot in their place, so whatever sits in unused cache
@@ -92,16 +93,17 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         plan = step_plan(self, meta, TorchAttentionPlan)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
             result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
-                                  scale, sliding_window, softcap)
+                                  scale, sliding_window, softcap, sinks)
             out.index_copy_(0, chunk.token_idx, result)
         attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                        sliding_window, softcap)
+                        sliding_window, softcap, sinks)
         return out
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +117,8 @@ class TorchAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 chunk: _DecodeChunk, scale: float, sliding_window: int | None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
@@ -131,8 +134,21 @@ class TorchAttentionBackend:
         if softcap is not None:
             scores = torch.tanh(scores / softcap).mul_(softcap)
         scores.masked_fill_(invalid, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        group_sinks = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+        probs = softmax_with_sinks(scores, group_sinks).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim; with ``sinks`` (broadcast to ``scores`` but for a
+    last dim of 1), each sink's exp joins its row's denominator and takes no value: the row
+    sums to less than 1 (gpt-oss). A row whose scores are all masked then attends to nothing."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    scores, sinks = scores.float(), sinks.float()
+    peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
+    weights = torch.exp(scores - peak)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sinks - peak))
 
 
 def step_plan(backend: AttentionBackend, meta: AttentionMetadata, kind: type[PlanT]) -> PlanT:
@@ -146,11 +162,11 @@ def step_plan(backend: AttentionBackend, meta: AttentionMetadata, kind: type[Pla
 def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     spans: list[PrefillSpan], scale: float, sliding_window: int | None,
-                    softcap: float | None = None) -> None:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Each prefill chunk's attention into its rows of ``out``."""
     for p in spans:
         out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
-                                               sliding_window, softcap)
+                                               sliding_window, softcap, sinks)
 
 
 def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
@@ -203,7 +219,8 @@ def _decode_chunks(meta: AttentionMetadata, rows: list[int]) -> list[_DecodeChun
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSpan,
                       scale: float, sliding_window: int | None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One request's chunk of queries (rows ``p.start:p.end`` of the flat q/k/v) attending
     causally over its cached prefix and itself; with a window, over only the keys of the
     blocks the window reaches."""
@@ -227,7 +244,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hk, S, D]
     vh = values.transpose(0, 1).unsqueeze(0)
     gqa = qh.shape[1] != kh.shape[1]
-    if prefix == 0 and sliding_window is None and softcap is None:
+    explicit = softcap is not None or sinks is not None  # SDPA has neither
+    if prefix == 0 and sliding_window is None and not explicit:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
@@ -236,15 +254,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
-    if softcap is None:
+    if not explicit:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale,
                                              enable_gqa=gqa)
-    else:  # SDPA has no softcap: the scores written out, capped, masked, softmaxed
+    else:  # the scores written out, capped, masked, softmaxed (with the sinks)
         group = qh.shape[1] // kh.shape[1]
         kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, vh)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, -1, 1, 1))
+        out = torch.matmul(probs.to(q.dtype), vh)
     return out.squeeze(0).transpose(0, 1)

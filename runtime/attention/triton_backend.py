@@ -40,9 +40,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the backend choice routes softcapped models elsewhere
-            raise ValueError("the triton attention backend does not softcap attention logits")
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(
             q,
@@ -54,4 +53,6 @@ class TritonAttentionBackend:
             meta.max_query_len,
             scale,
             sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
         )

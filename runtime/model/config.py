@@ -61,6 +61,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
     final_logit_softcap: float | None = None
+    attention_sinks: bool = False  # gpt-oss: self_attn.sinks [num_heads] join each softmax
     logits_divisor: float = 1.0  # Granite logits_scaling
     query_scaling_beta: float | None = None  # Ministral 3: q *= 1 + beta*log(1+floor(p/orig))
     query_scaling_original: int = 1
@@ -98,6 +99,8 @@ class ModelConfig:
             features.add("sliding_window")
         if self.attn_logit_softcap is not None:
             features.add("softcap")
+        if self.attention_sinks:
+            features.add("sinks")
         return frozenset(features)
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -246,6 +249,7 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
             float(attention_scale) if attention_scale is not None else None),
         attn_logit_softcap=_optional(text, "attn_logit_softcapping"),
         final_logit_softcap=_optional(text, "final_logit_softcapping"),
+        attention_sinks=family.attention_sinks,
         logits_divisor=float(getattr(text, "logits_scaling", None) or 1.0),
         query_scaling_beta=float(beta) if beta else None,
         query_scaling_original=int(text.rope_parameters.get(

@@ -4,7 +4,7 @@ What varies between families is a switch in ``ModelConfig`` (read by ``config.py
 transformers' config classes, plus ``families.py`` for what only the modeling code says):
 where the norms sit (pre, post, sandwich), q/k norms (per head or over the projection),
 biases, the activation, embedding / residual / logit multipliers, the attention scale and
-logit softcaps, each layer's sliding window and rope table (or none). The feed-forward slot
+logit softcaps, attention sinks, each layer's sliding window and rope table (or none). The feed-forward slot
 is filled per layer by ``mlp.build_mlp``. Kernels are chosen once (``ops.Kernels``); no layer
 asks which device or backend it runs on.
 
@@ -55,6 +55,24 @@ class WholeProjectionNorm(nn.Module):
         return (xf * torch.rsqrt(sum_sq / self.total_size + self.eps)).to(x.dtype) * self.weight
 
 
+def _sinks(config: ModelConfig, local_heads: int, parallel: ParallelContext,
+           device: torch.device | str) -> nn.Parameter:
+    """gpt-oss's ``self_attn.sinks``: one logit per query head, this rank's heads, kept in
+    float32 whatever the model dtype (they join a float32 softmax)."""
+    sinks = _param((local_heads,), torch.float32, device)
+    start = parallel.rank * local_heads
+
+    def load(param: nn.Parameter, st_slice, _shard: object) -> None:
+        full = st_slice if isinstance(st_slice, torch.Tensor) else st_slice[:]
+        if tuple(full.shape) != (config.num_heads,):
+            raise ValueError(f"self_attn.sinks has shape {tuple(full.shape)}, expected "
+                             f"({config.num_heads},)")
+        param.data.copy_(full[start:start + local_heads].float())
+
+    sinks.weight_loader = load  # type: ignore[attr-defined]
+    return sinks
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelContext,
                  rotary: RotaryEmbedding | None, backend: AttentionBackend, kernels: Kernels,
@@ -90,6 +108,8 @@ class Attention(nn.Module):
         self.scale = config.attention_scale or head_dim ** -0.5
         self.sliding_window = config.layer_windows[layer_index]
         self.softcap = config.attn_logit_softcap
+        self.sinks = _sinks(config, self.num_heads, parallel, device) \
+            if config.attention_sinks else None
         self.query_beta = config.query_scaling_beta
         self.query_original = config.query_scaling_original
         whole_neox = rotary is not None and rotary.whole_head_neox(head_dim)
@@ -128,7 +148,7 @@ class Attention(nn.Module):
             far = torch.floor(positions.float() / self.query_original)
             q = q * (1 + self.query_beta * torch.log1p(far)).to(q.dtype)[:, None, None]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   self.sliding_window, self.softcap)
+                                   self.sliding_window, self.softcap, self.sinks)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RopeTables,

@@ -56,6 +56,7 @@ class Family:
     reads_layer_types: bool = True  # windows per layer from ``layer_types`` (else all layers)
     query_position_scaling: bool = False  # Ministral 3: llama_4_scaling_beta on q
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (Arcee)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax
 
 
 FAMILIES: dict[str, Family] = {
@@ -81,6 +82,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm="per_head"),
     # GLM-4.5: pre-norm, neox rotary on part of the head, q/k norm when ``use_qk_norm``
     "glm4_moe": Family(o_proj_bias=False),
+    # gpt-oss: sinks, alternating sliding/full layers (``layer_types``), yarn, biases on q/k/v
+    # and o_proj from ``attention_bias``; its MoE (router bias, clamped SwiGLU) in moe_config
+    "gpt_oss": Family(attention_sinks=True),
 }
 
 # multimodal wrappers whose language model is one of the families above (served text-only)

@@ -5,7 +5,10 @@ top-k renormalised, q/k norm), ``qwen2_moe`` (softmax top-k not renormalised, a 
 shared expert, a dense layer from ``mlp_only_layers``, qkv bias) and ``mixtral``
 (``block_sparse_moe.experts.N.w1/w2/w3`` tensor names), ``glm4_moe`` (GLM-4.5: sigmoid
 scores, a random correction bias, group-limited top-k, routed scaling, an ungated shared
-expert, a first dense layer, partial rotary, qkv bias and q/k norm). Sizes: ``tiny`` for tests, ``bench``
+expert, a first dense layer, partial rotary, qkv bias and q/k norm), ``gpt_oss`` (attention
+sinks made large enough to take weight, sliding layers of window 16 alternating with full
+ones, yarn with a 32-token original context, q/k/v/o biases, router bias, the clamped SwiGLU
+experts with biases and interleaved gate/up columns). Sizes: ``tiny`` for tests, ``bench``
 a Qwen3-MoE-shaped model scaled to a CPU machine (16 layers, hidden 1024, 64 experts of 256,
 top-8). The tokenizer is the one ``make_model`` trains (Qwen flavour), so the checkpoints
 serve over HTTP like the dense ones.
@@ -24,13 +27,19 @@ from shoal.runtime.model.make_model import (
     shared_config,
 )
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 MOE_SIZES = ("tiny", "bench")
 FORMAT_VERSION = 1
 
 
 def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
-    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     if arch not in MOE_ARCHS or size not in MOE_SIZES:
         raise ValueError(f"unknown MoE checkpoint {arch!r}/{size!r}; archs: "
@@ -46,6 +55,15 @@ def moe_hf_config(arch: str, size: str):  # -> transformers.PretrainedConfig
     )
     experts = 8 if tiny else 64
     expert_size = 32 if tiny else 256
+    if arch == "gpt_oss":
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}
+        return GptOssConfig(**{**common, "rope_parameters": rope},
+                            head_dim=16 if tiny else 64, intermediate_size=expert_size,
+                            num_local_experts=experts, sliding_window=16 if tiny else 128,
+                            layer_types=["sliding_attention", "full_attention"] * (
+                                common["num_hidden_layers"] // 2),
+                            swiglu_limit=1.5 if tiny else 7.0, attention_bias=True)
     if arch == "mixtral":
         return MixtralConfig(**common, intermediate_size=expert_size, num_local_experts=experts)
     if arch == "glm4_moe":
@@ -83,6 +101,10 @@ def make_moe_model(arch: str, size: str, out_dir: str | Path, seed: int = 0,
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # zeros at init: make it move choices
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):  # gpt-oss: around the scores' own scale
+                param.copy_(torch.randn(param.shape, generator=gen) + 1.0)
     return save_checkpoint(model.to(getattr(torch, dtype)), out, config.vocab_size)
 
 

@@ -2,8 +2,9 @@
 with chunked prefill (16-token steps), prefix-cache hits (a shared system prompt) and
 preemption (a small cache for five concurrent requests): a dense family (tiny Gemma 2:
 sliding window 16 on alternate layers, attention and final logit softcaps, sandwich norms,
-scaled embeddings; every sequence longer than the window) and a mixture of experts (tiny
-Qwen3-MoE). Both are transformers' own classes with random weights."""
+scaled embeddings; every sequence longer than the window) and mixtures of experts (tiny
+Qwen3-MoE; tiny gpt-oss: attention sinks, window 16 on alternate layers, yarn, its router and
+clamped-SwiGLU experts). All are transformers' own classes with random weights."""
 
 from __future__ import annotations
 
@@ -41,8 +42,15 @@ def qwen3_moe() -> Path:
     return cached_moe_model("qwen3_moe")
 
 
+def gpt_oss() -> Path:
+    from shoal.runtime.model.make_moe_model import cached_moe_model
+
+    return cached_moe_model("gpt_oss")
+
+
 # checkpoint, KV blocks of 4 tokens (few enough to preempt), prompt seed, shared prefix length
-CASES = {"gemma2": (gemma2, 24, 11, 20), "qwen3_moe": (qwen3_moe, 20, 7, 16)}
+CASES = {"gemma2": (gemma2, 24, 11, 20), "qwen3_moe": (qwen3_moe, 20, 7, 16),
+         "gpt_oss": (gpt_oss, 20, 7, 16)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -13,7 +13,7 @@ from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")

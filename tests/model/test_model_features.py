@@ -79,17 +79,68 @@ def test_kernels_are_chosen_once_per_device_dtype_and_backend(device, dtype, att
     assert (choice.norm, choice.silu_and_mul, choice.qk_norm_rotary, choice.linear) == expected
 
 
-def test_a_backend_lacking_a_feature_the_model_needs_is_passed_over_or_refused(caplog):
-    softcap = frozenset({"softcap", "sliding_window"})
+def test_a_backend_lacking_a_feature_the_model_needs_is_passed_over_or_refused(caplog,
+                                                                             monkeypatch):
+    from shoal.runtime.attention import backend_choice
+
+    features = dict(backend_choice.BACKEND_FEATURES)
+    # every backend auto picks implements what the models here need: a feature only torch
+    # has shows the rule
+    monkeypatch.setitem(backend_choice.BACKEND_FEATURES, "torch", features["torch"] | {"new"})
+    needs = frozenset({"new", "sliding_window"})
     with caplog.at_level("WARNING"):
-        assert choose_attention_backend("auto", "cuda", False, True, needs=softcap) == "torch"
-    assert "triton passed over: the model needs softcap" in caplog.text
-    assert choose_attention_backend("auto", "cpu", False, True, cpu_kernel=None,
-                                    needs=softcap) == "cpu"
+        assert choose_attention_backend("auto", "cuda", False, True, needs=needs) == "torch"
+        assert choose_attention_backend("auto", "cpu", False, True, cpu_kernel=None,
+                                        needs=needs) == "torch"
+    assert "triton passed over: the model needs new" in caplog.text
+    assert "cpu passed over: the model needs new" in caplog.text
     with pytest.raises(ValueError, match="the triton attention backend does not implement "
-                                         "softcap.*backends that do: torch, cpu, flashinfer"):
+                                         "new.*backends that do: torch"):
         choose_attention_backend("triton", "cpu", False, True, triton_interpreted=True,
-                                 needs=softcap)
+                                 needs=needs)
+    sinks = frozenset({"sinks", "softcap", "sliding_window"})
+    assert choose_attention_backend("auto", "cuda", False, True, needs=sinks) == "triton"
+    with pytest.raises(ValueError, match="the flashinfer attention backend does not implement "
+                                         "sinks"):
+        choose_attention_backend("flashinfer", "cuda", True, True, needs=sinks)
+
+
+def test_gpt_oss_config_reads_sinks_windows_yarn_and_its_router(tiny_moe_model_dirs):
+    config = load_model_config(tiny_moe_model_dirs["gpt_oss"])
+    assert config.architecture == "GptOssForCausalLM" and config.attention_sinks
+    assert config.attention_features == {"sinks", "sliding_window"}
+    assert config.layer_windows == (16, None) and config.sliding_window is None
+    assert config.qkv_bias and config.o_proj_bias
+    assert config.ropes["default"].rope_type == "yarn"
+    assert config.moe is not None and config.moe.scoring == "topk_softmax"
+    assert config.moe.router_bias and config.moe.gpt_oss_swiglu == (1.702, 1.5)
+
+
+def test_mxfp4_gpt_oss_is_refused_at_startup_naming_the_format(tiny_moe_model_dirs, tmp_path):
+    """Published gpt-oss checkpoints ship MXFP4 experts; shoal does not dequantize them (a
+    bf16 copy, e.g. transformers' dequantized save, serves)."""
+    raw = json.loads((tiny_moe_model_dirs["gpt_oss"] / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="quantization method 'mxfp4' is not supported"):
+        load_model_config(tmp_path)
+
+
+def test_gpt_oss_yarn_table_equals_transformers_rotary_embedding(tiny_moe_model_dirs):
+    from shoal.runtime.model.layers import RotaryEmbedding
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_moe_model_dirs["gpt_oss"]
+    config = load_model_config(model_dir)
+    ours = RotaryEmbedding(config.ropes["default"], 256, torch.float32, "cpu",
+                           config.hf_config)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).model.rotary_emb
+    positions = torch.arange(0, 256)
+    cos, sin = hf(torch.zeros(1, 1, config.head_dim), positions[None, :])
+    half = ours.cos.shape[1]
+    torch.testing.assert_close(ours.cos[positions], cos[0, :, :half])
+    torch.testing.assert_close(ours.sin[positions], sin[0, :, :half])
 
 
 @pytest.mark.parametrize("family,layer_type", [("phi3_longrope", None),

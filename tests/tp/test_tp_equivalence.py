@@ -20,11 +20,12 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2_moe", "gpt_oss"])
 def test_tp2_greedy_tokens_equal_tp1(arch, tiny_model_dirs, tiny_moe_model_dirs, make_engine,
                                       run_to_completion, greedy):
     """qwen2_moe: each expert's and the shared expert's intermediate dim split over the two
-    ranks, routed and shared partial sums in one all-reduce, a dense layer between."""
+    ranks, routed and shared partial sums in one all-reduce, a dense layer between;
+    gpt_oss: each rank's query heads with their attention sinks, a sliding layer."""
     model_dir = {**tiny_model_dirs, **tiny_moe_model_dirs}[arch]
     requests = [greedy(f"r{i}", p, max_tokens=10 + 3 * i, logprobs=2 if i == 0 else None)
                 for i, p in enumerate(PROMPTS)]
