@@ -72,10 +72,11 @@ def make_workload(count: int, vocab: int, prompt_range: tuple[int, int],
 
 # -- the three systems -------------------------------------------------------------------------
 
-def build_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int):
+def build_ours(model_dir: Path, work: Workload, max_num_batched_tokens: int,
+               dtype: str = "float32"):
     from shoal.runtime.llm import LLM
 
-    return LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=len(work.prompts),
+    return LLM(model_dir, dtype=dtype, device="cpu", max_num_seqs=len(work.prompts),
                max_num_batched_tokens=max_num_batched_tokens,
                max_model_len=max(len(p) for p in work.prompts) + max(work.output_lens) + 16)
 
@@ -101,9 +102,9 @@ def run_ours(llm, work: Workload) -> float:
 
 
 def run_vllm(peer: peers.VllmPeer, model_dir: Path, work: Workload,
-             max_num_batched_tokens: int, scratch: Path) -> float:
+             max_num_batched_tokens: int, scratch: Path, dtype: str = "float32") -> float:
     result = peers.run_vllm_offline(peer, model_dir, work.prompts, work.output_lens,
-                                    max_num_batched_tokens, scratch / "offline_work.json")
+                                    max_num_batched_tokens, scratch / "offline_work.json", dtype)
     if result["output_tokens"] != work.output_tokens:
         raise RuntimeError(f"{peer.name} produced {result['output_tokens']} tokens, expected "
                            f"{work.output_tokens}")
@@ -188,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     parser.add_argument("--size", default="bench")
+    parser.add_argument("--model-dir", default="",
+                        help="a checkpoint directory to run instead of --arch/--size (e.g. "
+                             "bench/gpu/checkpoint.py's Qwen3-0.6B-shaped one)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="ours and the peer's serving dtype (HF runs float32)")
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--prompt-range", default="32-512")
     parser.add_argument("--output-range", default="16-256")
@@ -221,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     size, count = ("tiny", 16) if args.quick else (args.size, args.requests)
     prompt_range = (8, 64) if args.quick else tuple(map(int, args.prompt_range.split("-")))
     output_range = (4, 32) if args.quick else tuple(map(int, args.output_range.split("-")))
-    model_dir = cached_model(args.arch, size)
+    model_dir = Path(args.model_dir) if args.model_dir else cached_model(args.arch, size)
     mc = load_model_config(model_dir)
     work = make_workload(count, mc.vocab_size, prompt_range, output_range)  # type: ignore[arg-type]
     floor = Floor.measure(mc, max(thread_counts))  # the floor of the widest setting
     prompt_lens = [len(p) for p in work.prompts]
     compute_s, kv_s = floor.split(Work.of_requests(prompt_lens, work.output_lens))
     floor_s = compute_s + kv_s
-    print(f"model {model_dir.name}; {count} requests, {sum(prompt_lens)} prompt + "
+    print(f"model {model_dir.name} in {args.dtype}; {count} requests, {sum(prompt_lens)} prompt + "
           f"{work.output_tokens} output tokens; torch threads {torch.get_num_threads()}; load "
           f"average {peers.load_average()}")
     print(f"{floor.describe()} -> floor {floor_s:.1f} s (matmuls {compute_s:.1f} s + decode "
@@ -261,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                  load, 0)
         del model
 
-    ours = build_ours(model_dir, work, args.max_num_batched_tokens)
+    ours = build_ours(model_dir, work, args.max_num_batched_tokens, args.dtype)
+    worker = getattr(ours.engine.executor, "worker", None)  # in-process: say what runs
+    if worker is not None and worker.runner is not None:
+        print(f"ours: {worker.runner.model.kernels.choice}")
     scratch = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
     for round_ in range(1, args.rounds + 1):
         systems: list[int | peers.VllmPeer] = [*thread_counts, *vllm]
@@ -275,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 assert isinstance(system, peers.VllmPeer)
                 done(system.name, run_vllm(system, model_dir, work,
-                                           args.max_num_batched_tokens, scratch), load, round_)
+                                           args.max_num_batched_tokens, scratch, args.dtype),
+                     load, round_)
 
     best: dict[str, float] = {}  # system -> its best round's tok/s
     for r in rows:
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print("(target: >= 1.2x the peer; shared machine: noisy)")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": model_dir.name, "requests": count,
+            "model": model_dir.name, "requests": count, "dtype": args.dtype,
             "matmul_flops_per_s": {str(k): v for k, v in floor.matmul_flops_per_s.items()},
             "read_bytes_per_s": floor.read_bytes_per_s, "floor_seconds": floor_s,
             "hf_static_trials_tok_s": trials,

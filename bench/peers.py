@@ -91,13 +91,13 @@ def free_port() -> int:
 
 def run_vllm_offline(peer: VllmPeer, model_dir: Path, prompts: list[list[int]],
                      output_lens: list[int], max_num_batched_tokens: int,
-                     work_path: Path) -> dict:
+                     work_path: Path, dtype: str = "float32") -> dict:
     """Runs the workload in the peer's interpreter (cwd: the scratch directory, not the
     checkout, whose operator/ would shadow the stdlib module in vLLM's subprocesses); returns
     its JSON result (seconds, tokens, startup seconds)."""
     work_path.write_text(json.dumps({
         "prompts": prompts, "output_lens": output_lens,
-        "max_num_batched_tokens": max_num_batched_tokens}))
+        "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}))
     cmd = [str(peer.python), str(Path(__file__).resolve()), "offline", "--model",
            str(model_dir), "--work", str(work_path)]
     done = subprocess.run(cmd, env=peer.env(), capture_output=True, text=True, timeout=3600,
@@ -116,7 +116,8 @@ def _offline_main(model: str, work_file: str) -> int:
     work = json.loads(Path(work_file).read_text())
     prompts, lens = work["prompts"], work["output_lens"]
     started = time.perf_counter()
-    llm = LLM(model, dtype="float32", max_num_seqs=len(prompts),
+    llm = LLM(model, dtype=work.get("dtype", "float32"), max_num_seqs=len(prompts),
+              skip_tokenizer_init=not (Path(model) / "tokenizer.json").exists(),
               max_num_batched_tokens=work["max_num_batched_tokens"],
               max_model_len=max(map(len, prompts)) + max(lens) + 16, seed=0)
     startup = time.perf_counter() - started

@@ -89,19 +89,19 @@ void shoal_rotary_neox_f32(float *x, int64_t token_stride, int64_t heads, int64_
     }
 }
 
-/* This step's new K and V rows into their cache slots: row t of k and v (row_floats wide,
-   rows k_stride / v_stride apart: views into the fused qkv rows) goes to slot slots[t] of
-   the [slots, row_floats] caches; a negative slot (a padding row) is skipped. One memcpy
-   per row: torch's index_copy_ over the strided views cost more in dispatch than the
-   copy itself at decode sizes. */
-void shoal_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                        float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
-                        int64_t row_floats) {
-    const size_t bytes = (size_t)row_floats * sizeof(float);
-#pragma omp parallel for schedule(static) if (rows * row_floats >= PARALLEL_MIN * 4)
+/* This step's new K and V rows into their cache slots: row t of k and v (row_bytes wide,
+   rows k_stride / v_stride bytes apart: views into the fused qkv rows) goes to slot
+   slots[t] of the [slots, row_bytes] caches; a negative slot (a padding row) is skipped.
+   Bytes, so one function serves every element type (float32, bfloat16). One memcpy per
+   row: torch's index_copy_ over the strided views cost more in dispatch than the copy
+   itself at decode sizes. */
+void shoal_write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride,
+                    char *k_cache, char *v_cache, const int64_t *slots, int64_t rows,
+                    int64_t row_bytes) {
+#pragma omp parallel for schedule(static) if (rows * row_bytes >= PARALLEL_MIN * 16)
     for (int64_t t = 0; t < rows; ++t) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row_floats, k + t * k_stride, bytes);
-        memcpy(v_cache + slots[t] * row_floats, v + t * v_stride, bytes);
+        memcpy(k_cache + slots[t] * row_bytes, k + t * k_stride, (size_t)row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, v + t * v_stride, (size_t)row_bytes);
     }
 }

@@ -81,7 +81,7 @@ def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``reshape_and_cache`` for CPU float32: token t's ``k[t]``/``v[t]`` ``[Hk, D]`` go to
+    """``reshape_and_cache`` for CPU float32 or bfloat16 (rows copied as bytes): token t's ``k[t]``/``v[t]`` ``[Hk, D]`` go to
     flat slot ``slot_mapping[t]`` (int64; negative: padding, skipped) of the
     ``[blocks, block_size, Hk, D]`` caches. ``k``/``v`` may be views into wider rows (the
     fused qkv rows) whose heads are contiguous within a token."""
@@ -89,9 +89,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError(f"slot_mapping must be contiguous int64, got {slot_mapping.dtype}")
+    if k.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"key must be float32 or bfloat16, got {k.dtype}")
     for name, x in (("key", k), ("value", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        if x.device.type != "cpu" or x.dtype != k.dtype:
+            raise ValueError(f"{name} must be a {k.dtype} CPU tensor, got {x.dtype} on "
+                             f"{x.device}")
     for name, x in (("key", k), ("value", v)):
         if x.stride(2) != 1 or x.stride(1) != head_dim:
             raise ValueError(f"{name}'s heads must be contiguous within a token, strides "
@@ -99,7 +102,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if num_tokens:
-        load().shoal_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                  k_cache.data_ptr(), v_cache.data_ptr(),
-                                  slot_mapping.data_ptr(), num_tokens,
-                                  num_kv_heads * head_dim)
+        size = k.element_size()
+        load().shoal_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(),
+                              v.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
+                              slot_mapping.data_ptr(), num_tokens,
+                              num_kv_heads * head_dim * size)

@@ -1,4 +1,5 @@
-"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``): prebuilt at install, else built on first use, via ctypes.
+"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``,
+``linear_bf16_cpu.c``): prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
 compiled on the machine that runs it (``-march=native``) and cached under
@@ -32,29 +33,35 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c"))
+                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c",
+                             "linear_bf16_cpu.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # libmvec (vector expf) where glibc ships it; plain libm otherwise
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
 
+# wall-clock limit on building the library (a hung compiler): on the loaded 2-core machine the
+# decode kernel alone took 921 s of wall time for 108 s of CPU
+COMPILE_TIMEOUT_S = 1800
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # exported function -> (return type, argument types)
 SIGNATURES: dict[str, tuple[type | None, list]] = {
-    "shoal_paged_decode_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                              _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                              _i64, _f32]),
-    "shoal_paged_prefill_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                               _i64, _i64, _i64, _i64, _i64, _f32, _i64,
-                                               _f32]),
+    "shoal_paged_decode": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                                          _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
+                                          _i64, _f32, _i64]),
+    "shoal_paged_prefill": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                                           _i64, _i64, _i64, _i64, _i64, _f32, _i64,
+                                           _f32, _i64]),
     "shoal_rms_norm_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32]),
     "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
     "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),
-    "shoal_write_kv_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]),
+    "shoal_write_kv": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]),
+    "shoal_linear_bf16": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
 }
 
 
@@ -132,17 +139,46 @@ def build(compiler: str | None = None, into: Path | None = None) -> Path:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial, *LIBS],
-                                capture_output=True, text=True, check=False, timeout=300)
-        if result.returncode != 0:
-            names = ", ".join(source.name for source in SOURCES)
-            raise KernelUnavailable(f"{compiler} failed to build {names}:\n"
-                                    f"{result.stderr.strip()}")
+        with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+            linked = [compiler, *FLAGS, *_compile_objects(compiler, Path(objects)), "-o",
+                      partial, *LIBS]
+            result = subprocess.run(linked, capture_output=True, text=True, check=False,
+                                    timeout=COMPILE_TIMEOUT_S)
+            if result.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed to link the native kernels:\n"
+                                        f"{result.stderr.strip()}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _compile_objects(compiler: str, into: Path) -> list[str]:
+    """Each source compiled to an object file, all at once (one process each: the decode and
+    prefill kernels take most of the time, and each gets a core where there are two)."""
+    flags = [flag for flag in FLAGS if flag != "-shared"]
+    started = []
+    for source in SOURCES:
+        obj = str(into / f"{source.stem}.o")
+        started.append((source, obj, subprocess.Popen(
+            [compiler, *flags, "-c", str(source), "-o", obj], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)))
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
+    failures = []
+    try:
+        for source, _, proc in started:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                failures.append(f"{source.name}:\n{err.strip()}")
+    finally:
+        for _, _, proc in started:
+            if proc.poll() is None:  # timed out: no compiler left running behind us
+                proc.kill()
+                proc.wait()
+    if failures:
+        raise KernelUnavailable(f"{compiler} failed to build " + "\n".join(failures))
+    return [obj for _, obj, _ in started]
 
 
 @functools.cache

@@ -1,4 +1,6 @@
-/* Paged decode attention for CPU, float32: one query token per request, K/V read in place.
+/* Paged decode attention for CPU: one query token per request, K/V read in place from a
+   float32 or a bfloat16 cache (widened to float32 as each row is loaded; q, out and all
+   arithmetic are float32 either way, so a bfloat16 cache only halves the bytes read).
 
    The pure-torch path gathers every request's context out of the paged cache into a dense
    buffer each layer and step, then reads it again in a batched matmul: three passes over
@@ -86,6 +88,35 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define LOAD16(p) (*(const f32x16_u *)(p))
 #define STORE16(p, x) (*(f32x16_u *)(p) = (x))
 #define MAX_VECS 16 /* head_dim up to 256 */
+
+/* K/V rows are addressed by element index from the cache's base; bf16 says the cache holds
+   bfloat16, whose bits are a float32's top half (so widening is a 16-bit shift). Every
+   caller passes bf16 as a constant into always-inline code: each type gets its own loops. */
+typedef uint16_t u16x16_u __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) f32x16 kv_load16(const void *base, int64_t at,
+                                                              int bf16) {
+    if (bf16) {
+        const u16x16_u half = *(const u16x16_u *)((const uint16_t *)base + at);
+        return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+    }
+    return LOAD16((const float *)base + at);
+}
+
+static inline __attribute__((always_inline)) float kv_at(const void *base, int64_t at,
+                                                         int bf16) {
+    if (!bf16) return ((const float *)base)[at];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[at] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline __attribute__((always_inline)) const char *kv_addr(const void *base, int64_t at,
+                                                                 int bf16) {
+    return (const char *)base + at * (bf16 ? 2 : 4);
+}
 #define PREFETCH_MAX_ROW 512
 
 /* Gemma 2's attention softcap on 16 scores: cap * tanh(s / cap) (cap <= 0: unchanged) */
@@ -125,37 +156,43 @@ static inline f32x16 max16(f32x16 a, f32x16 b) {
    With same_kv (both heads in one GQA group) the row is loaded once for both. */
 typedef struct { f32x16 a, b; } f32x16_pair;
 
-static inline __attribute__((always_inline)) void prefetch_row(const float *p, int64_t vecs) {
+/* one head's row of `bytes` bytes, a 64-byte line at a time */
+static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes) {
     if (p != NULL)
-        for (int64_t v = 0; v < vecs; ++v) __builtin_prefetch(p + 16 * v, 0, 2);
+        for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
 }
 
 static inline __attribute__((always_inline)) f32x16_pair dot_pair(
-        const f32x16 *qa, const f32x16 *qb, const float *ka, const float *kb, int64_t vecs,
-        int same_kv) {
-    f32x16 ka0 = LOAD16(ka), kb0 = same_kv ? ka0 : LOAD16(kb);
+        const f32x16 *qa, const f32x16 *qb, const void *cache, int64_t ka, int64_t kb,
+        int64_t vecs, int same_kv, int bf16) {
+    f32x16 ka0 = kv_load16(cache, ka, bf16), kb0 = same_kv ? ka0 : kv_load16(cache, kb, bf16);
     f32x16_pair d = {qa[0] * ka0, qb[0] * kb0};
     for (int64_t v = 1; v < vecs; ++v) {
-        const f32x16 kav = LOAD16(ka + 16 * v), kbv = same_kv ? kav : LOAD16(kb + 16 * v);
+        const f32x16 kav = kv_load16(cache, ka + 16 * v, bf16);
+        const f32x16 kbv = same_kv ? kav : kv_load16(cache, kb + 16 * v, bf16);
         d.a += qa[v] * kav;
         d.b += qb[v] * kbv;
     }
     return d;
 }
 
-/* Scores of 16 tokens (rows k + i * token_stride, i < n) for two heads: lane i of .a / .b is
+/* Scores of 16 tokens (rows ka/kb + i * token_stride, i < n) for two heads: lane i of .a / .b is
    token i's dot product with head a / b. The partial-sum vectors are made in the order the
    tree consumes them, so each level's inputs die as soon as they are added and only a few
    vectors per head are live at once. */
 static inline __attribute__((always_inline)) f32x16_pair scores16_pair(
-        const f32x16 *qa, const f32x16 *qb, const float *ka, const float *kb,
-        int64_t token_stride, int64_t n, int64_t vecs, int same_kv, const float *const pf[4]) {
-#define DOT(t) ((t) < n ? (prefetch_row(pf[0] ? pf[0] + (t) * token_stride : NULL, vecs), \
-                           prefetch_row(pf[1] ? pf[1] + (t) * token_stride : NULL, vecs), \
-                           prefetch_row(pf[2] ? pf[2] + (t) * token_stride : NULL, vecs), \
-                           prefetch_row(pf[3] ? pf[3] + (t) * token_stride : NULL, vecs), \
-                           dot_pair(qa, qb, ka + (t) * token_stride, kb + (t) * token_stride, \
-                                    vecs, same_kv)) : (f32x16_pair){{0}, {0}})
+        const f32x16 *qa, const f32x16 *qb, const void *cache, int64_t ka, int64_t kb,
+        int64_t token_stride, int64_t n, int64_t vecs, int same_kv, const char *const pf[4],
+        int bf16) {
+    const int64_t stride_bytes = token_stride * (bf16 ? 2 : 4);
+    const int64_t head_bytes = 16 * vecs * (bf16 ? 2 : 4);
+#define DOT(t) ((t) < n ? (prefetch_row(pf[0] ? pf[0] + (t) * stride_bytes : NULL, head_bytes), \
+                           prefetch_row(pf[1] ? pf[1] + (t) * stride_bytes : NULL, head_bytes), \
+                           prefetch_row(pf[2] ? pf[2] + (t) * stride_bytes : NULL, head_bytes), \
+                           prefetch_row(pf[3] ? pf[3] + (t) * stride_bytes : NULL, head_bytes), \
+                           dot_pair(qa, qb, cache, ka + (t) * token_stride, \
+                                    kb + (t) * token_stride, vecs, same_kv, bf16)) \
+                        : (f32x16_pair){{0}, {0}})
 #define L1(t0, t1) ({ f32x16_pair x0 = DOT(t0), x1 = DOT(t1); \
                       (f32x16_pair){TREE1(x0.a, x1.a), TREE1(x0.b, x1.b)}; })
 #define L2(t0, t1, t2, t3) ({ f32x16_pair y0 = L1(t0, t1), y1 = L1(t2, t3); \
@@ -176,10 +213,10 @@ static inline __attribute__((always_inline)) f32x16_pair scores16_pair(
    head at a time). Inlined with head_dim a constant where it is common, so the loops over
    a row's vectors unroll and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend_one_vec(
-        const float *q, float *out, const float *k_cache, const float *v_cache,
+        const float *q, float *out, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        float softcap, float *scores) {
+        float softcap, float *scores, const int bf16) {
     const int64_t vecs = head_dim / 16;
     const int prefetch = num_kv_heads * head_dim <= PREFETCH_MAX_ROW;
     const int64_t span = seq_len - first;
@@ -195,10 +232,9 @@ static inline __attribute__((always_inline)) void attend_one_vec(
     for (int64_t b = first_block; b <= last_block; ++b) {
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
-        const float *block_k = k_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *block_v = v_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *next_k = b < last_block
-            ? k_cache + (int64_t)table[b + 1] * block_size * token_stride : NULL;
+        const int64_t block_kv = (int64_t)table[b] * block_size * token_stride;
+        const int64_t next_k = b < last_block
+            ? (int64_t)table[b + 1] * block_size * token_stride : -1;
         for (int64_t c = lo; c < hi; c += 16) {
             const int64_t n = hi - c < 16 ? hi - c : 16;
             const int64_t t0 = b * block_size + c - first;
@@ -208,24 +244,24 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                    read and the next block's K rows */
                 const int64_t row_a = c * token_stride + (ha / group) * head_dim;
                 const int64_t row_b = c * token_stride + (hb / group) * head_dim;
-                const float *pf[4] = {NULL, NULL, NULL, NULL};
+                const char *pf[4] = {NULL, NULL, NULL, NULL};
                 if (prefetch && ha % group == 0) {
-                    pf[0] = block_v + row_a;
-                    pf[1] = next_k != NULL ? next_k + row_a : NULL;
+                    pf[0] = kv_addr(v_cache, block_kv + row_a, bf16);
+                    pf[1] = next_k >= 0 ? kv_addr(k_cache, next_k + row_a, bf16) : NULL;
                 }
                 if (prefetch && hb != ha && hb % group == 0 && hb / group != ha / group) {
-                    pf[2] = block_v + row_b;
-                    pf[3] = next_k != NULL ? next_k + row_b : NULL;
+                    pf[2] = kv_addr(v_cache, block_kv + row_b, bf16);
+                    pf[3] = next_k >= 0 ? kv_addr(k_cache, next_k + row_b, bf16) : NULL;
                 }
-                const float *ka = block_k + row_a, *kb = block_k + row_b;
+                const int64_t ka = block_kv + row_a, kb = block_kv + row_b;
                 f32x16 qa[MAX_VECS], qb[MAX_VECS];
                 for (int64_t v = 0; v < vecs; ++v) {
                     qa[v] = LOAD16(q + ha * head_dim + 16 * v);
                     qb[v] = LOAD16(q + hb * head_dim + 16 * v);
                 }
                 const f32x16_pair s = ka == kb
-                    ? scores16_pair(qa, qb, ka, ka, token_stride, n, vecs, 1, pf)
-                    : scores16_pair(qa, qb, ka, kb, token_stride, n, vecs, 0, pf);
+                    ? scores16_pair(qa, qb, k_cache, ka, ka, token_stride, n, vecs, 1, pf, bf16)
+                    : scores16_pair(qa, qb, k_cache, ka, kb, token_stride, n, vecs, 0, pf, bf16);
                 f32x16 sa = softcap16(s.a * scale, softcap), sb = softcap16(s.b * scale, softcap);
                 if (n == 16) {
                     STORE16(scores + ha * span + t0, sa);
@@ -261,12 +297,12 @@ static inline __attribute__((always_inline)) void attend_one_vec(
     for (int64_t b = first_block; b <= last_block; ++b) {
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
-        const float *block_v = v_cache + (int64_t)table[b] * block_size * token_stride;
+        const int64_t block_v = (int64_t)table[b] * block_size * token_stride;
         const int64_t t0 = b * block_size - first;
         for (int64_t ha = 0; ha < num_heads; ha += 2) {
             const int64_t hb = ha + 1 < num_heads ? ha + 1 : ha;
-            const float *va = block_v + (ha / group) * head_dim;
-            const float *vb = block_v + (hb / group) * head_dim;
+            const int64_t va = block_v + (ha / group) * head_dim;
+            const int64_t vb = block_v + (hb / group) * head_dim;
             const float *pa = scores + ha * span + t0, *pb = scores + hb * span + t0;
             f32x16 acc_a[MAX_VECS], acc_b[MAX_VECS];
             for (int64_t v = 0; v < vecs; ++v) {
@@ -276,15 +312,18 @@ static inline __attribute__((always_inline)) void attend_one_vec(
             if (va == vb)
                 for (int64_t off = lo; off < hi; ++off)
                     for (int64_t v = 0; v < vecs; ++v) {
-                        const f32x16 row = LOAD16(va + off * token_stride + 16 * v);
+                        const f32x16 row = kv_load16(v_cache, va + off * token_stride + 16 * v,
+                                                     bf16);
                         acc_a[v] += pa[off] * row;
                         acc_b[v] += pb[off] * row;
                     }
             else
                 for (int64_t off = lo; off < hi; ++off)
                     for (int64_t v = 0; v < vecs; ++v) {
-                        acc_a[v] += pa[off] * LOAD16(va + off * token_stride + 16 * v);
-                        acc_b[v] += pb[off] * LOAD16(vb + off * token_stride + 16 * v);
+                        acc_a[v] += pa[off] * kv_load16(v_cache, va + off * token_stride + 16 * v,
+                                                        bf16);
+                        acc_b[v] += pb[off] * kv_load16(v_cache, vb + off * token_stride + 16 * v,
+                                                        bf16);
                     }
             /* hb == ha (an odd last head): both accumulators hold the same sums */
             for (int64_t v = 0; v < vecs; ++v) {
@@ -300,10 +339,11 @@ static inline __attribute__((always_inline)) void attend_one_vec(
     }
 }
 
-static void attend_one(const float *q, float *out, const float *k_cache, const float *v_cache,
-                       const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       float softcap, float *scores, float *acc) {
+static inline __attribute__((always_inline)) void attend_one(
+        const float *q, float *out, const void *k_cache, const void *v_cache,
+        const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
+        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+        float softcap, float *scores, float *acc, const int bf16) {
     /* One request, all heads: a cached token's K (or V) row for every kv head is one
        contiguous run of num_kv_heads * head_dim floats, read once, front to back. */
     const int64_t span = seq_len - first;
@@ -316,21 +356,21 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     for (int64_t b = first_block; b <= last_block; ++b) {
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
-        const float *block_k = k_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *next_k = b < last_block
-            ? k_cache + (int64_t)table[b + 1] * block_size * token_stride : block_k;
+        const int64_t block_k = (int64_t)table[b] * block_size * token_stride;
+        const int64_t next_k = b < last_block
+            ? (int64_t)table[b + 1] * block_size * token_stride : block_k;
         for (int64_t off = lo; off < hi; ++off) {
             const int64_t t = b * block_size + off - first;
-            const float *k_row = block_k + off * token_stride;
-            for (int64_t line = 0; line < token_stride; line += 16)
-                __builtin_prefetch(next_k + off * token_stride + line, 0, 1);
+            const int64_t k_row = block_k + off * token_stride;
+            prefetch_row(kv_addr(k_cache, next_k + off * token_stride, bf16),
+                         token_stride * (bf16 ? 2 : 4));
             for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-                const float *k = k_row + kv * head_dim;
+                const int64_t k = k_row + kv * head_dim;
                 for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
                     const float *qh = q + h * head_dim;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
+                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kv_at(k_cache, k + d, bf16);
                     dot *= scale;
                     scores[h * span + t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
                 }
@@ -346,21 +386,21 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
     for (int64_t b = first_block; b <= last_block; ++b) {
         const int64_t lo = b == first_block ? first - b * block_size : 0;
         const int64_t hi = b == last_block ? seq_len - b * block_size : block_size;
-        const float *block_v = v_cache + (int64_t)table[b] * block_size * token_stride;
-        const float *next_v = b < last_block
-            ? v_cache + (int64_t)table[b + 1] * block_size * token_stride : block_v;
+        const int64_t block_v = (int64_t)table[b] * block_size * token_stride;
+        const int64_t next_v = b < last_block
+            ? (int64_t)table[b + 1] * block_size * token_stride : block_v;
         for (int64_t off = lo; off < hi; ++off) {
             const int64_t t = b * block_size + off - first;
-            const float *v_row = block_v + off * token_stride;
-            for (int64_t line = 0; line < token_stride; line += 16)
-                __builtin_prefetch(next_v + off * token_stride + line, 0, 1);
+            const int64_t v_row = block_v + off * token_stride;
+            prefetch_row(kv_addr(v_cache, next_v + off * token_stride, bf16),
+                         token_stride * (bf16 ? 2 : 4));
             for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-                const float *v = v_row + kv * head_dim;
+                const int64_t v = v_row + kv * head_dim;
                 for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
                     const float p = scores[h * span + t];
                     float *a = acc + h * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * kv_at(v_cache, v + d, bf16);
                 }
             }
         }
@@ -371,14 +411,12 @@ static void attend_one(const float *q, float *out, const float *k_cache, const f
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
-int shoal_paged_decode_f32(const float *q, int64_t q_token_stride, float *out,
-                           const float *k_cache,
-                           const float *v_cache, const int32_t *block_tables,
-                           int64_t table_stride, const int64_t *q_rows,
-                           const int64_t *table_rows, const int32_t *seq_lens,
-                           int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                           float softcap) {
+static inline __attribute__((always_inline)) int paged_decode(
+        const float *q, int64_t q_token_stride, float *out, const void *k_cache,
+        const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+        const int64_t *q_rows, const int64_t *table_rows, const int32_t *seq_lens,
+        int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+        int64_t block_size, float scale, int64_t window, float softcap, const int bf16) {
     int64_t longest = 1;
     for (int64_t r = 0; r < num_requests; ++r)
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
@@ -397,21 +435,44 @@ int shoal_paged_decode_f32(const float *q, int64_t q_token_stride, float *out,
             const float *q_row = q + q_rows[r] * q_token_stride;
             const int64_t row = q_rows[r] * num_heads * head_dim;
             const int32_t *table = block_tables + table_rows[r] * table_stride;
-            if (head_dim == 64)
+            /* head sizes as constants (unrolled loops) for float32 only: each such copy
+               costs ~30 s of compile time on a loaded machine, and a bfloat16 cache is
+               bound by its reads more than by the loop overhead */
+            if (head_dim == 64 && !bf16)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 64, block_size, scale, softcap, scores);
-            else if (head_dim == 128)
+                               num_heads, num_kv_heads, 64, block_size, scale, softcap, scores,
+                               0);
+            else if (head_dim == 128 && !bf16)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 128, block_size, scale, softcap, scores);
+                               num_heads, num_kv_heads, 128, block_size, scale, softcap, scores,
+                               0);
             else if (head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores);
+                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
+                               scores, bf16);
             else
                 attend_one(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores, acc);
+                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores,
+                           acc, bf16);
         }
         free(scores);
         free(acc);
     }
     return failed;
+}
+
+/* The two exported entry points: a float32 cache, a bfloat16 cache (kv_bf16 != 0). */
+int shoal_paged_decode(const float *q, int64_t q_token_stride, float *out, const void *k_cache,
+                       const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+                       const int64_t *q_rows, const int64_t *table_rows,
+                       const int32_t *seq_lens, int64_t num_requests, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                       int64_t window, float softcap, int64_t kv_bf16) {
+    if (kv_bf16)
+        return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables,
+                            table_stride, q_rows, table_rows, seq_lens, num_requests, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, window, softcap, 1);
+    return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables, table_stride,
+                        q_rows, table_rows, seq_lens, num_requests, num_heads, num_kv_heads,
+                        head_dim, block_size, scale, window, softcap, 0);
 }

@@ -17,17 +17,25 @@ def check_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype, dims: int,
         raise ValueError(f"{name} must be contiguous")
 
 
+# the K/V cache element types the kernels read (widened to float32 as they load)
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def check_paged_layout(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor,
                        block_tables: torch.Tensor) -> tuple[int, int, int, int]:
     """The layouts the paged CPU kernels read (q's tokens may be a view into wider rows);
-    returns (num_heads, head_dim, block_size, num_kv_heads)."""
+    returns (num_heads, head_dim, block_size, num_kv_heads). q and out are float32; the
+    caches float32 or bfloat16, both the same."""
     check_tensor("q", q, torch.float32, 3, rows_only=True)
     if q.stride(1) != q.shape[2]:
         raise ValueError(f"q's heads must be contiguous within a token, strides {q.stride()}")
     check_tensor("out", out, torch.float32, 3)
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must both be float32 or both bfloat16, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, torch.float32, 4)
+        check_tensor(name, t, k_cache.dtype, 4)
     check_tensor("block_tables", block_tables, torch.int32, 2, rows_only=True)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -50,8 +58,9 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
     through ``block_tables[table_rows[r]]``; with ``softcap``, each score becomes
     ``softcap * tanh(score / softcap)`` (Gemma 2). Other rows of ``out`` are left untouched.
 
-    q/out ``[T, Hq, D]``; caches ``[blocks, block_size, Hk, D]``; all float32, contiguous,
-    except that q's tokens may be further apart than ``Hq * D`` (a view into the qkv rows).
+    q/out ``[T, Hq, D]`` float32; caches ``[blocks, block_size, Hk, D]`` float32 or bfloat16;
+    contiguous, except that q's tokens may be further apart than ``Hq * D`` (a view into the
+    qkv rows).
     The caller guarantees indices are in range (they come from the engine's own plan)."""
     num_heads, head_dim, block_size, num_kv_heads = check_paged_layout(
         q, out, k_cache, v_cache, block_tables)
@@ -63,10 +72,11 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
         raise ValueError("q_rows, table_rows and seq_lens must have one entry per request")
     if count == 0:
         return
-    failed = load().shoal_paged_decode_f32(
+    failed = load().shoal_paged_decode(
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), q_rows.data_ptr(),
         table_rows.data_ptr(), seq_lens.data_ptr(), count, num_heads, num_kv_heads, head_dim,
-        block_size, scale, sliding_window or 0, softcap or 0.0)
+        block_size, scale, sliding_window or 0, softcap or 0.0,
+        int(k_cache.dtype == torch.bfloat16))
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")

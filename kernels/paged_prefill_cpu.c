@@ -1,5 +1,7 @@
-/* Paged prefill attention for CPU, float32: chunks of query tokens attending causally over
-   their request's cached prefix and themselves, K/V read in place from the pages.
+/* Paged prefill attention for CPU: chunks of query tokens attending causally over their
+   request's cached prefix and themselves, K/V read in place from the pages of a float32 or
+   a bfloat16 cache (each 16-key chunk is copied out anyway, widened to float32 on the way;
+   q, out and the arithmetic are float32).
 
    torch's CPU flash SDPA works on whole 512-key blocks, so a causal prompt costs as much as
    a full one, and a chunk with a cached prefix first has its pages gathered into a dense
@@ -114,11 +116,11 @@ static inline f32x16 exp16(f32x16 x) {
 #endif
 
 static inline __attribute__((always_inline)) void attend_tile(
-        const float *q, int64_t q_token_stride, float *out, const float *k_cache,
-        const float *v_cache, const int32_t *table, int64_t q_start, int64_t q_len,
+        const float *q, int64_t q_token_stride, float *out, const void *k_cache,
+        const void *v_cache, const int32_t *table, int64_t q_start, int64_t q_len,
         int64_t seq_len, int64_t kv_head, int64_t first_row, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        int64_t window, float softcap) {
+        int64_t window, float softcap, const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t prefix = seq_len - q_len;
@@ -162,8 +164,22 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int64_t t = kc + (j < keys ? j : 0);  /* past the end: any valid row */
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
             const int64_t at = slot * token_stride + kv_head * head_dim;
-            memcpy(k_rows + j * head_dim, k_cache + at, (size_t)head_dim * sizeof(float));
-            memcpy(v_rows + j * head_dim, v_cache + at, (size_t)head_dim * sizeof(float));
+            if (bf16) {  /* a bfloat16 is a float32's top 16 bits */
+                const uint16_t *k_half = (const uint16_t *)k_cache + at;
+                const uint16_t *v_half = (const uint16_t *)v_cache + at;
+                uint32_t *k_bits = (uint32_t *)(k_rows + j * head_dim);
+                uint32_t *v_bits = (uint32_t *)(v_rows + j * head_dim);
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    k_bits[d] = (uint32_t)k_half[d] << 16;
+                    v_bits[d] = (uint32_t)v_half[d] << 16;
+                }
+            } else {
+                memcpy(k_rows + j * head_dim, (const float *)k_cache + at,
+                       (size_t)head_dim * sizeof(float));
+                memcpy(v_rows + j * head_dim, (const float *)v_cache + at,
+                       (size_t)head_dim * sizeof(float));
+            }
         }
         f32x16 s[LANES];
         for (int64_t j = 0; j < LANES; ++j) s[j] = (f32x16){0};
@@ -225,13 +241,14 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-/* Returns 0 on success, 1 when the tile list could not be allocated. */
-int shoal_paged_prefill_f32(const float *q, int64_t q_token_stride, float *out,
-                            const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, int64_t table_stride,
-                            const int64_t *spans, int64_t count, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int64_t window, float softcap) {
+/* Returns 0 on success, 1 when the tile list could not be allocated. kv_bf16: the caches
+   hold bfloat16, else float32. */
+int shoal_paged_prefill(const float *q, int64_t q_token_stride, float *out,
+                        const void *k_cache, const void *v_cache,
+                        const int32_t *block_tables, int64_t table_stride,
+                        const int64_t *spans, int64_t count, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale, int64_t window, float softcap, int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t total = 0;
     for (int64_t s = 0; s < count; ++s)
@@ -246,23 +263,24 @@ int shoal_paged_prefill_f32(const float *q, int64_t q_token_stride, float *out,
                 tiles[n++] = (Tile){s, h, t * LANES};
     }
 
+/* one call per (head size, cache type) pair, so each gets its own unrolled loops */
+#define ATTEND(dim, is_bf16)                                                                \
+    attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1], span[3], \
+                tiles[i].kv_head, tiles[i].first_row, num_heads, num_kv_heads, dim,         \
+                block_size, scale, window, softcap, is_bf16)
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < total; ++i) {
         const int64_t *span = spans + 4 * tiles[i].span;
         const int32_t *table = block_tables + span[2] * table_stride;
-        if (head_dim == 64)
-            attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
-                        span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, 64, block_size, scale, window, softcap);
-        else if (head_dim == 128)
-            attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
-                        span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, 128, block_size, scale, window, softcap);
-        else
-            attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1],
-                        span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, window, softcap);
+        if (kv_bf16) {  /* one copy: see paged_decode_cpu.c on compile time */
+            ATTEND(head_dim, 1);
+        } else {
+            if (head_dim == 64) ATTEND(64, 0);
+            else if (head_dim == 128) ATTEND(128, 0);
+            else ATTEND(head_dim, 0);
+        }
     }
+#undef ATTEND
     free(tiles);
     return 0;
 }

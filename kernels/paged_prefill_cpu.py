@@ -31,7 +31,7 @@ def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
     through its block-table row; with ``sliding_window``, over the last that many positions.
     Other rows of ``out`` are left untouched.
 
-    Layouts as for ``paged_decode_attention``; head_dim a multiple of 16 up to 256. The
+    Layouts and types as for ``paged_decode_attention``; head_dim a multiple of 16 up to 256. The
     caller guarantees indices are in range (they come from the engine's own plan)."""
     num_heads, head_dim, block_size, num_kv_heads = check_paged_layout(
         q, out, k_cache, v_cache, block_tables)
@@ -42,10 +42,10 @@ def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
         raise ValueError(f"spans must be [count, 4], got {tuple(spans.shape)}")
     if spans.shape[0] == 0:
         return
-    failed = load().shoal_paged_prefill_f32(
+    failed = load().shoal_paged_prefill(
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), spans.data_ptr(), spans.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-        softcap or 0.0)
+        softcap or 0.0, int(k_cache.dtype == torch.bfloat16))
     if failed:
         raise MemoryError("the CPU prefill kernel could not allocate its tile list")

@@ -2,7 +2,7 @@
 
 ``auto``: triton on CUDA (flashinfer only when asked for: it has never been measured on a
 device here, runs decode without CUDA graphs and syncs the host each step); on CPU the native
-decode kernel (``cpu``) when it builds here and the model is float32, else torch.
+decode kernel (``cpu``) when it builds here and the model is float32 or bfloat16, else torch.
 An explicit choice is honoured where it can run at all, and refused with a reason where it
 cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
 CUDA or the interpreter (``TRITON_INTERPRET=1``, tests).
@@ -37,12 +37,13 @@ def choose_attention_backend(
     triton_available: bool,
     triton_interpreted: bool = False,
     cpu_kernel: str | None = "not checked",
-    dtype_is_float32: bool = True,
+    dtype_native: bool = True,
     needs: frozenset[str] = frozenset(),
 ) -> str:
     """Resolve ``--attention-backend`` to a concrete backend name, or raise ValueError.
 
     ``cpu_kernel``: None when the native CPU decode kernel loads here, else why it does not.
+    ``dtype_native``: the model's dtype is one the native CPU kernels take (float32, bfloat16).
     ``needs``: the model's attention features (``BACKEND_FEATURES``' keys)."""
     if requested not in BACKEND_NAMES:
         raise ValueError(
@@ -53,7 +54,7 @@ def choose_attention_backend(
         candidates = []  # flashinfer never: see the module's doc
         if on_cuda and triton_available:
             candidates.append("triton")
-        if device_type == "cpu" and cpu_kernel is None and dtype_is_float32:
+        if device_type == "cpu" and cpu_kernel is None and dtype_native:
             candidates.append("cpu")
         candidates.append("torch")
         for name in candidates:
@@ -68,9 +69,9 @@ def choose_attention_backend(
             raise ValueError(f"the cpu attention backend runs on CPU, not {device_type}")
         if cpu_kernel is not None:
             raise ValueError(f"the cpu attention backend is unavailable: {cpu_kernel}")
-        if not dtype_is_float32:
-            raise ValueError("the cpu attention backend runs float32 models only; "
-                             "use --attention-backend torch")
+        if not dtype_native:
+            raise ValueError("the cpu attention backend runs float32 and bfloat16 models "
+                             "only; use --attention-backend torch")
     if requested == "flashinfer":
         if not on_cuda:
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {device_type}")
@@ -109,7 +110,7 @@ def cpu_kernel_status() -> str | None:
     return unavailable_reason()
 
 
-def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool = True,
+def choose_for_device(requested: str, device_type: str, dtype_native: bool = True,
                       needs: frozenset[str] = frozenset()) -> str:
     """The rule applied to this machine (the CPU kernel is built only when it could run)."""
     wants_cpu_kernel = device_type == "cpu" and requested in ("auto", "cpu")
@@ -120,7 +121,7 @@ def choose_for_device(requested: str, device_type: str, dtype_is_float32: bool =
         triton_available=module_available("triton"),
         triton_interpreted=triton_interpreted(),
         cpu_kernel=cpu_kernel_status() if wants_cpu_kernel else "not on CPU",
-        dtype_is_float32=dtype_is_float32,
+        dtype_native=dtype_native,
         needs=needs,
     )
 

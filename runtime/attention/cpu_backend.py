@@ -7,9 +7,11 @@ kernel (``shoal.kernels.paged_decode_cpu``) reads every K/V row once, in place. 
 chunks are compute-bound: torch's SDPA computes a causal prompt at the cost of a full one
 and needs a chunk's cached prefix gathered and masked, so ``shoal.kernels.paged_prefill_cpu``
 computes only the tiles at or below the diagonal, reading the pages in place (head sizes
-that are multiples of 16; others go through the torch backend's SDPA path). float32 only
-(the kernels' type); ``auto`` picks this backend on CPU when the kernels build here and the
-model runs in float32, else the torch backend.
+that are multiples of 16; others go through the torch backend's SDPA path). The model runs
+in float32 or bfloat16: the caches are in the model's dtype and the kernels widen each K/V
+row to float32 as they read it; a bfloat16 model's q goes in widened (a few KB per step)
+and the float32 output is rounded back. ``auto`` picks this backend on CPU when the kernels
+build here, else the torch backend.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
-        if dtype != torch.float32:
-            raise ValueError(f"the cpu attention backend runs float32 models, not {dtype}; "
-                             "use --attention-backend torch")
+        if dtype not in paged_decode_cpu.KV_DTYPES:
+            raise ValueError(f"the cpu attention backend runs float32 and bfloat16 models, "
+                             f"not {dtype}; use --attention-backend torch")
         native_cpu.load()  # builds the library once per machine; KernelUnavailable if not
 
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -74,15 +76,21 @@ class CpuAttentionBackend:
             raise ValueError("the cpu attention backend does not implement attention sinks")
         plan = step_plan(self, meta, CpuAttentionPlan)
         cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype)  # q may be a view into the qkv rows
+        native_prefill = bool(plan.prefills) and paged_prefill_cpu.supports_head_dim(q.shape[2])
+        # the kernels take float32 queries and write float32 rows (q may be a view into the
+        # qkv rows: float32 q is passed as it is)
+        q32 = q if q.dtype == torch.float32 else q.float()
+        out = torch.empty(q.shape, dtype=torch.float32)
         paged_decode_cpu.paged_decode_attention(
-            q, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
+            q32, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
             plan.seq_lens, scale, sliding_window, softcap)
-        if plan.prefills and paged_prefill_cpu.supports_head_dim(q.shape[2]):
+        if native_prefill:
             paged_prefill_cpu.paged_prefill_attention(
-                q, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
+                q32, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
                 sliding_window, softcap)
-        else:  # no prefill rows (a no-op), or a head size the native kernel does not take
+        if q.dtype != torch.float32:
+            out = out.to(q.dtype)
+        if not native_prefill:  # no prefill rows (a no-op), or a head size the kernel lacks
             attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
                             sliding_window, softcap)
         return out

@@ -51,6 +51,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = 
                           needs: frozenset[str] = frozenset()) -> AttentionBackend:
     """The backend for ``name`` on ``device`` for a ``dtype`` model whose attention needs
     ``needs`` (``backend_choice.BACKEND_FEATURES``); ValueError says why a choice cannot run."""
-    chosen = choose_for_device(name, device.type, dtype_is_float32=dtype == torch.float32,
+    chosen = choose_for_device(name, device.type,
+                               dtype_native=dtype in (torch.float32, torch.bfloat16),
                                needs=needs)
     return _BACKENDS[chosen](dtype)

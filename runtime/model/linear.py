@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from shoal.kernels.linear_bf16_cpu import linear_bf16
 from shoal.runtime.model.layers import _param
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
@@ -63,10 +64,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, through the oneDNN-packed copy when the layer has one."""
+            bias: torch.Tensor | None = None, native_bf16: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias``, through the oneDNN-packed copy when the layer has one, or
+    the native bfloat16 kernel when the layer was given it."""
     if packed is not None:
         return onednn_linear(x, packed, bias)
+    if native_bf16:
+        return linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -92,6 +96,8 @@ def _weight(shape: tuple[int, int], dtype: torch.dtype,
 class _Linear(nn.Module):
     # set by pack_cpu_linear_weights: the weight in oneDNN's blocked layout (CPU only)
     packed: torch.Tensor | None = None
+    # set by use_native_bf16_linears: bfloat16 on CPU through kernels/linear_bf16_cpu
+    native_bf16: bool = False
     # set by quant/linear_method.py: the layer's quantized weights and their matmul
     quant: Any = None
 
@@ -106,7 +112,7 @@ class _Linear(nn.Module):
             return self.quant.apply(self, x, bias)
         weight = self.weight
         assert isinstance(weight, torch.Tensor)
-        return _matmul(x, weight, self.packed, bias)
+        return _matmul(x, weight, self.packed, bias, self.native_bf16)
 
 
 class ReplicatedLinear(_Linear):
@@ -274,16 +280,33 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the vocabulary shard; logits gathered to the full vocabulary."""
 
     packed: torch.Tensor | None = None  # as in _Linear
+    native_bf16: bool = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = _matmul(hidden, self.weight, self.packed)
+        logits = _matmul(hidden, self.weight, self.packed, native_bf16=self.native_bf16)
         if self.parallel.world_size > 1:
             logits = self.parallel.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits
 
 
+def use_native_bf16_linears(model: nn.Module) -> int:
+    """On CPU, bfloat16, where oneDNN cannot pack bfloat16: every linear layer (and the LM
+    head) multiplies through ``shoal.kernels.linear_bf16_cpu``, its weight kept as it is.
+    Returns the layers switched."""
+    switched = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, (_Linear, ParallelLMHead)) and isinstance(weight, torch.Tensor)
+                and not getattr(module, "quant", None)  # quantized: its own matmul
+                and weight.device.type == "cpu" and weight.dtype == torch.bfloat16):
+            module.native_bf16 = True
+            switched += 1
+    return switched
+
+
 def pack_cpu_linear_weights(model: nn.Module) -> int:
-    """On CPU, float32: give every linear layer its weight in oneDNN's blocked layout, the one
+    """On CPU, float32 (or bfloat16 where oneDNN has bfloat16 kernels for the CPU: AMX,
+    AVX512-BF16): give every linear layer its weight in oneDNN's blocked layout, the one
     oneDNN's matmul reads directly (what inductor's CPU freezing and vLLM's CPU build use).
     Against MKL's ``F.linear`` on the same weights: 1.2-1.7x at 16-2048 rows, 2-9x for the
     LM head at 1-16 rows (bench/linear_cpu.py); the sums round differently, within
@@ -300,8 +323,8 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
             continue
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue  # measured for float32 only
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
         module.packed = onednn_pack(weight)
         if id(weight) not in tied:
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"),

@@ -20,7 +20,11 @@ from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
 from shoal.runtime.model.gguf_checkpoint import open_gguf
-from shoal.runtime.model.linear import linear_weights_deferred, pack_cpu_linear_weights
+from shoal.runtime.model.linear import (
+    linear_weights_deferred,
+    pack_cpu_linear_weights,
+    use_native_bf16_linears,
+)
 from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
@@ -252,4 +256,6 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         finalize_quantized(model)
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
+    elif model.kernels.choice.linear == "native_bf16":
+        use_native_bf16_linears(model)
     return model.eval()

@@ -9,7 +9,10 @@ they run on. The rule:
   library built); the ``torch`` backend keeps the whole model in plain torch, a reference;
 - Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with the
   triton attention backend;
-- oneDNN-packed linear weights on CPU in float32 (``linear.pack_cpu_linear_weights``);
+- oneDNN-packed linear weights on CPU in float32, and in bfloat16 where oneDNN has bfloat16
+  kernels for this CPU (AMX, AVX512-BF16, AVX-NE-CONVERT: ``linear.pack_cpu_linear_weights``);
+  elsewhere bfloat16 linears on the native kernel (``shoal.kernels.linear_bf16_cpu``: the
+  weight kept in bfloat16, widened as it is read) where the native library runs;
 - torch everywhere else, and for every shape a kernel does not take (an activation other
   than SiLU, partial or interleaved rotary, a 3-d norm input).
 """
@@ -50,31 +53,46 @@ class KernelChoice:
     silu_and_mul: str  # "native_cpu" | "triton" | "torch"
     rotary: str  # "native_cpu" (neox, whole head, in place) | "torch"
     qk_norm_rotary: str  # "triton" (per-head norm + neox rotary, one kernel) | "torch"
-    linear: str  # "onednn" (packed weights) | "torch"
+    linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
     moe: str = "grouped"  # "triton" (kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
 
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
-                   triton_available: bool, onednn_available: bool) -> KernelChoice:
+                   triton_available: bool, onednn_available: bool,
+                   onednn_bf16: bool = False) -> KernelChoice:
+    """``onednn_bf16``: oneDNN can pack bfloat16 weights on this CPU."""
     native = attention == "cpu"  # that backend runs only where the native library loaded
+    # the position-wise C ops are float32 (a bfloat16 model runs torch's there)
+    native_ops = native and dtype == torch.float32
     # Triton only with the triton attention backend (backend_choice.fused_triton_ops), so
     # --attention-backend torch runs no Triton code: the way around a Triton failure
     triton = triton_available and fused_triton_ops(attention, device_type)
-    fast = "native_cpu" if native else "triton" if triton else "torch"
+    fast = "native_cpu" if native_ops else "triton" if triton else "torch"
+    linear = "torch"
+    if device_type == "cpu" and onednn_available and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16)):
+        linear = "onednn"
+    elif device_type == "cpu" and dtype == torch.bfloat16 and native:
+        linear = "native_bf16"
     return KernelChoice(
         norm=fast, silu_and_mul=fast,
-        rotary="native_cpu" if native else "torch",
+        rotary="native_cpu" if native_ops else "torch",
         qk_norm_rotary="triton" if triton else "torch",
-        linear="onednn" if device_type == "cpu" and dtype == torch.float32
-        and onednn_available else "torch",
-        attention=attention, moe="triton" if triton else "grouped")
+        linear=linear, attention=attention, moe="triton" if triton else "grouped")
+
+
+def onednn_packs_bf16() -> bool:
+    """oneDNN has bfloat16 matmul kernels for this CPU (it refuses to pack otherwise)."""
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def kernels_for(device: torch.device | str, dtype: torch.dtype, attention: str) -> Kernels:
     device_type = torch.device(device).type
     return Kernels(choose_kernels(device_type, dtype, attention, find_spec("triton") is not None,
-                                  torch.backends.mkldnn.is_available()))
+                                  torch.backends.mkldnn.is_available(),
+                                  device_type == "cpu" and onednn_packs_bf16()))
 
 
 class Kernels:

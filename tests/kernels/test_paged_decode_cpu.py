@@ -117,13 +117,11 @@ def test_cpu_backend_equals_the_torch_backend_on_a_step(rng, paged_batch, reques
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=5e-5)
 
 
-def test_auto_picks_the_native_kernel_on_cpu_for_float32_only():
+def test_auto_picks_the_native_kernel_on_cpu():
     cpu = torch.device("cpu")
     assert get_attention_backend("auto", cpu).name == "cpu"
-    assert get_attention_backend("auto", cpu, torch.bfloat16).name == "torch"
     assert get_attention_backend("torch", cpu).name == "torch"
-    with pytest.raises(ValueError, match="float32 models only"):
-        get_attention_backend("cpu", cpu, torch.bfloat16)
+    # bfloat16: tests/kernels/test_cpu_attention_bf16.py
 
 
 def test_the_rule_falls_back_to_torch_when_the_kernel_cannot_build():

@@ -1,0 +1,79 @@
+"""Linear layers over bfloat16 weights on CPU (``linear_bf16_cpu.c``, in the native library
+of ``native_cpu``), for CPUs whose oneDNN cannot pack bfloat16 weights.
+
+oneDNN's bfloat16 path needs bfloat16 instructions (AVX512-BF16, AMX or AVX-NE-CONVERT;
+``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). Without them (Zen 3, AVX2), torch's
+bfloat16 ``F.linear`` ran 1.5-3x slower than float32 on the same machine. Here the weight
+stays in bfloat16 (half the memory and half the bytes a decode step reads) and:
+
+- a few rows (decode, up to ``NATIVE_MAX_ROWS``): the native kernel streams each weight row
+  once, widened to float32 in registers, against every row;
+- more rows (prefill): float32 GEMM (torch's, MKL) on the weight widened a chunk of output
+  features at a time (``CHUNK_BYTES`` of float32), so no full float32 copy is ever held;
+  widening costs one pass over the weight, small next to a GEMM over many rows.
+
+Both sum in float32 and round to bfloat16 once, as torch's bfloat16 matmul does.
+"""
+
+from __future__ import annotations
+
+import torch
+from shoal.kernels.native_cpu import load
+
+# rows up to which the streaming kernel beats widening + float32 GEMM (bench/linear_cpu.py)
+NATIVE_MAX_ROWS = 16
+# float32 bytes of weight widened at a time on the GEMM path (stays in L2/L3 between uses)
+CHUNK_BYTES = 4 << 20
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.bfloat16):
+            raise ValueError(f"{name} must be a bfloat16 CPU tensor, got {t.dtype} on "
+                             f"{t.device}")
+    if weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [out, in] matrix, got "
+                         f"{tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.shape[1]}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector, got "
+                         f"{tuple(bias.shape)}")
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in bfloat16, summed in float32; ``x [..., in]``, ``weight
+    [out, in]``."""
+    _check(x, weight, bias)
+    lead = x.shape[:-1]
+    rows2d = x.reshape(-1, x.shape[-1])
+    if rows2d.stride(-1) != 1:
+        rows2d = rows2d.contiguous()
+    rows, k = rows2d.shape
+    n = weight.shape[0]
+    if rows > NATIVE_MAX_ROWS:
+        return _widened_gemm(rows2d, weight, bias).reshape(*lead, n)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows and n:
+        failed = load().shoal_linear_bf16(
+            rows2d.data_ptr(), rows2d.stride(0), weight.data_ptr(),
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, n, k)
+        if failed:
+            raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")
+    return out.reshape(*lead, n)
+
+
+def _widened_gemm(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.shape
+    x32 = x.float()
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    step = max(16, CHUNK_BYTES // (4 * max(k, 1)))
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        w32 = weight[start:end].float()
+        part = (torch.mm(x32, w32.t()) if bias is None
+                else torch.addmm(bias[start:end].float(), x32, w32.t()))
+        out[:, start:end] = part
+    return out
