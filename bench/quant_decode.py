@@ -10,6 +10,10 @@ counts generated tokens over the call's wall time (the short prefill included). 
 load moves every row: compare rows of one run.
 
     .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
+        [--modes f32,int4-w4a16,fp8-block]
+
+On a CPU without AVX-512 (AVX2 only), torch's packed int4 and int8 CPU GEMMs run far below
+float32 (docs/benchmarks.md): expect the int4 rows to take minutes there.
 """
 
 from __future__ import annotations
