@@ -11,13 +11,19 @@ on a shared machine inflate them less than wall time), still noisy.
 replaced by a new one before the next step, so most steps also admit and prefill (the
 prefill's token copying and block hashing count; ``add_request`` itself does not).
 
+``--against REF`` measures the engine of another commit too, in the same run: ``--runs``
+runs of each, alternating (REF's own copy of this script in a subprocess, then this one),
+and reports the median over runs of each one's per-step median and the ratio.
+
     .venv/bin/python bench/engine_overhead.py [--steps 400] [--churn] [--json out.json]
+        [--against REF --runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -136,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn", action="store_true",
                         help="also measure with requests finishing and arriving every step")
     parser.add_argument("--json", default="")
+    parser.add_argument("--against", default="",
+                        help="a git commit to measure as well, interleaved run by run")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each with --against")
     args = parser.parse_args(argv)
+    if args.against:
+        return compare(args)
     rows = [measure(bs, args.num_reqs, args.steps, churn)
             for churn in ((False, True) if args.churn else (False,)) for bs in (16, 256)]
     print(f"engine-core CPU per decode step, {args.num_reqs} running requests, null model "
@@ -151,6 +162,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target_ms": TARGET_MS, "results": rows}, f, indent=2)
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """This checkout against ``args.against``, ``args.runs`` runs each, alternating."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import other_commit
+
+    with tempfile.TemporaryDirectory(prefix="engine-overhead-") as tmp:
+        ref = other_commit.checkout(args.against, Path(tmp) / "ref")
+        flags = ["--steps", str(args.steps), "--num-reqs", str(args.num_reqs)]
+        flags += ["--churn"] if args.churn else []
+        sides = {args.against: (other_commit.script(ref, "bench/engine_overhead.py"),
+                                other_commit.env(ref)),
+                 "this": (Path(__file__), dict(os.environ))}
+        runs: dict[str, list[list[dict]]] = {side: [] for side in sides}
+        loads = [os.getloadavg()[0]]
+        for run in range(args.runs):
+            for side, (path, environ) in sides.items():
+                out = Path(tmp) / f"{run}-{len(runs[side])}-{side[:12]}.json"
+                subprocess.run([sys.executable, str(path), *flags, "--json", str(out)],
+                               env=environ, check=True, stdout=subprocess.DEVNULL)
+                runs[side].append(json.loads(out.read_text())["results"])
+            loads.append(os.getloadavg()[0])
+    before, after = runs[args.against], runs["this"]
+    print(f"engine-core CPU ms per step, median over {args.runs} alternating runs of each "
+          f"run's median (schedule/update: median of the runs' means); load average "
+          f"{min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'workload':>8} {'block':>6} {args.against[:12]:>12} {'this':>8} {'ratio':>6} "
+          f"{'sched/upd before':>17} {'sched/upd this':>15}")
+    summary = []
+    for i, row in enumerate(before[0]):
+        def med(side: list[list[dict]], key: str, i: int = i) -> float:
+            return statistics.median(r[i][key] for r in side)
+
+        b, a = med(before, "median_ms"), med(after, "median_ms")
+        summary.append({"workload": row["workload"], "block_size": row["block_size"],
+                        "before_ms": b, "after_ms": a, "ratio": a / b,
+                        "before_runs": [r[i]["median_ms"] for r in before],
+                        "after_runs": [r[i]["median_ms"] for r in after]})
+        print(f"{row['workload']:>8} {row['block_size']:>6} {b:>12.3f} {a:>8.3f} {a / b:>6.2f} "
+              f"{med(before, 'schedule_ms'):>8.3f}/{med(before, 'update_ms'):.3f} "
+              f"{med(after, 'schedule_ms'):>8.3f}/{med(after, 'update_ms'):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"against": args.against, "load": loads, "results": summary}, f, indent=2)
     return 0
 
 
