@@ -10,7 +10,8 @@ to its request, one output each) and the few rows that cross a block boundary, p
 may have stopped.
 
 The arrays mirror the requests (``check`` verifies it): ``computed[i] ==
-reqs[i].num_computed_tokens``, ``num_tokens[i] == len(reqs[i].all_token_ids)``,
+reqs[i].num_computed_tokens`` (between steps), ``num_tokens[i] ==
+len(reqs[i].all_token_ids)``,
 ``capacity[i]`` = the tokens its blocks hold, and, while a token is left to compute,
 ``next_tokens[i] == reqs[i].all_token_ids[computed[i]]``. ``revision`` counts removals, so a
 step's result knows whether its rows are still the batch's leading rows.
@@ -102,20 +103,18 @@ class RunningBatch:
                 sampled: np.ndarray) -> None:
         """The leading ``num_rows`` rows were scheduled ``counts`` tokens (``decode_only``:
         one each, every row sampled; ``sampled``: the step completes the row's known
-        tokens): their requests move on; a row with tokens left (a prefill chunk) gets its
-        next input token."""
+        tokens). A sampled row's request learns its progress when its token arrives
+        (``step_outputs.append_tokens``: one pass over the rows, not two); the others now,
+        with their next input token."""
         computed = self.computed[:num_rows]
         computed += counts
-        reqs = self.reqs[:num_rows]
-        if decode_only:
-            for req in reqs:
-                req.num_computed_tokens += 1
+        if decode_only or sampled.all():
             return
-        for req, count in zip(reqs, counts.tolist(), strict=True):
-            req.num_computed_tokens += count
-        if not sampled.all():
-            for i in np.flatnonzero(~sampled).tolist():
-                self.next_tokens[i] = reqs[i].all_token_ids[int(computed[i])]
+        reqs = self.reqs
+        for i in np.flatnonzero(~sampled).tolist():
+            req = reqs[i]
+            req.num_computed_tokens = done = int(computed[i])
+            self.next_tokens[i] = req.all_token_ids[done]
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Each of ``rows`` sampled its token (already appended to its request)."""

@@ -14,12 +14,15 @@ if TYPE_CHECKING:
 
 
 def append_tokens(reqs: list[Request], tokens: list[int]) -> list[EngineCoreOutput]:
-    """Append each row's sampled token to its request; one output per row (the per-row
-    work that cannot be vectorised, so nothing else happens here)."""
+    """Append each row's sampled token to its request, which has now computed every token
+    before it; one output per row (the per-row work that cannot be vectorised, so nothing
+    else happens here)."""
     outputs: list[EngineCoreOutput] = []
     add = outputs.append
     for req, token in zip(reqs, tokens, strict=True):
-        req.all_token_ids.append(token)
+        all_ids = req.all_token_ids
+        req.num_computed_tokens = len(all_ids)
+        all_ids.append(token)
         req.output_token_ids.append(token)
         add(EngineCoreOutput(request_id=req.req_id, version=req.version, new_token_ids=[token],
                              num_cached_tokens=req.num_cached_tokens))
