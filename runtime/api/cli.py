@@ -230,6 +230,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"shoal serve: --model: {exc}") from None
     if hub and not model_revision:  # the snapshot's commit: a new revision reuses no KV
         model_revision = Path(model).name
+    from shoal.runtime.model.quant.spec import QuantizationError, check_checkpoint_flag
+
+    try:  # before the engine starts: a clean message, not an engine-startup traceback
+        check_checkpoint_flag(model, args.quantization)
+    except QuantizationError as exc:
+        raise SystemExit(f"shoal serve: {exc}") from None
     from shoal.runtime.lora_modules import check_lora_limits, parse_lora_modules
 
     try:

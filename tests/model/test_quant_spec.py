@@ -174,3 +174,15 @@ def test_fp8_weights_stay_fp8_and_startup_refusals(fp8_dir: Path, tmp_path: Path
     with pytest.raises(QuantizationError, match=r"o_proj.weight: checkpoint dtype torch.float32, "
                                                 "expected torch.float8_e4m3fn"):
         _build(_copy_with(fp8_dir, tmp_path / "float_weight", tensors_change=float_weight))
+
+
+def test_serve_refuses_a_mismatched_flag_before_the_engine_starts(fp8_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "shoal.cli", "serve", "--model", str(fp8_dir),
+                             "--quantization", "awq", "--host", "127.0.0.1", "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(
+        "shoal serve: --quantization awq but the checkpoint is quantized with fp8")

@@ -84,6 +84,17 @@ def check_flag(spec: QuantSpec | None, flag: str | None) -> None:
                                 f"with {spec.method}")
 
 
+def check_checkpoint_flag(model_dir: str, flag: str | None) -> None:
+    """``--quantization`` against a checkpoint directory's config.json (cheap: no tensor is
+    read); a GGUF file or a directory without config.json is left to the engine's check."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_dir) / "config.json"
+    if flag and config.is_file():
+        check_flag(parse_quantization(json.loads(config.read_text())), flag)
+
+
 def parse_quantization(raw_config: dict) -> QuantSpec | None:
     """config.json's content -> the spec, None for a plain checkpoint."""
     qc = raw_config.get("quantization_config")
