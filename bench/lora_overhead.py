@@ -96,10 +96,13 @@ def main() -> None:
         run(lora_core, prompts[:2], mixed[:2], 4)  # warm both paths once
         run(plain_core, prompts[:2], base_only[:2], 4)
         rows: dict[str, list[float]] = {"no-lora": [], "base": [], "mixed": []}
-        for _ in range(args.rounds):
-            rows["no-lora"].append(run(plain_core, prompts, base_only, args.output))
-            rows["base"].append(run(lora_core, prompts, base_only, args.output))
-            rows["mixed"].append(run(lora_core, prompts, mixed, args.output))
+        for round_index in range(args.rounds):
+            for mode, core, which in (("no-lora", plain_core, base_only),
+                                      ("base", lora_core, base_only),
+                                      ("mixed", lora_core, mixed)):
+                rows[mode].append(run(core, prompts, which, args.output))
+                print(f"round {round_index} {mode}: {rows[mode][-1]:.1f} out tok/s "
+                      f"(load avg {os.getloadavg()[0]:.1f})", flush=True)
     best = {mode: max(values) for mode, values in rows.items()}
     load = os.getloadavg()[0]
     for mode, values in rows.items():

@@ -62,6 +62,7 @@ async def load_lora_adapter(request: Request, state: ServerState) -> PlainTextRe
     if not reply.ok:
         raise bad_request(f"could not load LoRA adapter '{name}': {reply.result}", "lora_path")
     state.adapters[name] = LoraModule(name, path)
+    state.metrics.set_adapters(list(state.adapters))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -78,6 +79,7 @@ async def unload_lora_adapter(request: Request, state: ServerState) -> PlainText
 async def _unload(state: ServerState, name: str) -> None:
     reply = await state.client.call_utility("remove_lora", LOAD_TIMEOUT_S, [name])
     state.adapters.pop(name, None)  # either way it no longer serves new requests
+    state.metrics.set_adapters(list(state.adapters))
     if not reply.ok and reply.result != "not found":
         raise bad_request(f"could not unload LoRA adapter '{name}': {reply.result}",
                           "lora_name")

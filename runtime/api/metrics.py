@@ -71,6 +71,7 @@ class EngineStatsCollector(Collector):
         self.quantization: str | None = None  # "none" or the method, once the engine is ready
         self.max_loras = 0  # LoRA slots (--max-loras); 0: LoRA off, no lora_requests_info
         self.stats_time = 0.0  # time.time() of the latest stats: lora_requests_info's value
+        self.adapters: list[str] = []  # LoRA adapters this server serves (lora_adapter_info)
 
     def collect(self) -> Iterator:
         s, labels = self.stats, [self.model_name]
@@ -118,6 +119,12 @@ class EngineStatsCollector(Collector):
             yield model
             if self.max_loras:
                 yield self._lora_info(p)
+                loaded = GaugeMetricFamily(f"{p}:{names.LORA_ADAPTER_INFO}",
+                                           "LoRA adapters this server serves (value 1)",
+                                           labels=[names.LORA_NAME_LABEL])
+                for adapter in self.adapters:
+                    loaded.add_metric([adapter], 1.0)
+                yield loaded
 
     def _lora_info(self, prefix: str) -> GaugeMetricFamily:
         """As vLLM exports it: one sample, the adapters as comma lists in the labels, the
@@ -169,12 +176,17 @@ class ServerMetrics:
                           for p in self.prefixes]
         self._lora_requests = [Counter(f"{p}:{names.LORA_REQUESTS}",
                                        "Engine requests sent with each LoRA adapter",
-                                       ["model_name", "lora_name"], registry=self.registry)
+                                       ["model_name", names.LORA_NAME_LABEL],
+                                       registry=self.registry)
                                for p in self.prefixes]
 
     def enable_lora(self, max_loras: int) -> None:
         self._rendered = None
         self.engine.max_loras = max_loras
+
+    def set_adapters(self, adapters: list[str]) -> None:
+        self._rendered = None
+        self.engine.adapters = sorted(adapters)
 
     def observe_lora_request(self, adapter: str, count: int = 1) -> None:
         self._rendered = None

@@ -70,6 +70,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.adapters.update({m.name: m for m in self.settings.lora_modules})
+        if self.adapters:
+            self.metrics.set_adapters(list(self.adapters))
 
     @property
     def phase(self) -> str:

@@ -1,18 +1,18 @@
 """LoRA on the decoder's projections: every slot's adapter applied in one batched computation.
 
 ``attach_lora`` gives each targetable projection (the packed qkv, o, the packed gate/up, up,
-down) a ``LoraLayer`` holding the stacked A and B matrices of all ``max_loras`` slots,
-registered as a forward hook, so the linear layers themselves never change. A layer packing
-several logical matrices (qkv: q, k, v) gives each one its own block of ``max_rank`` rows per
-slot; a fused adapter module (Phi-3's ``qkv_proj``) uses the first block across all outputs.
+down) a ``LoraLayer``, registered as a forward hook, so the linear layers themselves never
+change. A layer has one *block* per output segment (qkv: q, k, v; gate/up: gate, up); a block
+stacks the A (``[slots * max_rank, in]``) and B (``[slots * max_rank, segment]``, scaled and
+transposed) of all ``max_loras`` slots. A fused adapter module (Phi-3's ``qkv_proj``) fills
+every block of the layer: the same A, its B cut at the segment boundaries.
 
-The step: ``LoraStepState`` holds each token's slot (-1: the base model). A layer computes
-``delta = ((x @ A_all.T) * mask) @ B_all`` where ``A_all`` stacks the active slots' A rows and
-``mask[t, c]`` keeps only the columns of token t's slot: two dense matmuls over the whole flat
-batch whatever the mix of adapters (no loop over adapters, no per-token gather of matrices),
-costing ``active_slots * rows_per_slot * (in + out)`` per token. B is stored pre-scaled
-(alpha / r, or alpha / sqrt(r) for rsLoRA) and transposed to ``[rank, out]``. A step with no
-adapter token skips the hooks' work entirely.
+The step: ``LoraStepState`` holds each token's slot (-1: the base model). Per block that some
+active slot uses: ``out[:, segment] += ((x @ A.T) * mask) @ B`` over the whole flat batch,
+with A and B cut to the active slots and ``mask[t, c]`` (one per step) keeping only the
+columns of token t's slot: two dense matmuls per block whatever the mix of adapters (a loop
+over a layer's 1-3 segments, never over adapters or tokens). A step with no adapter token
+skips the hooks' work entirely.
 """
 
 from __future__ import annotations
@@ -54,43 +54,60 @@ class LoraStepState:
 
 
 class LoraLayer:
-    """The stacked adapters of one projection: ``a [slots * rows, in]``, ``b [slots * rows,
-    out]`` with ``rows = num_blocks * max_rank`` per slot, zero where nothing is loaded."""
+    """The stacked adapters of one projection, one block per output segment."""
 
-    def __init__(self, in_features: int, out_features: int, num_blocks: int, max_loras: int,
+    def __init__(self, in_features: int, segments: list[tuple[int, int]], max_loras: int,
                  max_rank: int, state: LoraStepState, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = in_features
+        self.segments = segments  # (out_offset, size) of each block
         self.max_rank = max_rank
-        self.rows_per_slot = num_blocks * max_rank
         self.state = state
-        self.a = torch.zeros(max_loras * self.rows_per_slot, in_features, dtype=dtype,
-                             device=device)
-        self.b = torch.zeros(max_loras * self.rows_per_slot, out_features, dtype=dtype,
-                             device=device)
+        rows = max_loras * max_rank
+        self.a = [torch.zeros(rows, in_features, dtype=dtype, device=device) for _ in segments]
+        self.b = [torch.zeros(rows, size, dtype=dtype, device=device) for _, size in segments]
+        # which slots hold something in each block: blocks no active slot uses are skipped
+        self.used = [[False] * max_loras for _ in segments]
 
     def clear_slot(self, slot: int) -> None:
-        rows = slice(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot)
-        self.a[rows].zero_()
-        self.b[rows].zero_()
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for a, b, used in zip(self.a, self.b, self.used, strict=True):
+            if used[slot]:
+                a[rows].zero_()
+                b[rows].zero_()
+                used[slot] = False
 
-    def set_block(self, slot: int, block: int, lora_a: torch.Tensor, scaled_b_t: torch.Tensor,
-                  out_offset: int) -> None:
-        """``lora_a [r, in]``, ``scaled_b_t [r, out_size]`` (B transposed, times the scale)."""
+    def set_target(self, slot: int, blocks: tuple[int, ...], lora_a: torch.Tensor,
+                   scaled_b_t: torch.Tensor) -> None:
+        """``lora_a [r, in]``, ``scaled_b_t [r, sum of the blocks' sizes]`` (B transposed,
+        times the scale): the same A in each block, B cut at the segment boundaries."""
         rank = lora_a.shape[0]
-        start = slot * self.rows_per_slot + block * self.max_rank
-        self.a[start:start + rank].copy_(lora_a)
-        self.b[start:start + rank, out_offset:out_offset + scaled_b_t.shape[1]].copy_(scaled_b_t)
+        start = slot * self.max_rank
+        column = 0
+        for block in blocks:
+            size = self.segments[block][1]
+            self.a[block][start:start + rank].copy_(lora_a)
+            self.b[block][start:start + rank].copy_(scaled_b_t[:, column:column + size])
+            self.used[block][slot] = True
+            column += size
 
     def hook(self, _module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         state = self.state
         if state.token_slots is None:
             return out
         x = args[0]
-        rows = state.num_active * self.rows_per_slot
-        shrunk = x @ self.a[:rows].T  # [T, rows]: every active slot's A at once
-        shrunk = shrunk * state.mask(self.rows_per_slot, shrunk.dtype)
-        return torch.addmm(out, shrunk, self.b[:rows])
+        active = state.num_active
+        rows = active * self.max_rank
+        mask: torch.Tensor | None = None
+        for (offset, size), a, b, used in zip(self.segments, self.a, self.b, self.used,
+                                              strict=True):
+            if not any(used[:active]):
+                continue
+            if mask is None:
+                mask = state.mask(self.max_rank, x.dtype)
+            shrunk = torch.mm(x, a[:rows].T).mul_(mask)  # [T, rows]: every active slot's A
+            out[:, offset:offset + size].addmm_(shrunk, b[:rows])
+        return out
 
 
 @dataclass(frozen=True)
@@ -98,13 +115,15 @@ class LoraTarget:
     """Where one PEFT module name of one decoder layer lands."""
 
     layer: LoraLayer
-    block: int  # the rank block within the slot
-    out_offset: int  # the first output column it writes
-    out_size: int
+    blocks: tuple[int, ...]  # the layer's segments it writes (several: a fused module)
 
     @property
     def in_size(self) -> int:
         return self.layer.in_features
+
+    @property
+    def out_size(self) -> int:
+        return sum(self.layer.segments[b][1] for b in self.blocks)
 
 
 @dataclass
@@ -122,17 +141,16 @@ class LoraModel:
         return {name for _, name in self.targets}
 
 
-def _register(module: nn.Module, blocks: dict[str, tuple[int, int, int]], in_features: int,
-              out_features: int, layer_index: int, made: LoraModel, dtype: torch.dtype,
-              device: torch.device | str) -> None:
-    """``blocks``: PEFT name -> (block, out_offset, out_size)."""
-    num_blocks = 1 + max(b for b, _, _ in blocks.values())
-    layer = LoraLayer(in_features, out_features, num_blocks, made.max_loras, made.max_rank,
-                      made.state, dtype, device)
+def _register(module: nn.Module, segments: list[tuple[int, int]],
+              targets: dict[str, tuple[int, ...]], in_features: int, layer_index: int,
+              made: LoraModel, dtype: torch.dtype, device: torch.device | str) -> None:
+    """``segments``: (out_offset, size) per block; ``targets``: PEFT name -> its blocks."""
+    layer = LoraLayer(in_features, segments, made.max_loras, made.max_rank, made.state, dtype,
+                      device)
     module.register_forward_hook(layer.hook)
     made.layers.append(layer)
-    for name, (block, offset, size) in blocks.items():
-        made.targets[(layer_index, name)] = LoraTarget(layer, block, offset, size)
+    for name, blocks in targets.items():
+        made.targets[(layer_index, name)] = LoraTarget(layer, blocks)
 
 
 def attach_lora(model: DecoderForCausalLM, max_loras: int, max_rank: int, dtype: torch.dtype,
@@ -154,24 +172,24 @@ def attach_lora(model: DecoderForCausalLM, max_loras: int, max_rank: int, dtype:
         qkv, o_proj = decoder_layer.self_attn.qkv_proj, decoder_layer.self_attn.o_proj
         assert isinstance(qkv, QKVParallelLinear) and isinstance(o_proj, RowParallelLinear)
         q, kv = qkv.q_size, qkv.kv_size
-        total = q + 2 * kv
-        _register(qkv, {"q_proj": (0, 0, q), "k_proj": (1, q, kv), "v_proj": (2, q + kv, kv),
-                        "qkv_proj": (0, 0, total)}, hidden, total, index, made, dtype, device)
-        _register(o_proj, {"o_proj": (0, 0, hidden)}, o_proj.in_size, hidden, index, made,
-                  dtype, device)
+        _register(qkv, [(0, q), (q, kv), (q + kv, kv)],
+                  {"q_proj": (0,), "k_proj": (1,), "v_proj": (2,), "qkv_proj": (0, 1, 2)},
+                  hidden, index, made, dtype, device)
+        _register(o_proj, [(0, hidden)], {"o_proj": (0,)}, o_proj.in_size, index, made, dtype,
+                  device)
         mlp = decoder_layer.mlp
         gate_up = getattr(mlp, "gate_up_proj", None)
         up = getattr(mlp, "up_proj", None)
         down = getattr(mlp, "down_proj", None)
         if isinstance(gate_up, ColumnParallelLinear):
             size = gate_up.local_sizes[0]
-            _register(gate_up, {"gate_proj": (0, 0, size), "up_proj": (1, size, size),
-                                "gate_up_proj": (0, 0, 2 * size)}, hidden, 2 * size, index,
-                      made, dtype, device)
+            _register(gate_up, [(0, size), (size, size)],
+                      {"gate_proj": (0,), "up_proj": (1,), "gate_up_proj": (0, 1)}, hidden,
+                      index, made, dtype, device)
         elif isinstance(up, ColumnParallelLinear):
-            size = up.local_sizes[0]
-            _register(up, {"up_proj": (0, 0, size)}, hidden, size, index, made, dtype, device)
+            _register(up, [(0, up.local_sizes[0])], {"up_proj": (0,)}, hidden, index, made,
+                      dtype, device)
         if isinstance(down, RowParallelLinear) and (gate_up is not None or up is not None):
-            _register(down, {"down_proj": (0, 0, hidden)}, down.in_size, hidden, index, made,
+            _register(down, [(0, hidden)], {"down_proj": (0,)}, down.in_size, index, made,
                       dtype, device)
     return made

@@ -6,7 +6,7 @@ trained biases or ``modules_to_save``, a rank above ``--max-lora-rank``, a modul
 has no LoRA slot for, a layer it lacks, a shape that does not match the base): the API turns
 it into a 400 and the server keeps serving. The result is CPU tensors, B already scaled
 (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``; per module from ``alpha_pattern``)
-and transposed, ready for ``LoraLayer.set_block``.
+and transposed, ready for ``LoraLayer.set_target``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,9 @@ def load_peft_adapter(name: str, path: str, lora: LoraModel, num_layers: int,
         pairs.setdefault((layer, module_name, match["module"]), {})[match["ab"]] = tensor
     if not pairs:
         raise LoraAdapterError(f"{folder / WEIGHTS_FILE} holds no LoRA matrices")
-    modules, blocks_used, max_rank = [], set(), 0
+    modules: list[LoraModuleWeights] = []
+    blocks_used: set[tuple[int, int]] = set()
+    max_rank = 0
     for (layer, module_name, module_key), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoraAdapterError(f"{module_key} has lora_{''.join(ab)} without its pair")
@@ -142,10 +144,11 @@ def load_peft_adapter(name: str, path: str, lora: LoraModel, num_layers: int,
             raise LoraAdapterError(
                 f"{module_key}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match "
                 f"the base model's {module_name} ({target.in_size} in, {target.out_size} out)")
-        if (id(target.layer), target.block) in blocks_used:
+        mine = {(id(target.layer), block) for block in target.blocks}
+        if mine & blocks_used:
             raise LoraAdapterError(f"{module_key} overlaps another module of the adapter "
                                    "on the same packed projection (fused and split at once)")
-        blocks_used.add((id(target.layer), target.block))
+        blocks_used |= mine
         alpha = _alpha(config, module_key)
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         scaled_b_t = (b.float() * scale).T.contiguous().to(dtype)

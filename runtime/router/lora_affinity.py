@@ -4,6 +4,7 @@ Engines export ``lora_requests_info`` (``shoal.contract.metrics.LoraInfo``: thei
 the adapters running or waiting in them), as the Gateway API inference extension's
 model-server protocol and llm-d's lora-affinity scorer read it. Before the routing policy
 (cache affinity, bounded load) chooses, the candidates are narrowed, in order:
+0. to the replicas that serve the adapter at all (``lora_adapter_info``), when any does;
 1. replicas with the adapter active and no queue of their own;
 2. else replicas with a free adapter slot (they load it without evicting a running one);
 3. else replicas with the adapter active, queue or not;
@@ -42,6 +43,9 @@ def prefer_adapter(model: str | None, replicas: Sequence[ReplicaSnapshot]
     if model is None or not serving or any(model in r.lora.base_models  # type: ignore[union-attr]
                                            for r in serving):
         return list(replicas)
+    holders = [r for r in serving if model in r.lora.loaded]  # type: ignore[union-attr]
+    if holders:  # only these can run it at all (others would answer 404)
+        serving = holders
     active = [r for r in serving if model in r.lora.active]  # type: ignore[union-attr]
     roomy = [r for r in active if r.num_waiting == 0]
     if roomy:

@@ -113,8 +113,8 @@ class LoraManager:
         self._clear(slot)
         for module in weights.modules:
             target = self.lora.targets[(module.layer, module.name)]
-            target.layer.set_block(slot, target.block, module.lora_a.to(self.device),
-                                   module.scaled_b_t.to(self.device), target.out_offset)
+            target.layer.set_target(slot, target.blocks, module.lora_a.to(self.device),
+                                    module.scaled_b_t.to(self.device))
         self.slots[slot] = name
         self.slot_loads += 1
 

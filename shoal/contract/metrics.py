@@ -33,6 +33,10 @@ LORA_MAX_LABEL = "max_lora"
 LORA_RUNNING_LABEL = "running_lora_adapters"
 LORA_WAITING_LABEL = "waiting_lora_adapters"
 LORA_REQUESTS = "lora_requests"  # counter, label lora_name
+# Shoal's own: one sample (value 1) per adapter an engine serves, running or not, so a router
+# knows where an adapter can run at all (vLLM's info gauge names only busy adapters)
+LORA_ADAPTER_INFO = "lora_adapter_info"
+LORA_NAME_LABEL = "lora_name"
 
 
 def sample_name(family: str, counter: bool = False, prefix: str = PREFIX) -> str:
@@ -107,6 +111,7 @@ class LoraInfo:
     running: frozenset[str] = frozenset()
     waiting: frozenset[str] = frozenset()
     base_models: frozenset[str] = frozenset()  # the base's served name(s): not adapters
+    loaded: frozenset[str] = frozenset()  # every adapter it serves (lora_adapter_info)
 
     @property
     def active(self) -> frozenset[str]:
@@ -127,12 +132,16 @@ def parse_lora_info(text: str, prefix: str = PREFIX) -> LoraInfo | None:
     engine exports none (LoRA off)."""
     wanted = f"{prefix}:{LORA_REQUESTS_INFO}"
     base_sample = sample_name(NUM_REQUESTS_RUNNING, prefix=prefix)
+    loaded_sample = sample_name(LORA_ADAPTER_INFO, prefix=prefix)
     best: tuple[float, LoraInfo] | None = None
     bases: set[str] = set()
+    loaded: set[str] = set()
     for family in _families(text):
         for sample in family.samples:
             if sample.name == base_sample and "model_name" in sample.labels:
                 bases.add(sample.labels["model_name"])
+            if sample.name == loaded_sample and sample.labels.get(LORA_NAME_LABEL):
+                loaded.add(sample.labels[LORA_NAME_LABEL])
             if sample.name != wanted:
                 continue
             labels = sample.labels
@@ -146,4 +155,5 @@ def parse_lora_info(text: str, prefix: str = PREFIX) -> LoraInfo | None:
                 best = (sample.value, info)
     if best is None:
         return None
-    return LoraInfo(best[1].max_lora, best[1].running, best[1].waiting, frozenset(bases))
+    return LoraInfo(best[1].max_lora, best[1].running, best[1].waiting, frozenset(bases),
+                    frozenset(loaded))

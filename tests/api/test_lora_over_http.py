@@ -44,7 +44,8 @@ def lora_server(start_server, tiny_llama, adapters):
                           "--max-lora-rank", "16", "--max-num-seqs", "16",
                           "--metrics-port", str(metrics_port),
                           "--lora-modules", f"qv8={adapters['qv8']}", json_form,
-                          model_dir=tiny_llama, api_key=API_KEY)
+                          model_dir=tiny_llama, api_key=API_KEY, wait=False)
+    server.wait_ready(timeout=240)  # parsing three adapters at startup, on a loaded machine
     server.metrics_port = metrics_port  # type: ignore[attr-defined]
     return server
 
@@ -96,6 +97,7 @@ def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, a
     for name in adapters:
         assert re.search(rf'^shoal:lora_requests_total\{{.*lora_name="{name}".*\}} 4\.0$',
                          metrics, re.M), name
+        assert f'shoal:lora_adapter_info{{lora_name="{name}"}} 1.0' in metrics, name
 
 
 def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, adapters,

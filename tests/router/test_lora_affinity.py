@@ -14,6 +14,7 @@ from shoal.contract.metrics import LoraInfo, parse_lora_info
 def exported(running: list[str], waiting: list[str], compat: list[str] | None = None) -> str:
     metrics = ServerMetrics("base-model", compat)
     metrics.enable_lora(2)
+    metrics.set_adapters(["a", "b", "c", "idle"])
     metrics.update_stats(SchedulerStats(running_lora_adapters=running,
                                         waiting_lora_adapters=waiting))
     return metrics.render().decode()
@@ -22,7 +23,8 @@ def exported(running: list[str], waiting: list[str], compat: list[str] | None = 
 def test_the_info_gauge_round_trips_through_the_contract_parser():
     text = exported(["a", "b"], ["c"], ["vllm"])
     info = parse_lora_info(text)
-    assert info == LoraInfo(2, frozenset({"a", "b"}), frozenset({"c"}), frozenset({"base-model"}))
+    assert info == LoraInfo(2, frozenset({"a", "b"}), frozenset({"c"}), frozenset({"base-model"}),
+                            frozenset({"a", "b", "c", "idle"}))
     assert parse_lora_info(text, prefix="vllm") == info
     assert not info.has_free_slot and info.active == {"a", "b", "c"}
     assert parse_lora_info(ServerMetrics("m").render().decode()) is None  # LoRA off
@@ -31,10 +33,10 @@ def test_the_info_gauge_round_trips_through_the_contract_parser():
 
 
 def replica(url: str, running: set[str] = frozenset(), waiting: int = 0,
-            max_lora: int = 1) -> ReplicaSnapshot:
+            max_lora: int = 1, loaded: set[str] = frozenset()) -> ReplicaSnapshot:
     return ReplicaSnapshot(url, num_waiting=waiting,
                            lora=LoraInfo(max_lora, frozenset(running), frozenset(),
-                                         frozenset({"base"})))
+                                         frozenset({"base"}), frozenset(loaded)))
 
 
 def urls(snapshots) -> list[str]:
@@ -53,6 +55,15 @@ def test_requests_go_where_their_adapter_is_active_while_it_has_room():
     # no free slot anywhere: the replica holding it, queue or not
     assert urls(prefer_adapter("x", [busy, b])) == ["a"]
     assert urls(prefer_adapter("z", [busy, b])) == ["a", "b"]
+
+
+def test_only_replicas_serving_the_adapter_qualify_when_some_report_it():
+    holds_x = replica("a", loaded={"x"})
+    holds_y = replica("b", {"y"}, loaded={"y"})
+    assert urls(prefer_adapter("x", [holds_x, holds_y])) == ["a"]
+    busy_x = replica("a", {"x"}, waiting=4, loaded={"x"})
+    assert urls(prefer_adapter("x", [busy_x, holds_y, replica("c")])) == ["a"]
+    assert urls(prefer_adapter("y", [busy_x, holds_y])) == ["b"]
 
 
 def test_base_model_and_lora_free_fleets_are_not_narrowed():
