@@ -11,9 +11,7 @@ reference is transformers loading the written checkpoint) and the benchmarks.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -90,26 +88,12 @@ def make_quant_model(source: str | Path, fmt: str, out_dir: str | Path) -> Path:
 
 
 def cached_quant_model(arch: str, size: str, fmt: str) -> Path:
-    """Made once into the cache beside the make-model checkpoints (temp dir, then rename)."""
-    from shoal.runtime.model.make_model import FORMAT_VERSION, cache_dir, cached_model
+    """Made once into the cache beside the make-model checkpoints."""
+    from shoal.runtime.model.make_model import FORMAT_VERSION, cached_build, cached_model
 
     source = cached_model(arch, size)
-    target = cache_dir() / "models" / f"{arch}-{size}-{fmt}-v{FORMAT_VERSION}.{QUANT_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        make_quant_model(source, fmt, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return cached_build(f"{arch}-{size}-{fmt}-v{FORMAT_VERSION}.{QUANT_VERSION}",
+                        lambda out: make_quant_model(source, fmt, out))
 
 
 QUANT_VERSION = 1  # bump when a maker's output changes

@@ -14,20 +14,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+
 MAX_TOKENS = 16
 NEAR_TIE = 1e-4
-
-
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None,
-                             output_logits=True, return_dict_in_generate=True)
-    margins = [float(step[0].topk(2).values[0] - step[0].topk(2).values[1])
-               for step in out.logits]
-    return out.sequences[0, len(prompt):].tolist(), margins
 
 
 def gemma2() -> Path:
@@ -77,9 +67,6 @@ def test_greedy_over_http_equals_hf(start_server, case):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = hf_greedy(model, prompt)
+        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
         assert len(ours) == MAX_TOKENS
-        for pos, (got, expected) in enumerate(zip(ours, want, strict=True)):
-            if got != expected:
-                assert margins[pos] < NEAR_TIE, (pos, ours, want)
-                break
+        assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)

@@ -10,20 +10,10 @@ import httpx
 import openai
 import pytest
 
+from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+
 MAX_TOKENS = 12
 NEAR_TIE = 1e-3
-
-
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None,
-                             output_logits=True, return_dict_in_generate=True)
-    margins = [float(step[0].topk(2).values[0] - step[0].topk(2).values[1])
-               for step in out.logits]
-    return out.sequences[0, len(prompt):].tolist(), margins
 
 
 def assert_greedy_equals_hf(server, model_dir, hf_loader=None) -> None:
@@ -41,13 +31,10 @@ def assert_greedy_equals_hf(server, model_dir, hf_loader=None) -> None:
         d, dtype=torch.float32)))(model_dir).eval()
     exact = 0
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = hf_greedy(model, prompt)
+        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
         assert len(ours) == MAX_TOKENS
         exact += ours == want
-        for pos, (got, expected) in enumerate(zip(ours, want, strict=True)):
-            if got != expected:
-                assert margins[pos] < NEAR_TIE, (pos, ours, want)
-                break
+        assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)
     assert exact >= len(prompts) - 1
 
 
@@ -173,11 +160,8 @@ def test_int_weight_variants_offline_equal_reference(fmt, reference) -> None:
     model = reference(model_dir).eval()
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids
-        want, margins = hf_greedy(model, prompt)
-        for pos, (got, expected) in enumerate(zip(ours, want, strict=True)):
-            if got != expected:
-                assert margins[pos] < NEAR_TIE, (pos, ours, want)
-                break
+        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
+        assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)
 
 
 @pytest.fixture(scope="module")
