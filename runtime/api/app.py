@@ -9,6 +9,8 @@ import json
 import logging
 import traceback
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,6 +78,16 @@ class InternalErrors:
                     is_anthropic_path(scope.get("path", "")))(scope, receive, send)
 
 
+def _post_endpoint(state: ServerState, handle: Callable[[Request], Awaitable[Any]],
+                   generates: bool) -> Callable[[Request], Awaitable[Any]]:
+    async def endpoint(request: Request) -> Any:
+        if generates:
+            state.check_generates()
+        return await handle(request)
+
+    return endpoint
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="shoal", version=__version__, redoc_url=None)
     app.state.shoal = state
@@ -109,47 +121,26 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(InternalErrors, log=errors_log,
                        on_error=lambda status: state.metrics.observe_rejected(status))
 
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(request: Request) -> Response:
-        state.check_generates()
-        return await create_completion(request, state)
-
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(request: Request) -> Response:
-        state.check_generates()
-        return await create_chat_completion(request, state)
-
-    @app.post("/v1/messages", dependencies=guarded)
-    async def messages(request: Request) -> Response:
-        state.check_generates()
-        return await create_message(request, state)
-
-    @app.post("/v1/messages/count_tokens", dependencies=guarded)
-    async def messages_count_tokens(request: Request) -> dict:
-        return await count_tokens(request, state)
-
-    @app.post("/v1/embeddings", dependencies=guarded)
-    async def embeddings(request: Request) -> Response:
-        return await create_embedding(request, state)
-
     responses = ResponseStore()
-
-    @app.post("/v1/responses", dependencies=guarded)
-    async def create_responses(request: Request) -> Response:
-        state.check_generates()
-        return await create_response(request, state, responses)
+    # the POST routes whose handlers read the request themselves; True: it generates text,
+    # which a pooling server refuses
+    handlers: dict[str, tuple[Callable[[Request], Awaitable[Any]], bool]] = {
+        "/v1/completions": (lambda r: create_completion(r, state), True),
+        "/v1/chat/completions": (lambda r: create_chat_completion(r, state), True),
+        "/v1/messages": (lambda r: create_message(r, state), True),
+        "/v1/messages/count_tokens": (lambda r: count_tokens(r, state), False),
+        "/v1/embeddings": (lambda r: create_embedding(r, state), False),
+        "/v1/responses": (lambda r: create_response(r, state, responses), True),
+        "/v1/load_lora_adapter": (lambda r: load_lora_adapter(r, state), False),
+        "/v1/unload_lora_adapter": (lambda r: unload_lora_adapter(r, state), False),
+    }
+    for path, (handle, generates) in handlers.items():
+        app.add_api_route(path, _post_endpoint(state, handle, generates), methods=["POST"],
+                          dependencies=guarded, response_model=None)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
         return {"object": "list", "data": model_cards(state)}
-
-    @app.post("/v1/load_lora_adapter", dependencies=guarded)
-    async def load_lora(request: Request) -> Response:
-        return await load_lora_adapter(request, state)
-
-    @app.post("/v1/unload_lora_adapter", dependencies=guarded)
-    async def unload_lora(request: Request) -> Response:
-        return await unload_lora_adapter(request, state)
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict:
