@@ -57,10 +57,35 @@ def onednn_pack(weight: torch.Tensor, rows_hint: int = PACK_ROWS_HINT) -> torch.
     return reorder(weight.detach(), rows_hint)
 
 
+# oneDNN builds (JIT) and caches one primitive per input shape, ~0.4 MiB each here and up to
+# 1,024 of them: fed every row count a step can have, the engine core's heap grew by that
+# much past warm-up (issue 36: +62.8% in a 5-minute soak). Row counts are therefore rounded
+# up to a few sizes: exact up to EXACT_ROWS (decode batches), then 2**BUCKET_BITS sizes per
+# doubling, so at most 12.5% of a step's rows are padding and a layer sees ~8 sizes per
+# doubling of the step's tokens instead of every count.
+EXACT_ROWS = 16
+BUCKET_BITS = 3
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN is called with for ``rows`` rows (>= rows, <= 1.125 x rows)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << max(0, rows.bit_length() - 1 - BUCKET_BITS)
+    return -(-rows // step) * step
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` on a weight packed by ``onednn_pack``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``x @ weight.T + bias`` on a weight packed by ``onednn_pack``; the rows are padded to
+    ``padded_rows`` so the primitives oneDNN caches stay few."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    padded = padded_rows(rows) if rows >= 0 else rows
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padded - rows)), packed,
+                                             bias, "none", [], "")
+    return out[:rows]
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
