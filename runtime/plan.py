@@ -25,6 +25,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     generator_offset: int = 0  # tokens already sampled: seeded streams resume where they were
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
+    # ranks in their own process (TP > 1): the grammar the engine core compiled off its loop,
+    # serialized (xgrammar's JSON), so no rank compiles on the step
+    compiled_grammar: str | None = None
 
 
 @dataclass

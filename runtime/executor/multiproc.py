@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
@@ -37,6 +38,7 @@ from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.preflight import check_gpus_for_ranks
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.plan import StepPlan, StepResult
+from shoal.runtime.structured.backend import GrammarBackend
 from shoal.runtime.worker import worker_proc as wp
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,19 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def with_compiled_grammars(plan: StepPlan, grammars: GrammarBackend) -> StepPlan:
+    """The plan with each new structured request's grammar attached, serialized. The engine
+    core compiled it before scheduling the request (a cache hit here); one evicted since is
+    compiled again here, in at most the budget it already passed once (as a rank of one
+    process would on a miss)."""
+    if not any(new.sampling_params.structured is not None for new in plan.new_requests):
+        return plan
+    news = [replace(new, compiled_grammar=grammars.serialized(new.sampling_params.structured))
+            if new.sampling_params.structured is not None else new
+            for new in plan.new_requests]
+    return replace(plan, new_requests=news)
+
+
 class _Rank:
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection) -> None:
         self.rank = rank
@@ -131,6 +146,7 @@ class MultiprocExecutor(Executor):
         check_shardable(self._model_config, self.world_size)  # before any process starts
         check_gpus_for_ranks(self.world_size, _resolved_device(config.device), _visible_gpus())
         self._encoder = PlanEncoder(config.block_size)
+        self._grammars: GrammarBackend | None = None
         self._failure: RankFailure | None = None
         self._closed = False
         self._ranks: list[_Rank] = []
@@ -290,8 +306,20 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("init_kv_cache", num_blocks)
         self._call_all("warmup")
+        self.grammar_backend().prepare()  # before ready, as each rank's (Worker.warmup)
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The engine core compiles grammars here, off its loop and within its budget, as
+        with one rank; each plan then carries a new request's grammar serialized, and the
+        ranks read it back instead of compiling on the step (``with_compiled_grammars``)."""
+        if self._grammars is None:
+            mc = self._model_config
+            self._grammars = GrammarBackend(self.config.model, mc.vocab_size, mc.eos_token_ids)
+        return self._grammars
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self._grammars is not None:
+            plan = with_compiled_grammars(plan, self._grammars)
         self._broadcast(wp.PLAN + self._encoder.encode(plan))
         kinds = [wp.RESULT] + [wp.DONE] * (self.world_size - 1)  # only rank 0 reports tokens
         replies = self._collect(kinds, time.monotonic() + self.rank_timeout,

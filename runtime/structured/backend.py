@@ -19,8 +19,9 @@ cached per spec (LRU), bounded in entries and in bytes (xgrammar reports each on
 
 The engine core compiles a request's grammar before scheduling it, off its loop
 (``compiler.py``, through ``compiled``); in one process with the worker (TP = 1) the step then
-finds it here. A miss (evicted meanwhile, or a rank in its own process) compiles on the step,
-as before, in at most the compile budget the spec already passed once.
+finds it here. Ranks in their own processes (TP > 1) get it serialized in the plan
+(``serialized`` in the core, ``install`` on the rank: read back, not compiled). A miss
+(evicted meanwhile) compiles again, in at most the compile budget the spec already passed once.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class GrammarBackend:
         self.stop_token_ids = list(stop_token_ids)
         self.cache_bytes = cache_bytes
         self._compiler: Any = None
+        self._tokenizer_info: Any = None
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
@@ -115,8 +117,12 @@ class GrammarBackend:
                                f"{first_line(exc)}") from exc
         elapsed = time.perf_counter() - started
         self.compile_seconds += elapsed
+        log.debug("compiled a %s grammar in %.1f ms", spec.kind, elapsed * 1e3)
+        self._store(key, grammar)
+        return grammar
+
+    def _store(self, key: tuple[str, str], grammar: Any) -> None:
         size = int(getattr(grammar, "memory_size_bytes", 0))
-        log.debug("compiled a %s grammar in %.1f ms (%d bytes)", spec.kind, elapsed * 1e3, size)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = (grammar, size)
@@ -125,7 +131,22 @@ class GrammarBackend:
                                    or self._cached_bytes > self.cache_bytes):
                 _, (_, dropped) = self._cache.popitem(last=False)
                 self._cached_bytes -= dropped
-        return grammar
+
+    def serialized(self, spec: GrammarSpec) -> str:
+        """The compiled spec as xgrammar's JSON, for a rank in another process (``install``)."""
+        return str(self.compiled(spec).serialize_json())
+
+    def install(self, spec: GrammarSpec, serialized: str) -> None:
+        """Cache a grammar another process compiled (``serialized``), unless already cached;
+        reading it back skips the compile (no walk over the vocabulary)."""
+        import xgrammar as xgr
+
+        key = (spec.kind, spec.source)
+        with self._lock:
+            if key in self._cache:
+                return
+        grammar = xgr.CompiledGrammar.deserialize_json(serialized, self._get_tokenizer_info())
+        self._store(key, grammar)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -165,6 +186,10 @@ class GrammarBackend:
             return False
         return True
 
+    def _get_tokenizer_info(self) -> Any:
+        self._get_compiler()
+        return self._tokenizer_info
+
     def _get_compiler(self) -> Any:
         with self._compiler_lock:  # the engine's compile thread and the step may both ask
             return self._build_compiler()
@@ -180,6 +205,7 @@ class GrammarBackend:
                 AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+            self._tokenizer_info = info
             self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
                                                  cache_enabled=False)
             log.info("grammar compiler ready in %.2f s (vocabulary of %d)",

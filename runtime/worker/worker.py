@@ -215,6 +215,8 @@ class Worker:
         vocab = self.model_config().vocab_size
         eos = self.model_config().eos_token_ids
         for new in plan.new_requests:
+            if new.compiled_grammar is not None and new.sampling_params.structured is not None:
+                self.grammars().install(new.sampling_params.structured, new.compiled_grammar)
             self.states[new.req_id] = new_request_state(
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids,
                 new.generator_offset, eos, vocab, self.device,
