@@ -53,10 +53,10 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_paged_decode": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                           _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                          _i64, _f32, _i64]),
+                                          _i64, _f32, _i64, _ptr]),
     "shoal_paged_prefill": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                            _i64, _i64, _i64, _i64, _i64, _f32, _i64,
-                                           _f32, _i64]),
+                                           _f32, _i64, _ptr]),
     "shoal_rms_norm_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32]),
     "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
     "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),

@@ -25,7 +25,9 @@
      k/v cache     [num_blocks, block_size, num_kv_heads, head_dim]
      block_tables  [num_requests_in_table, table_stride]  int32; a request uses row table_rows[r]
    Positions attended by request r: [max(0, seq_len - window), seq_len) where window <= 0
-   means no sliding window. Softmax is exact (max-subtracted, two passes over the scores). */
+   means no sliding window. Softmax is exact (max-subtracted, two passes over the scores).
+   sinks (gpt-oss; NULL: none): one logit per query head that joins its softmax's
+   denominator (and the maximum subtracted) but attends to nothing. */
 
 /* a*b+c as one FMA in this file (cpu_ops.c keeps torch's separate roundings) */
 #pragma GCC optimize("fp-contract=fast")
@@ -54,13 +56,22 @@ static float exp_shifted(float *s, int64_t span, float peak) {
     return sum;
 }
 
+/* 1 / the softmax denominator of a head whose scores' maximum is `peak`, the scores
+   exponentiated in place; with a sink, it counts in both */
+static float inv_denominator(float *s, int64_t span, float peak, const float *sink) {
+    if (sink == NULL) return 1.0f / exp_shifted(s, span, peak);
+    peak = *sink > peak ? *sink : peak;
+    return 1.0f / (exp_shifted(s, span, peak) + expf(*sink - peak));
+}
+
 /* unnormalised softmax of each query head's scores, for the scalar path */
-static void softmax_rows(float *scores, int64_t num_heads, int64_t span, float *inv_sum) {
+static void softmax_rows(float *scores, int64_t num_heads, int64_t span, float *inv_sum,
+                         const float *sinks) {
     for (int64_t h = 0; h < num_heads; ++h) {
         float *s = scores + h * span;
         float peak = -INFINITY;
         for (int64_t t = 0; t < span; ++t) peak = s[t] > peak ? s[t] : peak;
-        inv_sum[h] = 1.0f / exp_shifted(s, span, peak);
+        inv_sum[h] = inv_denominator(s, span, peak, sinks ? sinks + h : NULL);
     }
 }
 
@@ -216,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         const float *q, float *out, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        float softcap, float *scores, const int bf16) {
+        float softcap, const float *sinks, float *scores, const int bf16) {
     const int64_t vecs = head_dim / 16;
     const int prefetch = num_kv_heads * head_dim <= PREFETCH_MAX_ROW;
     const int64_t span = seq_len - first;
@@ -287,7 +298,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
         float lanes[16], peak = -INFINITY;
         memcpy(lanes, &peaks[h], sizeof lanes);
         for (int i = 0; i < 16; ++i) peak = lanes[i] > peak ? lanes[i] : peak;
-        inv_sum[h] = 1.0f / exp_shifted(scores + h * span, span, peak);
+        inv_sum[h] = inv_denominator(scores + h * span, span, peak, sinks ? sinks + h : NULL);
     }
 
     /* pass 2: out_h = sum_t p[h][t] * v_t, two heads' accumulators in registers over each
@@ -343,7 +354,8 @@ static inline __attribute__((always_inline)) void attend_one(
         const float *q, float *out, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-        float softcap, float *scores, float *acc, const int bf16) {
+        float softcap, const float *sinks, float *scores, float *acc,
+        const int bf16) {
     /* One request, all heads: a cached token's K (or V) row for every kv head is one
        contiguous run of num_kv_heads * head_dim floats, read once, front to back. */
     const int64_t span = seq_len - first;
@@ -379,7 +391,7 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 
     float inv_sum[num_heads];
-    softmax_rows(scores, num_heads, span, inv_sum);
+    softmax_rows(scores, num_heads, span, inv_sum, sinks);
 
     /* pass 2: out_h = sum_t p[h][t] * v_t */
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
@@ -416,7 +428,8 @@ static inline __attribute__((always_inline)) int paged_decode(
         const void *v_cache, const int32_t *block_tables, int64_t table_stride,
         const int64_t *q_rows, const int64_t *table_rows, const int32_t *seq_lens,
         int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-        int64_t block_size, float scale, int64_t window, float softcap, const int bf16) {
+        int64_t block_size, float scale, int64_t window, float softcap, const float *sinks,
+        const int bf16) {
     int64_t longest = 1;
     for (int64_t r = 0; r < num_requests; ++r)
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
@@ -440,19 +453,19 @@ static inline __attribute__((always_inline)) int paged_decode(
                bound by its reads more than by the loop overhead */
             if (head_dim == 64 && !bf16)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 64, block_size, scale, softcap, scores,
+                               num_heads, num_kv_heads, 64, block_size, scale, softcap, sinks, scores,
                                0);
             else if (head_dim == 128 && !bf16)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 128, block_size, scale, softcap, scores,
+                               num_heads, num_kv_heads, 128, block_size, scale, softcap, sinks, scores,
                                0);
             else if (head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS)
                 attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap,
+                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sinks,
                                scores, bf16);
             else
                 attend_one(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, scores,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sinks, scores,
                            acc, bf16);
         }
         free(scores);
@@ -467,12 +480,13 @@ int shoal_paged_decode(const float *q, int64_t q_token_stride, float *out, const
                        const int64_t *q_rows, const int64_t *table_rows,
                        const int32_t *seq_lens, int64_t num_requests, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       int64_t window, float softcap, int64_t kv_bf16) {
+                       int64_t window, float softcap, int64_t kv_bf16,
+                       const float *sinks) {
     if (kv_bf16)
         return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables,
                             table_stride, q_rows, table_rows, seq_lens, num_requests, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, window, softcap, 1);
+                            num_kv_heads, head_dim, block_size, scale, window, softcap, sinks, 1);
     return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables, table_stride,
                         q_rows, table_rows, seq_lens, num_requests, num_heads, num_kv_heads,
-                        head_dim, block_size, scale, window, softcap, 0);
+                        head_dim, block_size, scale, window, softcap, sinks, 0);
 }

@@ -47,16 +47,29 @@ def check_paged_layout(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor
     return num_heads, head_dim, block_size, num_kv_heads
 
 
+def sinks_pointer(sinks: torch.Tensor | None, num_heads: int) -> int | None:
+    """The kernels' ``sinks`` argument: None, or float32 ``[num_heads]`` (gpt-oss: one
+    logit per query head in its softmax's denominator)."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, torch.float32, 1)
+    if sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks has {sinks.shape[0]} entries for {num_heads} query heads")
+    return sinks.data_ptr()
+
+
 def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, block_tables: torch.Tensor,
                            q_rows: torch.Tensor, table_rows: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
-                           softcap: float | None = None) -> None:
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     """Writes ``out[q_rows[r]]``: request r's single query row attending over its first
     ``seq_lens[r]`` cached positions (the last ``sliding_window`` of them, if set), read
     through ``block_tables[table_rows[r]]``; with ``softcap``, each score becomes
-    ``softcap * tanh(score / softcap)`` (Gemma 2). Other rows of ``out`` are left untouched.
+    ``softcap * tanh(score / softcap)`` (Gemma 2); with ``sinks`` (``sinks_pointer``), each
+    head's sink joins its softmax's denominator. Other rows of ``out`` are left untouched.
 
     q/out ``[T, Hq, D]`` float32; caches ``[blocks, block_size, Hk, D]`` float32 or bfloat16;
     contiguous, except that q's tokens may be further apart than ``Hq * D`` (a view into the
@@ -77,6 +90,6 @@ def paged_decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Te
         block_tables.data_ptr(), block_tables.stride(0), q_rows.data_ptr(),
         table_rows.data_ptr(), seq_lens.data_ptr(), count, num_heads, num_kv_heads, head_dim,
         block_size, scale, sliding_window or 0, softcap or 0.0,
-        int(k_cache.dtype == torch.bfloat16))
+        int(k_cache.dtype == torch.bfloat16), sinks_pointer(sinks, num_heads))
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")

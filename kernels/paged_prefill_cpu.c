@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const void *v_cache, const int32_t *table, int64_t q_start, int64_t q_len,
         int64_t seq_len, int64_t kv_head, int64_t first_row, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        int64_t window, float softcap, const int bf16) {
+        int64_t window, float softcap, const float *sinks, const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t prefix = seq_len - q_len;
@@ -155,6 +155,12 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
     }
     f32x16 m = (f32x16){0} - INFINITY, l = (f32x16){0};
+    if (sinks != NULL) {  /* gpt-oss: each row's sink is the first logit it has seen */
+        float first[LANES];
+        for (int64_t r = 0; r < LANES; ++r) first[r] = sinks[head[r]];
+        memcpy(&m, first, sizeof m);
+        l = (f32x16){0} + 1.0f;
+    }
 
     /* the chunk's K and V rows copied side by side: fixed offsets in the loops below */
     float k_rows[LANES * MAX_HEAD_DIM], v_rows[LANES * MAX_HEAD_DIM];
@@ -248,7 +254,8 @@ int shoal_paged_prefill(const float *q, int64_t q_token_stride, float *out,
                         const int32_t *block_tables, int64_t table_stride,
                         const int64_t *spans, int64_t count, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int64_t window, float softcap, int64_t kv_bf16) {
+                        float scale, int64_t window, float softcap, int64_t kv_bf16,
+                        const float *sinks) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t total = 0;
     for (int64_t s = 0; s < count; ++s)
@@ -267,7 +274,7 @@ int shoal_paged_prefill(const float *q, int64_t q_token_stride, float *out,
 #define ATTEND(dim, is_bf16)                                                                \
     attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1], span[3], \
                 tiles[i].kv_head, tiles[i].first_row, num_heads, num_kv_heads, dim,         \
-                block_size, scale, window, softcap, is_bf16)
+                block_size, scale, window, softcap, sinks, is_bf16)
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < total; ++i) {
         const int64_t *span = spans + 4 * tiles[i].span;

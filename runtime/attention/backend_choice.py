@@ -24,7 +24,7 @@ BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 # what each backend's kernels implement beyond causal attention over paged KV
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "torch": frozenset({"sliding_window", "softcap", "sinks"}),
-    "cpu": frozenset({"sliding_window", "softcap"}),
+    "cpu": frozenset({"sliding_window", "softcap", "sinks"}),
     "triton": frozenset({"sliding_window", "softcap", "sinks"}),
     "flashinfer": frozenset({"sliding_window", "softcap"}),
 }

@@ -72,8 +72,6 @@ class CpuAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sinks is not None:  # the backend choice routes models with sinks elsewhere
-            raise ValueError("the cpu attention backend does not implement attention sinks")
         plan = step_plan(self, meta, CpuAttentionPlan)
         cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         native_prefill = bool(plan.prefills) and paged_prefill_cpu.supports_head_dim(q.shape[2])
@@ -83,14 +81,14 @@ class CpuAttentionBackend:
         out = torch.empty(q.shape, dtype=torch.float32)
         paged_decode_cpu.paged_decode_attention(
             q32, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
-            plan.seq_lens, scale, sliding_window, softcap)
+            plan.seq_lens, scale, sliding_window, softcap, sinks)
         if native_prefill:
             paged_prefill_cpu.paged_prefill_attention(
                 q32, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
-                sliding_window, softcap)
+                sliding_window, softcap, sinks)
         if q.dtype != torch.float32:
             out = out.to(q.dtype)
         if not native_prefill:  # no prefill rows (a no-op), or a head size the kernel lacks
             attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                            sliding_window, softcap)
+                            sliding_window, softcap, sinks)
         return out

@@ -1,7 +1,8 @@
 """Attention sinks (gpt-oss) and logit softcaps (Gemma 2) in every attention path the engine
 can run, each against the plain torch reference (``kernels/reference.py``, which writes the
 sink as one more softmax column and drops it): the Triton kernel under the interpreter
-(mixed batches, windows, split decode), the torch backend and the native CPU backend.
+(mixed batches, windows, split decode), the torch backend and the native CPU backend (its
+decode kernel's vector and scalar paths and its prefill kernel).
 
 The sinks are drawn large enough (around the scores' own scale) that a kernel ignoring them
 fails: the reference without them is checked to differ.
@@ -71,12 +72,15 @@ def test_sinks_of_the_wrong_shape_are_refused(rng, paged_batch):
                         sinks=torch.zeros(HEADS + 1))
 
 
-@pytest.mark.parametrize("backend_name", ["torch"])
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, 2.0)], ids=["plain", "window"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("window,softcap,head_dim", [(None, None, 16), (5, 2.0, 16),
+                                                    (5, None, 12)],
+                         ids=["plain", "window", "scalar-path"])
 def test_backends_match_the_reference_with_sinks(rng, paged_batch, backend_name, window,
-                                                 softcap):
+                                                 softcap, head_dim):
     """Through ``backend.forward`` as a layer calls it: the step's K/V written first, decode
-    rows and prefill chunks (after a cached prefix) in one batch."""
+    rows and prefill chunks (after a cached prefix) in one batch. Head size 12: the native
+    decode kernel's scalar path, prefill through the torch code."""
     from shoal.runtime.attention.selector import get_attention_backend
 
     if backend_name == "cpu":
@@ -86,12 +90,12 @@ def test_backends_match_the_reference_with_sinks(rng, paged_batch, backend_name,
             pytest.skip(f"native CPU kernels: {unavailable_reason()}")
     backend = get_attention_backend(backend_name, torch.device("cpu"),
                                     needs=frozenset({"sinks"}))
-    batch = paged_batch(rng, MIXED, 4, KV_HEADS, HEAD_DIM)
+    batch = paged_batch(rng, MIXED, 4, KV_HEADS, head_dim)
     meta = backend.build_metadata(batch.metadata())
     tokens = batch.num_tokens
-    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=rng) * 2
-    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=rng)
-    v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=rng)
+    q = torch.randn(tokens, HEADS, head_dim, generator=rng) * 2
+    k = torch.randn(tokens, KV_HEADS, head_dim, generator=rng)
+    v = torch.randn(tokens, KV_HEADS, head_dim, generator=rng)
     sinks = _sinks(rng)
 
     out = backend.forward(q, k, v, batch.k_cache, batch.v_cache, meta, 0.5, window, softcap,
