@@ -183,6 +183,6 @@ def test_reading_unwritten_memory_would_be_caught():
 
 def test_selector_names():
     assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
-    assert get_attention_backend("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu"), torch.float16).name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_attention_backend("nope", torch.device("cpu"))
