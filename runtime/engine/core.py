@@ -122,6 +122,9 @@ class EngineCore:
                                     max_model_len=self.max_model_len)
         self.isolation = StepIsolation(self.scheduler)
         self._failures: list[RequestFailure] = []
+        # An engine fault (a dead rank) is fatal: the failed step stays in flight, and every
+        # later step raises the same fault instead of scheduling again.
+        self._fatal: BaseException | None = None
         self._fault_log = RateLimitedLog(logger)
         self._grammars: GrammarCompiler | None = None  # made at the first grammar
         self._awaiting_grammar: dict[str, EngineCoreRequest] = {}
@@ -218,6 +221,8 @@ class EngineCore:
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self._fatal is not None:
+            raise self._fatal
         self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
@@ -232,8 +237,13 @@ class EngineCore:
             outputs = self.scheduler.update(scheduled, result)
         except Exception as exc:
             if is_engine_fault(exc):
+                self._fatal = exc
                 raise
-            self.executor.check_health()  # a dead rank behind the error: fatal
+            try:
+                self.executor.check_health()  # a dead rank behind the error: fatal
+            except Exception as fault:
+                self._fatal = fault
+                raise
             self._fault_log.log(logging.ERROR, f"{type(exc).__name__}: {exc}"[:200],
                                 "step %d failed with %d request(s) in it; isolating",
                                 plan.step_id, len(plan.req_ids), exc_info=exc)
