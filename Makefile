@@ -75,7 +75,7 @@ image-test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy shoal runtime operator kernels
+	$(VENV)/bin/mypy shoal runtime operator
 
 bench: setup
 	$(PY) bench/offline_throughput.py

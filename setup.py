@@ -10,7 +10,6 @@ ROOTS = {
     "shoal": "shoal",
     "shoal.runtime": "runtime",
     "shoal.operator": "operator",
-    "shoal.kernels": "kernels",
 }
 
 packages = []

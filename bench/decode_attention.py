@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from shoal.kernels.paged_decode_cpu import paged_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from shoal.kernels.moe_grouped import grouped_experts, silu_and_mul_torch
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # setup.py's ROOTS: subpackage name under shoal -> top-level folder
-SUBPACKAGES = ("runtime", "operator", "kernels")
+SUBPACKAGES = ("runtime", "operator", "kernels")  # kernels: a top-level folder before 2026-12-03
 
 
 def checkout(ref: str, into: Path | None = None) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS = Path(__file__).resolve().parent / "wheels"
-PACKAGE_FOLDERS = {"runtime": "runtime", "kernels": "kernels", "operator": "operator"}
+PACKAGE_FOLDERS = {"runtime": "runtime", "operator": "operator"}  # shoal/kernels is in place
 
 
 def make_shoal_importable() -> Path | None:

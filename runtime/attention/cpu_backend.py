@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from shoal.kernels import cpu_ops, native_cpu, paged_decode_cpu, paged_prefill_cpu
 from shoal.runtime.attention.backend import AttentionMetadata
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
@@ -27,6 +26,8 @@ from shoal.runtime.attention.torch_backend import (
     prefill_spans,
     step_plan,
 )
+
+from shoal.kernels import cpu_ops, native_cpu, paged_decode_cpu, paged_prefill_cpu
 
 _NO_SPANS = paged_prefill_cpu.prefill_spans_tensor([])
 

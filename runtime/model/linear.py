@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from shoal.kernels.linear_bf16_cpu import linear_bf16
 from shoal.runtime.model.layers import _param
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
+
+from shoal.kernels.linear_bf16_cpu import linear_bf16
 
 Loader = Callable[[nn.Parameter, object, object], None]
 
@@ -121,7 +122,7 @@ def _weight(shape: tuple[int, int], dtype: torch.dtype,
 class _Linear(nn.Module):
     # set by pack_cpu_linear_weights: the weight in oneDNN's blocked layout (CPU only)
     packed: torch.Tensor | None = None
-    # set by use_native_bf16_linears: bfloat16 on CPU through kernels/linear_bf16_cpu
+    # set by use_native_bf16_linears: bfloat16 on CPU through shoal/kernels/linear_bf16_cpu
     native_bf16: bool = False
     # set by quant/linear_method.py: the layer's quantized weights and their matmul
     quant: Any = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 
 import torch
-from shoal.kernels.moe_grouped import clamped_swiglu, grouped_experts
 from shoal.runtime.model.layers import _param
 from shoal.runtime.model.linear import (
     ColumnParallelLinear,
@@ -32,6 +31,8 @@ from shoal.runtime.model.moe_router import Routing, route
 from shoal.runtime.model.ops import Kernels, kernels_for
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
+
+from shoal.kernels.moe_grouped import clamped_swiglu, grouped_experts
 
 ExpertShard = tuple[int, str] | str  # (expert, "gate" | "up" | "down"), or "fused"
 

@@ -55,7 +55,7 @@ class KernelChoice:
     qk_norm_rotary: str  # "triton" (per-head norm + neox rotary, one kernel) | "torch"
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
-    moe: str = "grouped"  # "triton" (kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
+    moe: str = "grouped"  # "triton" (shoal/kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
 
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from shoal.runtime.attention.flashinfer_backend import paged_kv_csr
 from shoal.runtime.attention.triton_backend import TritonAttentionBackend
+
+from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 
 def test_triton_backend_writes_kv_then_attends_like_the_reference(rng, paged_batch):

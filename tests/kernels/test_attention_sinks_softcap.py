@@ -1,5 +1,5 @@
 """Attention sinks (gpt-oss) and logit softcaps (Gemma 2) in every attention path the engine
-can run, each against the plain torch reference (``kernels/reference.py``, which writes the
+can run, each against the plain torch reference (``shoal/kernels/reference.py``, which writes the
 sink as one more softmax column and drops it): the Triton kernel under the interpreter
 (mixed batches, windows, split decode), the torch backend and the native CPU backend (its
 decode kernel's vector and scalar paths and its prefill kernel).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.paged_attention import paged_attention
 from shoal.kernels.reference import paged_attention_ref
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from shoal.kernels import native_cpu
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"

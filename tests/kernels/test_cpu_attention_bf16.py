@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels import cpu_ops, paged_decode_cpu, paged_prefill_cpu
-from shoal.kernels.reference import paged_attention_ref
 from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
 from shoal.runtime.attention.selector import get_attention_backend
 from shoal.runtime.attention.torch_backend import TorchAttentionBackend
+
+from shoal.kernels import cpu_ops, paged_decode_cpu, paged_prefill_cpu
+from shoal.kernels.reference import paged_attention_ref
 
 
 def _bf16_batch(paged_batch, rng, requests, block_size, num_kv_heads, head_dim):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from shoal.runtime.attention.triton_backend import TritonAttentionBackend
 from shoal.runtime.worker.cuda_graphs import (
     DecodeGraphRunner,
@@ -17,6 +16,8 @@ from shoal.runtime.worker.cuda_graphs import (
     graph_batch_size,
     padded_batch_size,
 )
+
+from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 
 def test_ladder_is_1_2_4_then_multiples_of_8_up_to_max_num_seqs():

@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+
 from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 

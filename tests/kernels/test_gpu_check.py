@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from shoal.kernels.gpu_check.compile import CompileResult, limit_errors, parse_ptxas_log
 from shoal.kernels.gpu_check.variants import SHARED_MEMORY_LIMIT
 
@@ -19,10 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _triton_kernels_in_the_package() -> set[tuple[str, str]]:
-    """(module, function) of every ``@triton.jit`` function under kernels/."""
+    """(module, function) of every ``@triton.jit`` function under shoal/kernels/."""
     found = set()
-    for path in (REPO / "kernels").rglob("*.py"):
-        relative = path.relative_to(REPO / "kernels").with_suffix("")
+    for path in (REPO / "shoal" / "kernels").rglob("*.py"):
+        relative = path.relative_to(REPO / "shoal" / "kernels").with_suffix("")
         module = "shoal.kernels." + ".".join(relative.parts)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(
@@ -36,7 +37,7 @@ def test_every_triton_kernel_in_the_package_has_variants_in_the_check():
 
     checked = {(v.kernel.fn.__module__, v.kernel.fn.__name__) for _, _, v in collect()}
     assert _triton_kernels_in_the_package() <= checked, (
-        "add the kernel's module to REGISTERED in kernels/gpu_check/variants.py and give it "
+        "add the kernel's module to REGISTERED in shoal/kernels/gpu_check/variants.py and give it "
         "gpu_variants()")
     assert len(checked) >= 6
 

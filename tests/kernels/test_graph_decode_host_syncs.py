@@ -53,8 +53,9 @@ def test_the_guard_catches_a_sync(monkeypatch):
 
 
 def test_graph_captured_decode_forward_makes_no_host_sync(tiny_qwen3, monkeypatch):
-    import shoal.kernels.paged_attention as pa
     import shoal.runtime.model.ops as ops
+
+    import shoal.kernels.paged_attention as pa
 
     # what the GPU runs: Triton norms/activation/qk-norm+rotary, and the split-K decode
     monkeypatch.setattr(ops, "fused_triton_ops", lambda backend, device: backend == "triton")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels import linear_bf16_cpu
 from shoal.runtime.model.ops import choose_kernels
+
+from shoal.kernels import linear_bf16_cpu
 
 
 def _expected(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

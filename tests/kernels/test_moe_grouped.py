@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.fused_moe import align_by_expert, fused_moe
 from shoal.kernels.moe_grouped import grouped_experts, sort_by_expert
 from shoal.kernels.reference import moe_ref

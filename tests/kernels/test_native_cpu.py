@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from shoal.kernels import cpu_ops, native_cpu
 from shoal.runtime.model.layers import RotaryEmbedding
+
+from shoal.kernels import cpu_ops, native_cpu
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels import launch
 from shoal.kernels.paged_attention import paged_attention
 from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref

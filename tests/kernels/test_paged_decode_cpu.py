@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels import paged_decode_cpu
-from shoal.kernels.reference import paged_attention_ref
 from shoal.runtime.attention.backend_choice import choose_attention_backend
 from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
 from shoal.runtime.attention.selector import get_attention_backend
 from shoal.runtime.attention.torch_backend import TorchAttentionBackend
+
+from shoal.kernels import paged_decode_cpu
+from shoal.kernels.reference import paged_attention_ref
 
 
 def _decode_inputs(batch, num_heads: int, head_dim: int, rng: torch.Generator):

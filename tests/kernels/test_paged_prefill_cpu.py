@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shoal.kernels import paged_prefill_cpu
-from shoal.kernels.reference import paged_attention_ref
 from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
 from shoal.runtime.attention.torch_backend import TorchAttentionBackend
+
+from shoal.kernels import paged_prefill_cpu
+from shoal.kernels.reference import paged_attention_ref
 
 
 def _spans(batch) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.qk_norm_rotary import qk_norm_rotary
 from shoal.kernels.reference import head_rms_norm_rotary_ref
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels import cpu_ops, native_cpu
 from shoal.kernels.reference import reshape_and_cache_ref
 from shoal.kernels.reshape_and_cache import reshape_and_cache as triton_reshape_and_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.reference import rms_norm_ref
 from shoal.kernels.rms_norm import rms_norm
 

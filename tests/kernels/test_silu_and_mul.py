@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.reference import silu_and_mul_ref
 from shoal.kernels.silu_and_mul import silu_and_mul
 

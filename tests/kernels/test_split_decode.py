@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels import paged_attention as pa
 from shoal.kernels.reference import paged_attention_ref
 

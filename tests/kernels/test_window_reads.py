@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shoal.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 WINDOW = 5
@@ -19,8 +20,9 @@ def _backend(name: str):
 
         return TorchAttentionBackend()
     if name == "cpu":
-        from shoal.kernels.native_cpu import unavailable_reason
         from shoal.runtime.attention.cpu_backend import CpuAttentionBackend
+
+        from shoal.kernels.native_cpu import unavailable_reason
 
         if unavailable_reason() is not None:
             pytest.skip(f"native CPU kernels unavailable: {unavailable_reason()}")

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"shoal.runtime": ROOT / "runtime", "shoal.operator": ROOT / "operator",
-            "shoal.kernels": ROOT / "kernels", "shoal": ROOT / "shoal"}
+            "shoal": ROOT / "shoal"}
 
 
 def imports_of(folder: Path) -> dict[str, set[str]]:
@@ -47,14 +47,14 @@ def violations(folder: Path, forbidden: str, allowed: str = r"$^") -> list[str]:
             if re.match(forbidden, name) and not re.match(allowed, name)]
 
 
-@pytest.mark.parametrize("folder", ["runtime", "operator", "kernels"])
+@pytest.mark.parametrize("folder", ["runtime", "operator", "shoal/kernels"])
 def test_nothing_outside_the_api_layer_imports_it(folder: str) -> None:
     found = violations(ROOT / folder, r"shoal\.runtime\.api\b")
     assert [v for v in found if not v.startswith("runtime/api/")] == []
 
 
 def test_kernels_import_nothing_of_the_runtime_or_operator() -> None:
-    assert violations(ROOT / "kernels", r"shoal\.(runtime|operator)\b") == []
+    assert violations(ROOT / "shoal" / "kernels", r"shoal\.(runtime|operator)\b") == []
 
 
 def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
@@ -100,3 +100,17 @@ def test_the_checker_sees_function_level_and_relative_imports() -> None:
     # imported inside the handler only (the CLI stays cheap)
     assert "shoal.runtime.model_source" in found["runtime/api/cli.py"]
     assert violations(ROOT / "runtime" / "api", r"shoal\.runtime\.engine\b")
+
+
+def test_no_top_level_folder_shadows_an_installed_package() -> None:
+    """`python -m` run from the repository root puts the root first on sys.path, so a top-level
+    package folder named like a dependency's import name replaces that dependency (a `kernels/`
+    folder broke transformers 5.25, which imports the `kernels` distribution). `operator/` is
+    the one stdlib name: the interpreter has imported the stdlib module before sys.path[0]."""
+    import importlib.metadata
+    import sys
+
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    installed = importlib.metadata.packages_distributions()
+    assert {n: installed[n] for n in folders if set(installed.get(n, ["shoal"])) != {"shoal"}} == {}
+    assert folders & set(sys.stdlib_module_names) <= {"operator"}

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from shoal.kernels import native_cpu
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""gpu-check's variants of the fused MoE grouped GEMM (``kernels/fused_moe.py``).
+"""gpu-check's variants of the fused MoE grouped GEMM (``shoal/kernels/fused_moe.py``).
 
 Its launcher picks the tiles inline, so the choice is read from the launcher itself: its
 ``_grouped_gemm`` is called on shape-only ("meta") tensors with the jit function swapped for
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from shoal.kernels import fused_moe
 from shoal.kernels.gpu_check import variants as v
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from shoal.kernels.native_cpu import load
 
 # rows up to which torch's bfloat16 GEMV beats widening + float32 GEMM (measured above)

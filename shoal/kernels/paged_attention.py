@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from shoal.kernels.launch import check_launchable
 
 LOG2_E = 1.4426950408889634

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from shoal.kernels.launch import check_launchable
 
 BLOCK = 1024

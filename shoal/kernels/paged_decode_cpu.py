@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from shoal.kernels.native_cpu import load
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from shoal.kernels.native_cpu import load
 from shoal.kernels.paged_decode_cpu import check_paged_layout, check_tensor, sinks_pointer
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from shoal.kernels.launch import check_launchable
 from shoal.kernels.silu_and_mul import silu_and_mul
 

@@ -10,6 +10,7 @@ float32 CPU tensors whose last dimension is contiguous.
 from __future__ import annotations
 
 import torch
+
 from shoal.kernels.kv_layout import check_kv_write_shapes
 from shoal.kernels.native_cpu import load
 
