@@ -47,17 +47,21 @@ from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_kv_blocks: int = 1024
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    model_revision: str = ""
-    max_loras: int = 0  # LoRA adapter slots per step (0: LoRA off, no gate)
+    """The engine's resolved settings the scheduler runs by. No defaults here: every value
+    comes from ``EngineConfig`` (which holds each default once) as the engine core resolved
+    it (``max_model_len`` and ``num_kv_blocks`` after sizing the KV cache)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    scheduling_policy: str
+    model_revision: str
+    max_loras: int  # LoRA adapter slots per step (0: LoRA off, no gate)
 
 
 @dataclass
