@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.runtime.json_flag import json_object_flag
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -63,16 +65,8 @@ def load_pooler_config(model_dir: str | Path, override_json: str | None) -> Pool
     model_dir = Path(model_dir)
     pooling_type, normalize = sentence_transformers_pooling(model_dir) or ("LAST", True)
     if override_json:
-        try:
-            override = json.loads(override_json)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--pooler-config is not JSON: {exc}") from None
-        if not isinstance(override, dict):
-            raise ValueError("--pooler-config must be a JSON object")
-        unknown = sorted(set(override) - {"pooling_type", "seq_pooling_type", "use_activation"})
-        if unknown:
-            raise ValueError(f"--pooler-config: unsupported key(s) {', '.join(unknown)} "
-                             "(pooling_type, use_activation)")
+        override = json_object_flag("--pooler-config", override_json,
+                                    ("pooling_type", "seq_pooling_type", "use_activation"))
         pooling_type = override.get("seq_pooling_type") or override.get(
             "pooling_type") or pooling_type
         if override.get("use_activation") is not None:

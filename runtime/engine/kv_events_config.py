@@ -9,8 +9,9 @@ that missed them) is not implemented and is refused, naming it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from shoal.runtime.json_flag import json_object_flag
 
 DEFAULT_ENDPOINT = "tcp://*:5557"
 _ACCEPTED = {"enable_kv_cache_events", "publisher", "endpoint", "topic", "hwm",
@@ -25,15 +26,7 @@ class KVEventsSettings:
 
 def parse_kv_events_config(text: str) -> KVEventsSettings:
     """ValueError naming what is wrong."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
-    unknown = sorted(set(raw) - _ACCEPTED)
-    if unknown:
-        raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}")
+    raw = json_object_flag("--kv-events-config", text, _ACCEPTED)
     if raw.get("replay_endpoint"):
         raise ValueError("--kv-events-config: replay_endpoint is not supported")
     enabled = bool(raw.get("enable_kv_cache_events", False))

@@ -38,3 +38,17 @@ def test_shoal_serve_names_the_flag_before_starting_anything(tiny_qwen3):
          "--port", "0", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "shoal serve: --max-num-seqs must be at least 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "--pooler-config is not JSON"), ("[1]", "--pooler-config must be a JSON object"),
+    ('{"pooling_typ": "MEAN"}', r"--pooler-config: unknown key\(s\) pooling_typ \(known: "),
+    ('{"pooling_type": "MAX"}', "pooling type 'MAX' is not one of LAST, MEAN, CLS"),
+])
+def test_a_bad_pooler_config_is_refused_naming_the_flag(tmp_path, text, message):
+    """The JSON-object flags (--pooler-config, --kv-events-config) share one parser: the
+    same messages, each naming its own flag (the kv-events cases: tests/api/test_kv_events.py)."""
+    from shoal.runtime.pooling_config import load_pooler_config
+
+    with pytest.raises(ValueError, match=message):
+        load_pooler_config(tmp_path, text)
