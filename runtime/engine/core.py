@@ -107,6 +107,7 @@ class EngineCore:
                 scheduling_policy=config.scheduling_policy,
                 model_revision=config.model_revision,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                sliding_window=self.model_config.sliding_window,
             ),
             default_eos=self.model_config.eos_token_ids,
         )

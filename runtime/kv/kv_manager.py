@@ -17,6 +17,17 @@ ran clears the record (``written``).
 
 Block tables also live in one persistent int32 array, one row per request holding blocks,
 so building a step's ``block_tables`` is a single fancy-indexing copy.
+
+Sliding windows: when EVERY attention layer sees only the last ``sliding_window`` positions
+(Mistral-style models), a block wholly before the window of the next token a request
+computes is never read again by any layer, so it goes back to the pool while the request
+runs (``free_outside_window``; vLLM's sliding-window manager does the same). The table stays
+positionally aligned: a freed entry becomes ``FREED`` (block id 0 in the array, the padding
+value, never read: every attention backend starts reading at the window). A freed block
+keeps its hash like any freed block: its K/V stays right for that prefix until the block is
+reallocated (which evicts the hash), so another request may still take it as a cached
+prefix. With even one full-attention layer (Gemma 2/3, gpt-oss alternate sliding and full
+layers) every block stays needed, and nothing is freed early.
 """
 
 from __future__ import annotations
@@ -49,12 +60,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# a table entry whose block went back to the pool because no layer's window reaches it
+FREED = KVBlock(-1)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, enable_prefix_caching: bool = True) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.block_size = block_size
+        # the window of every layer (None: some layer attends to all positions)
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
@@ -64,6 +84,7 @@ class KVCacheManager:
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.block_table_array = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
+        self.num_freed = np.zeros(max_num_seqs, np.int64)  # per table row: leading FREED entries
 
     @property
     def num_blocks(self) -> int:
@@ -77,10 +98,17 @@ class KVCacheManager:
         return self.pool.usage()
 
     def num_blocks_of(self, req_id: str) -> int:
+        """The positions the table covers, in blocks (freed leading entries included)."""
         table = self.tables.get(req_id)
         return 0 if table is None else len(table)
 
+    def num_blocks_held(self, req_id: str) -> int:
+        """The pool blocks the request holds now (its table less the freed entries)."""
+        row = self.rows.get(req_id)
+        return 0 if row is None else len(self.tables[req_id]) - int(self.num_freed[row])
+
     def block_ids(self, req_id: str) -> list[int]:
+        """The table's block ids; a freed entry is -1."""
         return [b.block_id for b in self.tables.get(req_id, [])]
 
     # -- prefix cache -------------------------------------------------------------------
@@ -238,15 +266,47 @@ class KVCacheManager:
             at += needed
         return True
 
+    def free_outside_window(self, req_ids: Sequence[str], num_computed: np.ndarray,
+                            rows: np.ndarray) -> int:
+        """Running requests (``num_computed[i]`` tokens of ``req_ids[i]`` computed, table
+        row ``rows[i]``): give back the leading blocks no layer reads again, and return how
+        many went back. The next token computed sits at position ``num_computed``; its
+        window starts at ``num_computed - W + 1`` and later tokens' windows start later, so
+        block ``b`` is dead once ``(b + 1) * block_size <= num_computed - W + 1``. Those
+        blocks are complete (their tokens are computed), so they were offered to the prefix
+        cache already. A no-op unless every layer is windowed."""
+        window = self.sliding_window
+        if window is None or not len(req_ids):
+            return 0
+        dead = np.maximum(num_computed - (window - 1), 0) // self.block_size
+        freed = 0
+        for i in np.flatnonzero(dead > self.num_freed[rows]).tolist():
+            freed += self._free_leading(req_ids[i], int(rows[i]), int(dead[i]))
+        return freed
+
+    def _free_leading(self, req_id: str, row: int, count: int) -> int:
+        table = self.tables[req_id]
+        start = int(self.num_freed[row])
+        count = min(count, len(table))
+        if self._num_hashed[req_id] < count:  # never offered (not expected): the cache skips
+            self._num_hashed[req_id] = count  # them, so FREED itself is never hashed
+        gone = table[start:count]
+        table[start:count] = [FREED] * len(gone)
+        self.pool.free(reversed(gone))  # the later block first: the head is more shareable
+        self.block_table_array[row, start:count] = 0
+        self.num_freed[row] = count
+        return len(gone)
+
     def free(self, req_id: str) -> None:
         """Release a request's blocks, tail first (its tail is the least shareable)."""
         table = self.tables.pop(req_id, None)
         if table is None:
             return
-        self.pool.free(reversed(table))
-        del self._num_hashed[req_id]
         row = self.rows.pop(req_id)
+        self.pool.free(reversed(table[int(self.num_freed[row]):]))
+        del self._num_hashed[req_id]
         self.block_table_array[row, :len(table)] = 0
+        self.num_freed[row] = 0
         self._free_rows.append(row)
 
     def reset_prefix_cache(self) -> bool:
@@ -260,7 +320,8 @@ class KVCacheManager:
         """Raise KVInvariantError if the bookkeeping is inconsistent (tests call this after
         every step)."""
         pool = self.pool
-        refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        refs = Counter(b.block_id for table in self.tables.values() for b in table
+                       if b is not FREED)
         free_ids = [b.block_id for b in pool.free_list]
         free_set = set(free_ids)
         if len(free_ids) != len(free_set):
@@ -284,10 +345,18 @@ class KVCacheManager:
         if set(self.rows) != set(self.tables):
             raise KVInvariantError("block-table rows disagree with tables")
         for req_id, table in self.tables.items():
+            freed = int(self.num_freed[self.rows[req_id]])
+            if any(b is FREED for b in table[freed:]) or any(b is not FREED
+                                                              for b in table[:freed]):
+                raise KVInvariantError(f"{req_id}: freed entries are not its leading {freed}")
+            if freed and self.sliding_window is None:
+                raise KVInvariantError(f"{req_id}: blocks freed without a sliding window")
             row = self.block_table_array[self.rows[req_id]]
-            if (row[:len(table)].tolist() != [b.block_id for b in table]
+            if (row[:len(table)].tolist() != [0 if b is FREED else b.block_id for b in table]
                     or row[len(table):].any()):
                 raise KVInvariantError(f"{req_id}: block-table row is stale")
+        if self.num_freed[self._free_rows].any():
+            raise KVInvariantError("a free block-table row counts freed entries")
         if not self.tables and pool.num_free != pool.num_blocks:
             raise KVInvariantError(f"{pool.num_blocks - pool.num_free} blocks leaked with no "
                                    "request")

@@ -3,7 +3,8 @@ transformers' own config and model classes (random weights, float32), for the eq
 tests against HF.
 
 Each config turns on the features its family is known for, at sizes where they matter: a
-sliding window (16) shorter than the test prompts, softcaps low enough to bend the scores,
+sliding window (16) shorter than the test prompts (on every layer in ``mistral_sliding``, so
+its blocks behind the window are freed), softcaps low enough to bend the scores,
 multipliers away from 1, a longrope / yarn original context and a Ministral 3 query-scaling
 period inside the generated lengths. The tokenizer is the one ``make_model`` trains, so the
 checkpoints also serve over HTTP.
@@ -23,7 +24,8 @@ from shoal.runtime.model.make_model import (
 )
 
 FAMILIES = ("gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2", "granite", "glm4",
-            "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn")
+            "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn",
+            "mistral_sliding")
 FORMAT_VERSION = 1
 WINDOW = 16
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -106,6 +108,8 @@ def family_hf_config(name: str):  # -> transformers.PretrainedConfig
                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
         return tf.Ministral3Config(**{**c, "max_position_embeddings": 128},
                                    rope_parameters=rope)
+    if name == "mistral_sliding":  # every layer windowed: blocks behind the window are freed
+        return tf.MistralConfig(**c, sliding_window=WINDOW, rope_parameters=default_rope)
     if name == "llama_biases":
         return tf.LlamaConfig(**c, attention_bias=True, mlp_bias=True,
                               rope_parameters=default_rope)

@@ -62,6 +62,9 @@ class SchedulerConfig:
     scheduling_policy: str
     model_revision: str
     max_loras: int  # LoRA adapter slots per step (0: LoRA off, no gate)
+    # every attention layer's window (None: some layer attends to everything); with one,
+    # blocks no window reaches go back to the pool while their request runs
+    sliding_window: int | None
 
 
 @dataclass
@@ -82,7 +85,8 @@ class Scheduler:
         self.config = config
         self.default_eos = list(default_eos or [])
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.max_num_seqs,
-                                 config.max_model_len, config.enable_prefix_caching)
+                                 config.max_model_len, config.enable_prefix_caching,
+                                 config.sliding_window)
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self._batch = RunningBatch(config.max_num_seqs, config.max_model_len)
@@ -176,6 +180,8 @@ class Scheduler:
         if not num_rows:
             return _NO_ROWS, 0, False, False
         computed = batch.computed[:num_rows]
+        if kv.sliding_window is not None:  # before growing tables: the freed blocks serve
+            kv.free_outside_window(batch.req_ids, computed, batch.table_rows[:num_rows])
         counts = batch.num_tokens[:num_rows] - computed
         wanted = int(counts.sum())
         decode_only = wanted == num_rows  # one token each (the steady state)

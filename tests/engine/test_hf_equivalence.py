@@ -142,7 +142,8 @@ def test_small_qwen3_everything_at_once_matches_hf(small_qwen3, hf_greedy, asser
 
 
 FAMILIES = ["gemma2", "gemma3", "gemma3_nested", "mistral3_nested", "phi3_longrope", "olmo2",
-            "granite", "glm4", "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn"]
+            "granite", "glm4", "smollm3", "arcee", "ministral", "ministral3", "llama_biases", "qwen2_yarn",
+            "mistral_sliding"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,5 +162,8 @@ def test_dense_family_everything_at_once_matches_hf(family, hf_greedy, assert_ma
                   max_model_len=128)
     outputs = run(core, arrivals)
     stats = core.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    # mistral_sliding frees the blocks behind its window (every layer is windowed), so this
+    # cache does not preempt it: tests/engine/test_sliding_window_blocks.py preempts it
+    assert stats.num_preemptions > 0 or family == "mistral_sliding"
+    assert stats.prefix_cache_hits > 0
     assert check(hf_greedy(model_dir), assert_matches_hf, arrivals, outputs) <= 1

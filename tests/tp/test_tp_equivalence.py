@@ -76,16 +76,22 @@ def test_tp2_pads_a_vocabulary_that_does_not_divide(odd_vocab_qwen2, make_engine
         assert got == want and max(got) < 1001
 
 
-@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+@pytest.mark.parametrize("family", ["gemma2", "olmo2", "mistral_sliding"])
 def test_tp2_feature_built_families_equal_tp1(family, make_engine, run_to_completion, greedy):
     """gemma2: sliding window (16) on alternate layers and softcaps, KV heads split over the
-    ranks; olmo2: q/k norms over the whole projection, whose sum of squares is all-reduced."""
+    ranks; olmo2: q/k norms over the whole projection, whose sum of squares is all-reduced;
+    mistral_sliding: every layer windowed, so blocks behind the window go back to the pool
+    mid-request (blocks of 4) and the ranks get tables whose leading entries were freed."""
     from shoal.runtime.model.make_family_model import cached_family_model
 
     model_dir = cached_family_model(family)
     requests = [greedy(f"r{i}", p, max_tokens=12 + 2 * i) for i, p in enumerate(PROMPTS)]
-    single = run_to_completion(make_engine(model_dir, tp=1), requests)
-    tensor_parallel = run_to_completion(make_engine(model_dir, tp=2), requests)
+    block_size = 4 if family == "mistral_sliding" else 16
+    single = run_to_completion(make_engine(model_dir, tp=1, block_size=block_size), requests)
+    tp2_engine = make_engine(model_dir, tp=2, block_size=block_size)
+    tensor_parallel = run_to_completion(tp2_engine, requests)
+    if family == "mistral_sliding":
+        assert tp2_engine.scheduler.kv.sliding_window == 16
     for req_id, outs in single.items():
         want = [t for o in outs for t in o.new_token_ids]
         got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]

@@ -1,0 +1,189 @@
+"""Sliding-window block freeing: when every attention layer is windowed, a running request
+gives back the blocks no window reaches again, its table stays positionally aligned, freed
+blocks stay valid cached prefixes until reallocated, and the output still equals HF
+transformers' own model with the window. Models with one full-attention layer free nothing."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.core import EngineCore
+from shoal.runtime.engine.messages import EngineCoreRequest
+from shoal.runtime.kv.kv_manager import FREED, KVCacheManager
+from shoal.runtime.sampling_params import SamplingParams
+
+WINDOW = 16  # make_family_model.WINDOW: mistral_sliding windows every layer by it
+
+
+def _manager(window: int | None, num_blocks: int = 16) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size=4, max_num_seqs=4, max_model_len=64,
+                          sliding_window=window)
+
+
+def _free(kv: KVCacheManager, seq, computed: int) -> int:
+    return kv.free_outside_window([seq.req_id], np.array([computed]),
+                                  np.array([kv.rows[seq.req_id]]))
+
+
+def test_blocks_wholly_before_every_future_window_go_back(make_seq):
+    kv = _manager(window=6)
+    seq = make_seq("a", list(range(100, 140)))
+    assert kv.allocate_slots(seq, 0, 24)  # blocks 0..5 hold positions 0..23
+    kv.cache_blocks_ahead([seq], [24])
+    kv.written()
+    # 24 tokens computed: the next query (position 24) sees 19..24; block 4 (16..19) is read
+    assert _free(kv, seq, 24) == 4
+    assert kv.block_ids("a")[:4] == [-1] * 4 and kv.num_blocks_held("a") == 2
+    assert kv.num_blocks_of("a") == 6  # positions still map to table entries
+    assert kv.block_table_array[kv.rows["a"], :4].tolist() == [0, 0, 0, 0]
+    assert kv.num_free_blocks == 16 - 2
+    assert _free(kv, seq, 24) == 0  # idempotent
+    # one more token: position 25 sees 20..25, so block 4 is dead too
+    assert _free(kv, seq, 25) == 1 and kv.num_blocks_held("a") == 1
+    kv.check_invariants()
+    kv.free("a")
+    assert kv.num_free_blocks == 16
+    kv.check_invariants()
+
+
+def test_a_model_with_a_full_attention_layer_frees_nothing(make_seq):
+    kv = _manager(window=None)
+    seq = make_seq("a", list(range(40)))
+    assert kv.allocate_slots(seq, 0, 40)
+    assert _free(kv, seq, 40) == 0 and kv.num_blocks_held("a") == 10
+
+
+def test_freed_blocks_stay_valid_cached_prefixes_until_reallocated(make_seq):
+    kv = _manager(window=4, num_blocks=12)
+    prompt = list(range(200, 232))
+    seq = make_seq("a", prompt + [7])
+    assert kv.allocate_slots(seq, 0, 32)
+    kv.cache_blocks_ahead([seq], [32])
+    kv.written()
+    assert _free(kv, seq, 32) == 7  # the window of position 32 starts in block 7
+    # another request with the same prompt finds all eight blocks, seven of them free
+    again = make_seq("b", prompt + [9])
+    hits = kv.find_cached_prefix(again)
+    assert len(hits) == 8 and hits[0].ref_cnt == 0
+    assert kv.allocate_slots(again, 32, 1, hits)
+    kv.check_invariants()
+    kv.free("b")
+    # reallocating the freed blocks evicts their hashes: no stale prefix is ever served
+    other = make_seq("c", list(range(500, 544)))
+    assert kv.allocate_slots(other, 0, 44)  # 11 of the 12 blocks
+    assert len(kv.find_cached_prefix(make_seq("d", prompt + [1]))) < 8
+    kv.free("a")
+    kv.free("c")
+    kv.check_invariants()
+
+
+def test_invariants_catch_a_freed_entry_that_is_not_leading(make_seq):
+    from shoal.runtime.kv.kv_manager import KVInvariantError
+
+    kv = _manager(window=4)
+    seq = make_seq("a", list(range(20)))
+    assert kv.allocate_slots(seq, 0, 20)
+    kv.tables["a"][3] = FREED
+    with pytest.raises(KVInvariantError):
+        kv.check_invariants()
+
+
+@pytest.mark.parametrize(("max_window_layers", "window"), [(0, 24), (1, None)])
+def test_only_a_model_windowed_on_every_layer_frees(tmp_path, max_window_layers, window):
+    """Qwen2 windows the layers from ``max_window_layers`` on: all of them, or all but the
+    first (which then attends to everything, so no block may be freed)."""
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.model.make_model import hf_config
+
+    config = hf_config("qwen2", "tiny")
+    config.use_sliding_window, config.sliding_window = True, 24
+    config.max_window_layers = max_window_layers
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.layer_types = None
+    config.__post_init__()  # layer_types from the sliding fields, as transformers derives them
+    config.save_pretrained(tmp_path)
+    assert load_model_config(tmp_path).sliding_window == window
+
+
+# -- the engine over transformers' own windowed model --------------------------------------
+
+def _engine(model_dir, **kwargs) -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, **kwargs))
+
+
+def _run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int,
+         on_step=None) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for req_id, prompt in prompts.items():
+        core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
+                                           sampling_params=params))
+    outputs: dict[str, list[int]] = {r: [] for r in prompts}
+    steps = 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        core.check_invariants()
+        if on_step is not None:
+            on_step(core)
+        steps += 1
+        assert steps < 2000
+    kv = core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def sliding_model():
+    from shoal.runtime.model.make_family_model import cached_family_model
+
+    return cached_family_model("mistral_sliding")
+
+
+def test_a_long_generation_holds_a_bounded_number_of_blocks_and_equals_hf(
+        sliding_model, hf_greedy, assert_matches_hf):
+    core = _engine(sliding_model, num_kv_blocks=40, max_model_len=160)
+    assert core.scheduler.kv.sliding_window == WINDOW
+    prompt = random.Random(1).sample(range(3, 1000), 20)
+    held: list[int] = []
+    outputs = _run(core, {"long": prompt}, 120,
+                   lambda c: held.append(c.scheduler.kv.num_blocks_held("long")))
+    # a decode holds the window (16 positions, up to 5 blocks of 4) and the block it fills;
+    # without freeing the request would end holding 35 blocks
+    assert max(held[1:]) <= WINDOW // 4 + 2, held
+    assert check(hf_greedy(sliding_model), assert_matches_hf, {"long": prompt}, outputs,
+                 120) == 0
+
+
+def test_requests_longer_together_than_the_cache_run_without_preemption(
+        sliding_model, hf_greedy, assert_matches_hf):
+    rng = random.Random(2)
+    system = rng.sample(range(3, 1000), 24)
+    prompts = {f"r{i}": system + rng.sample(range(3, 1000), rng.randint(3, 30))
+               for i in range(4)}
+    # 40 blocks of 4 hold 160 tokens; the four requests reach 127-154 tokens, ~560 together
+    core = _engine(sliding_model, num_kv_blocks=40, max_model_len=160,
+                   max_num_batched_tokens=32)
+    outputs = _run(core, prompts, 100)
+    stats = core.stats()
+    assert stats.num_preemptions == 0
+    assert stats.prefix_cache_hits > 0  # the system prompt is shared before it is freed
+    assert check(hf_greedy(sliding_model), assert_matches_hf, prompts, outputs, 100) <= 1
+
+
+def test_preemption_with_freed_blocks_equals_hf(sliding_model, hf_greedy, assert_matches_hf):
+    """A request preempted after blocks behind its window went back recomputes from its
+    first token (its freed entries are not freed twice) and still equals HF."""
+    rng = random.Random(3)
+    prompts = {f"r{i}": rng.sample(range(3, 1000), rng.randint(5, 20)) for i in range(8)}
+    core = _engine(sliding_model, num_kv_blocks=24, max_model_len=96)
+    outputs = _run(core, prompts, 60)
+    assert core.stats().num_preemptions > 0
+    assert check(hf_greedy(sliding_model), assert_matches_hf, prompts, outputs, 60) <= 1
+
+
+def check(hf, assert_matches_hf, prompts, outputs, max_tokens: int) -> int:
+    return assert_matches_hf(hf, prompts, outputs, dict.fromkeys(prompts, max_tokens))
