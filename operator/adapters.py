@@ -10,6 +10,13 @@ endpoints (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), in the same 
 before the replica's readiness gate opens, so a new replica receives traffic only once it
 serves the declared adapters. Unloading lets running requests finish (the engine's rule).
 Adapter claims are mounted read-only at ``/mnt/adapters/<claim>``.
+
+Loading at run time needs the engine's permission (``SHOAL_ALLOW_RUNTIME_LORA_UPDATING=1``,
+rendered only then) and its API key, which the operator never holds (it reads no Secrets).
+So with ``spec.auth`` the adapters are given at startup instead (``--lora-modules``): adding
+or removing one changes the pod template and rolls the pods (a rolling update, requests are
+drained, not dropped), and each replica's ``status`` lists the adapters its pod was started
+with. Without ``spec.auth`` the engines have no key and the operator loads and unloads.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ ADAPTER_MOUNT = "/mnt/adapters"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
 SYNC_TIMEOUT_S = 60.0
 DEFAULT_MAX_LORAS = 4
+RUNTIME_UPDATING_ENV = "SHOAL_ALLOW_RUNTIME_LORA_UPDATING"  # runtime/api/lora_adapters.py
 
 
 @dataclass(frozen=True)
@@ -89,11 +97,38 @@ def parse_adapters(data: Any, lora: dict[str, Any] | None, served_name: str) -> 
     return LoraSpec(tuple(adapters), max_loras, max_rank)
 
 
-def lora_engine_args(lora: LoraSpec | None) -> list[str]:
+def syncs_at_run_time(lora: LoraSpec | None, engines_need_a_key: bool) -> bool:
+    """Whether the operator loads and unloads adapters in running engines (no engine key:
+    it has none to send) rather than giving them at startup."""
+    return lora is not None and not engines_need_a_key
+
+
+def lora_engine_args(lora: LoraSpec | None, engines_need_a_key: bool) -> list[str]:
     if lora is None:
         return []
-    return ["--enable-lora", "--max-loras", str(lora.max_loras),
+    args = ["--enable-lora", "--max-loras", str(lora.max_loras),
             "--max-lora-rank", str(lora.max_lora_rank)]
+    if not syncs_at_run_time(lora, engines_need_a_key) and lora.adapters:
+        args += ["--lora-modules", *(f"{a.name}={a.engine_path}" for a in lora.adapters)]
+    return args
+
+
+def lora_engine_env(lora: LoraSpec | None, engines_need_a_key: bool) -> list[dict[str, str]]:
+    """The engine's permission to load at run time, only where the operator does so."""
+    if not syncs_at_run_time(lora, engines_need_a_key):
+        return []
+    return [{"name": RUNTIME_UPDATING_ENV, "value": "1"}]
+
+
+def adapters_in_args(args: list[str]) -> tuple[str, ...]:
+    """The adapter names a pod was started with (``--lora-modules NAME=PATH ...``)."""
+    names: list[str] = []
+    if "--lora-modules" in args:
+        for value in args[args.index("--lora-modules") + 1:]:
+            if value.startswith("--"):
+                break
+            names.append(value.split("=", 1)[0])
+    return tuple(sorted(names))
 
 
 def adapter_volumes(lora: LoraSpec | None, model_claim: str | None

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from shoal.operator.adapters import LoraSpec, sync_replica
+from shoal.operator.adapters import LoraSpec, adapters_in_args, sync_replica, syncs_at_run_time
 from shoal.operator.autoscale import (
     Activity,
     Recommendation,
@@ -26,6 +26,7 @@ from shoal.operator.autoscale import (
 from shoal.operator.backoff import RecycleState, after_recycle, after_round, may_recycle
 from shoal.operator.constants import (
     ANNOTATION_CAPACITY_REQUEST,
+    ENGINE_CONTAINER,
     ENGINE_METRICS_PORT,
     ENGINE_READY_CONDITION,
 )
@@ -137,6 +138,13 @@ async def _sync_adapters(ctx: ReconcileContext, lora: LoraSpec, replicas: list[R
     return [r for r, _ in done], sorted(e for _, errors in done for e in errors)
 
 
+def _engine_args(pod: dict[str, Any]) -> list[str]:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == ENGINE_CONTAINER:
+            return list(container.get("args") or [])
+    return []
+
+
 async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
                           replicas: int) -> str:
     children = render_children(owner, spec, replicas)
@@ -220,12 +228,17 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
     replicas = [observe_replica(p, r, now, spec.startup_timeout_seconds)
                 for p, r in zip(pods, probes, strict=True)]
     adapter_errors: list[str] = []
-    if spec.lora is not None:  # before the gates open: a new replica serves them first
+    if syncs_at_run_time(spec.lora, spec.auth is not None) and spec.lora is not None:
+        # before the gates open: a new replica serves them first
         replicas, adapter_errors = await _sync_adapters(ctx, spec.lora, replicas)
         reported = set(previous.get("adapterErrors") or [])
         for error in adapter_errors:
             if error not in reported:
                 await _event(ctx, owner, "Warning", "AdapterSyncFailed", error)
+
+    elif spec.lora is not None:  # given at startup (spec.auth): what each pod started with
+        replicas = [replace(r, adapters=adapters_in_args(_engine_args(p))) if r.ready else r
+                    for p, r in zip(pods, replicas, strict=True)]
 
     for pod_name, patch in gate_patches(pods, replicas, now):
         await ctx.kube.strategic_patch(POD, owner.namespace, pod_name, patch,

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from shoal.operator.adapters import adapter_volumes, lora_engine_args
+from shoal.operator.adapters import adapter_volumes, lora_engine_args, lora_engine_env
 from shoal.operator.constants import (
     ANNOTATION_TEMPLATE_HASH,
     COMPONENT_ENGINE,
@@ -99,9 +99,9 @@ def engine_args(spec: ServiceSpec) -> list[str]:
         args += ["--metrics-compat", "vllm"]
     if publishes_kv_events(spec):  # the router follows the engines' real caches
         args += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
-    # the adapters themselves are loaded into running engines (adapters.py): a change of
-    # spec.adapters never changes the pod template
-    args += lora_engine_args(spec.lora)
+    # without spec.auth the adapters are loaded into running engines (adapters.py) and a
+    # change of spec.adapters never changes the pod template; with it they are flags here
+    args += lora_engine_args(spec.lora, spec.auth is not None)
     return args + list(rt.extra_args)
 
 
@@ -192,6 +192,7 @@ def _env(spec: ServiceSpec) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # weights are fetched by the init container
     ]
+    env += lora_engine_env(spec.lora, spec.auth is not None)
     env += [{"name": name, "value": value} for name, value in spec.runtime.env]
     return env
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from shoal.runtime.config import (
@@ -133,8 +134,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(chat), reasoning items (Responses), thinking blocks (Messages); "
                         "structured outputs and forced tools start after it")
     p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters beside the base model (--lora-modules, "
-                        "/v1/load_lora_adapter); a request selects one by its model name")
+                   help="serve LoRA adapters beside the base model (--lora-modules; "
+                        "/v1/load_lora_adapter only with SHOAL_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                        "in the environment); a request selects one by its model name")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT adapters (adapter_config.json + adapter_model.safetensors) "
                         "loaded at startup: NAME=PATH, or JSON "
@@ -238,6 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"shoal serve: {exc}") from None
     from shoal.runtime.lora_modules import check_lora_limits, parse_lora_modules
 
+    from .lora_adapters import runtime_updating_allowed
+
     try:
         lora_modules = parse_lora_modules(args.lora_modules)
         check_lora_limits(args.enable_lora, lora_modules, args.max_loras, args.max_lora_rank,
@@ -311,6 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_auth=bool(api_keys) if args.metrics_auth is None else args.metrics_auth,
         reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults,
         enable_lora=args.enable_lora, lora_modules=lora_modules, pooler=pooler,
+        allow_runtime_lora_updating=runtime_updating_allowed(os.environ),
         tool_call_parser=args.tool_call_parser)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,

@@ -6,9 +6,18 @@ engine (a bad one is a 400 naming why; the server goes on serving); ``POST
 running finish); an adapter not loaded is a 404. Both answer vLLM's plain-text success line.
 ``/v1/models`` lists each adapter with its ``parent`` (the base's served name) and ``root``
 (its path).
+
+As in vLLM, loading and unloading at run time is off unless the server's environment allows
+it explicitly (``SHOAL_ALLOW_RUNTIME_LORA_UPDATING=1``, or vLLM's name
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): an adapter runs code-free but reads any path the server
+can read and changes what clients of that name get, so it is an administrator's act. Off, both
+endpoints answer 404 naming the variable. They are behind ``--api-key`` like every /v1 path,
+on the main port and on ``--metrics-port`` alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
@@ -20,6 +29,15 @@ from .serving_common import parse_body
 from .state import ServerState
 
 LOAD_TIMEOUT_S = 300.0  # an adapter's files are read and checked in the engine
+# ours first; vLLM's name is accepted so a vLLM deployment's environment carries over
+RUNTIME_UPDATING_ENVS = ("SHOAL_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def runtime_updating_allowed(environ: Mapping[str, str]) -> bool:
+    """Whether the environment allows loading and unloading adapters at run time: either
+    variable set to ``1`` or ``true`` (vLLM's parsing; anything else, unset included, is no)."""
+    return any(environ.get(name, "0").strip().lower() in ("1", "true")
+               for name in RUNTIME_UPDATING_ENVS)
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -36,6 +54,10 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 
 def _require_lora(state: ServerState) -> None:
+    if not state.settings.allow_runtime_lora_updating:
+        raise APIError(404, "loading and unloading LoRA adapters at run time is disabled on "
+                       f"this server; start it with {RUNTIME_UPDATING_ENVS[0]}=1 (or "
+                       f"{RUNTIME_UPDATING_ENVS[1]}=1) to allow it", None, "not_found")
     if not state.settings.enable_lora:
         raise bad_request("LoRA adapters are not enabled on this server (--enable-lora)")
 
@@ -100,33 +122,5 @@ def model_cards(state: ServerState) -> list[dict]:
     return cards
 
 
+# what --metrics-port passes on to the main app (with its API-key check) under --enable-lora
 ADMIN_PATHS = ("/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-
-
-def lora_admin_app(state: ServerState):
-    """The adapter endpoints on the ``--metrics-port`` listener, without the API key: the
-    operator keeps running engines' adapters in sync with spec.adapters through them (it
-    holds no client key). That port is the cluster-internal one the operator already probes
-    (/ready, /metrics); clients reach only the main port."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
-    admin = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-    @admin.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @admin.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": model_cards(state)}
-
-    @admin.post("/v1/load_lora_adapter")
-    async def load(request: Request) -> PlainTextResponse:
-        return await load_lora_adapter(request, state)
-
-    @admin.post("/v1/unload_lora_adapter")
-    async def unload(request: Request) -> PlainTextResponse:
-        return await unload_lora_adapter(request, state)
-
-    return admin

@@ -37,7 +37,6 @@ from shoal.contract.errors import error_json
 
 from .app import build_app
 from .lora_adapters import ADMIN_PATHS as LORA_ADMIN_PATHS
-from .lora_adapters import lora_admin_app
 from .metrics import ServerMetrics
 from .state import ServerSettings, ServerState
 
@@ -109,16 +108,17 @@ class SideListener(uvicorn.Server):
 
 def metrics_app(app: ASGIApp, state: ServerState) -> ASGIApp:
     """What the metrics port serves: /metrics without the API key (for Prometheus inside
-    the cluster), and the probes; of /v1 only the LoRA adapter endpoints, with
-    --enable-lora (the operator's channel, ``lora_adapters.lora_admin_app``)."""
+    the cluster), and the probes; of /v1 only the model list and the LoRA adapter
+    endpoints, with --enable-lora (the operator's channel), served by the main app itself:
+    the same API-key check and the same runtime-updating switch as on the main port."""
 
-    admin = lora_admin_app(state) if state.settings.enable_lora else None
+    admin = state.settings.enable_lora
 
     async def call(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if admin is not None and scope["path"] in LORA_ADMIN_PATHS:
-            await admin(scope, receive, send)
+        if admin and scope["path"] in LORA_ADMIN_PATHS:
+            await app(scope, receive, send)
         elif scope["path"] == "/metrics":
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})

@@ -46,6 +46,8 @@ class ServerSettings:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span split off
     enable_lora: bool = False  # the load/unload endpoints answer only with it
+    # and with this: SHOAL_/VLLM_ALLOW_RUNTIME_LORA_UPDATING (lora_adapters.py)
+    allow_runtime_lora_updating: bool = False
     lora_modules: list[LoraModule] = field(default_factory=list)  # served from the start
     pooler: PoolerConfig | None = None  # --runner pooling: /v1/embeddings only
     tool_call_parser: str | None = None  # --tool-call-parser; None: hermes and Llama 3 JSON

@@ -146,11 +146,14 @@ class Server:
 
 @pytest.fixture(scope="session")
 def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., Server]]:
-    """start_server(*flags, api_key=None, wait=True) -> Server; all stopped at session end."""
+    """start_server(*flags, api_key=None, wait=True, env=None) -> Server; all stopped at
+    session end. ``env``: variables added to (or, as ``None`` values, removed from) the
+    server's environment."""
     started: list[Server] = []
 
     def start(*flags: str, api_key: str | None = None, wait: bool = True,
-              model_dir: Path | None = None, new_session: bool = False) -> Server:
+              model_dir: Path | None = None, new_session: bool = False,
+              env: dict[str, str | None] | None = None) -> Server:
         port = free_port()
         model = model_dir or small_qwen3
         log_path = tmp_path_factory.mktemp("serve") / "serve.log"
@@ -159,10 +162,15 @@ def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., 
                "--num-kv-blocks", "512", "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for name, value in (env or {}).items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
         with open(log_path, "wb") as log:
             # new_session: a process group of its own, for signals sent to the whole group
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ,
                                     start_new_session=new_session)
         server = Server(proc, port, model, api_key, log_path)
         started.append(server)

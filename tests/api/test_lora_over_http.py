@@ -5,7 +5,9 @@ rsLoRA): two given at startup (``NAME=PATH`` and the JSON form), one loaded at r
 Greedy completions for the base and every adapter, sent concurrently so they share steps,
 with 2 adapter slots for 3 adapters, equal peft's greedy token for token (near-ties aside).
 Then the errors: unknown adapter 404, bad adapters 400 naming why (the server keeps
-serving), unload, and the LoRA metrics."""
+serving), unload, and the LoRA metrics. Loading at run time is allowed explicitly
+(SHOAL_ALLOW_RUNTIME_LORA_UPDATING, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) and always behind
+the API key, on the main port and on --metrics-port; off, the endpoints are a 404."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import pytest
 
 from .conftest import API_KEY, free_port
 
+ALLOW = {"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": None}
+DENY = {"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": None, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_TOKENS = 8
 
@@ -44,7 +48,7 @@ def lora_server(start_server, tiny_llama, adapters):
                           "--max-lora-rank", "16", "--max-num-seqs", "16",
                           "--metrics-port", str(metrics_port),
                           "--lora-modules", f"qv8={adapters['qv8']}", json_form,
-                          model_dir=tiny_llama, api_key=API_KEY, wait=False)
+                          model_dir=tiny_llama, api_key=API_KEY, wait=False, env=ALLOW)
     server.wait_ready(timeout=240)  # parsing three adapters at startup, on a loaded machine
     server.metrics_port = metrics_port  # type: ignore[attr-defined]
     return server
@@ -136,16 +140,66 @@ def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, a
     assert no_key.status_code == 401
 
 
-def test_metrics_port_serves_the_adapter_endpoints_without_the_key(lora_server, adapters):
-    """The operator's channel: /v1/models and load/unload on --metrics-port, nothing else
-    of /v1 there."""
+def test_metrics_port_serves_the_adapter_endpoints_behind_the_key(lora_server, adapters):
+    """The operator's channel: /v1/models and load/unload on --metrics-port, with the same
+    API key as the main port (401 without it), nothing else of /v1 there."""
     admin = f"http://127.0.0.1:{lora_server.metrics_port}"
-    cards = httpx.get(admin + "/v1/models", timeout=10).json()["data"]
+    key = lora_server.headers()
+    body = {"lora_name": "via-admin", "lora_path": str(adapters["qv8"])}
+    for path, sent in (("/v1/load_lora_adapter", body),
+                       ("/v1/unload_lora_adapter", {"lora_name": "qv8"})):
+        refused = httpx.post(admin + path, json=sent, timeout=10)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.post(admin + path, json=sent, timeout=10,
+                           headers={"Authorization": "Bearer not-the-key"})
+        assert wrong.status_code == 401, wrong.text
+    assert httpx.get(admin + "/v1/models", timeout=10).status_code == 401
+    cards = httpx.get(admin + "/v1/models", timeout=10, headers=key).json()["data"]
     assert {"qv8", "all4"} <= {c["id"] for c in cards if c["parent"]}
-    loaded = httpx.post(admin + "/v1/load_lora_adapter", timeout=60,
-                        json={"lora_name": "via-admin", "lora_path": str(adapters["qv8"])})
+    loaded = httpx.post(admin + "/v1/load_lora_adapter", timeout=60, json=body, headers=key)
     assert loaded.status_code == 200, loaded.text
+    assert len(complete(lora_server, "via-admin", [5, 6, 7])) == MAX_TOKENS
     assert httpx.post(admin + "/v1/unload_lora_adapter", json={"lora_name": "via-admin"},
-                      timeout=60).status_code == 200
-    assert httpx.post(admin + "/v1/completions", json={"prompt": "x"},
-                      timeout=10).status_code == 404
+                      timeout=60, headers=key).status_code == 200
+    assert httpx.post(admin + "/v1/completions", json={"prompt": "x"}, timeout=10,
+                      headers=key).status_code == 404
+
+
+def test_runtime_updating_not_allowed_is_a_404_behind_the_key(start_server, tiny_llama,
+                                                              adapters):
+    """Without SHOAL_/VLLM_ALLOW_RUNTIME_LORA_UPDATING (here the vLLM one set to 0) adapters
+    come from --lora-modules only: load and unload are refused on both ports (an OpenAI
+    error naming the variable), after the API key is checked, and serving goes on."""
+    metrics_port = free_port()
+    server = start_server("--enable-lora", "--max-lora-rank", "16", "--max-num-seqs", "4",
+                          "--metrics-port", str(metrics_port),
+                          "--lora-modules", f"qv8={adapters['qv8']}",
+                          model_dir=tiny_llama, api_key=API_KEY, wait=False, env=DENY)
+    server.wait_ready(timeout=240)
+    load = {"lora_name": "new", "lora_path": str(adapters["mlp16"])}
+    for base in (server.base_url, f"http://127.0.0.1:{metrics_port}"):
+        for path, body in (("/v1/load_lora_adapter", load),
+                           ("/v1/unload_lora_adapter", {"lora_name": "qv8"})):
+            assert httpx.post(base + path, json=body, timeout=10).status_code == 401
+            refused = httpx.post(base + path, json=body, timeout=10, headers=server.headers())
+            assert refused.status_code == 404, refused.text
+            message = refused.json()["error"]["message"]
+            assert "SHOAL_ALLOW_RUNTIME_LORA_UPDATING" in message, message
+    cards = httpx.get(server.v1 + "/models", headers=server.headers()).json()["data"]
+    assert {c["id"] for c in cards if c["parent"]} == {"qv8"}  # nothing loaded or unloaded
+    assert len(complete(server, "qv8", [5, 6, 7])) == MAX_TOKENS
+
+
+@pytest.mark.parametrize(("environ", "allowed"), [
+    ({}, False),
+    ({"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": "1"}, True),
+    ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, True),
+    ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": " 1 "}, True),
+    ({"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ""}, False),
+    ({"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": "yes"}, False),  # vLLM takes 1 and true only
+])
+def test_runtime_updating_is_allowed_by_either_variable(environ, allowed):
+    from shoal.runtime.api.lora_adapters import runtime_updating_allowed
+
+    assert runtime_updating_allowed(environ) is allowed

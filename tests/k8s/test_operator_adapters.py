@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from shoal.operator.adapters import ADAPTER_MOUNT, plan_sync
+from shoal.operator.adapters import ADAPTER_MOUNT, adapters_in_args, plan_sync
 from shoal.operator.render_engine import engine_args, render_engine_deployment
 from shoal.operator.spec import parse_spec
 from shoal.operator.spec_reader import SpecError
@@ -45,6 +45,32 @@ def test_adapters_render_lora_flags_and_claim_mounts_but_never_the_list():
     assert "--enable-lora" not in engine_args(spec_with())
     limits = spec_with([], {"maxLoras": 2, "maxLoraRank": 64})
     assert engine_args(limits)[-4:] == ["--max-loras", "2", "--max-lora-rank", "64"]
+    env = pod["spec"]["containers"][0]["env"]
+    assert {"name": "SHOAL_ALLOW_RUNTIME_LORA_UPDATING", "value": "1"} in env
+
+
+def test_with_auth_adapters_are_startup_flags_and_runtime_loading_stays_off():
+    """The engines then need a key the operator does not hold (it reads no Secrets), so it
+    cannot load at run time: the adapters are --lora-modules and the engine is not allowed
+    to load or unload (no SHOAL_ALLOW_RUNTIME_LORA_UPDATING)."""
+    from shoal.operator.meta import Owner
+
+    auth = {"apiKeySecretRef": {"name": "keys"}}
+    two = spec_with([{"name": "a", "source": "pvc://adapters/a"},
+                     {"name": "b", "source": "/opt/adapters/b"}], auth=auth)
+    args = engine_args(two)
+    assert "--api-key-file" in args
+    at = args.index("--lora-modules")
+    assert args[at:at + 3] == ["--lora-modules", f"a={ADAPTER_MOUNT}/adapters/a",
+                               "b=/opt/adapters/b"]
+    assert adapters_in_args(args) == ("a", "b")
+    assert adapters_in_args([*args, "--enforce-eager"]) == ("a", "b")
+    assert adapters_in_args(engine_args(spec_with([], auth=auth))) == ()
+    pod = render_engine_deployment(Owner("svc", "ns", "uid"), two, 1)["spec"]["template"]
+    env_names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert not {"SHOAL_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"} \
+        & env_names
+    assert "--lora-modules" not in engine_args(spec_with([{"name": "a", "source": "/x"}]))
 
 
 @pytest.mark.parametrize(("adapters", "field"), [
