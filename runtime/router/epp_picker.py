@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.runtime.router.epp_protocol import Refusal
-from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
+from shoal.runtime.router.lora_affinity import adapter_for_keys, model_of, prefer_adapter
 from shoal.runtime.router.policy import Decision, ReplicaSnapshot, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
@@ -85,11 +85,13 @@ class EndpointPicker:
         path = path.split("?", 1)[0]
         if not self.policy.uses_prefix or path not in KEYED_PATHS or not body:
             return None
+        # salted by the adapter, as the model servers hash its blocks (lora_affinity.py)
+        adapter = adapter_for_keys(model_of(body), (r.lora for r in self.pool.replicas.values()))
         if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
             keys = await asyncio.to_thread(keys_of_body, path, body, self.key_config,
-                                           self.tokenizer)
+                                           self.tokenizer, None, adapter)
         else:
-            keys = keys_of_body(path, body, self.key_config)
+            keys = keys_of_body(path, body, self.key_config, None, None, adapter)
         return Refusal(400, str(keys)) if isinstance(keys, MalformedBody) else keys
 
     async def pick(self, path: str, body: bytes,

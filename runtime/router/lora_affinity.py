@@ -12,14 +12,22 @@ model-server protocol and llm-d's lora-affinity scorer read it. Before the routi
 So a replica that would have to load the adapter is chosen only when none that holds it has
 room. A request for the base model, or for a name no replica reports (LoRA off everywhere),
 is not narrowed at all. Pure: no I/O.
+
+A request's prefix keys are salted by its adapter (``adapter_for_keys``): the engines hash an
+adapter's blocks with its name (``ExtraKeys.adapter_id``, as vLLM's block hashes include the
+LoRA id), since the same prompt under two adapters is different KV. Unsalted, cache affinity
+would send an adapter's request after the base's cached prefix (or another adapter's), where
+it matches nothing, and in token-precise mode its keys would never meet the engines' events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 from shoal.runtime.router.policy import ReplicaSnapshot
+
+from shoal.contract.metrics import LoraInfo
 
 
 class _ModelField(msgspec.Struct):
@@ -52,3 +60,13 @@ def prefer_adapter(model: str | None, replicas: Sequence[ReplicaSnapshot]
         return roomy
     free = [r for r in serving if r.lora.has_free_slot]  # type: ignore[union-attr]
     return free or active or list(replicas)
+
+
+def adapter_for_keys(model: str | None, infos: Iterable[LoraInfo | None]) -> str | None:
+    """The adapter the engines hash this request's blocks with: its model name when some
+    replica serves adapters and none names it as its base; None for the base, for a request
+    with no model, and while no replica reports LoRA (all names are the base then)."""
+    serving = [info for info in infos if info is not None]
+    if model is None or not serving or any(model in info.base_models for info in serving):
+        return None
+    return model

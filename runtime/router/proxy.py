@@ -43,7 +43,7 @@ from shoal.runtime.router.asgi import (
 )
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.hold_queue import CapacityHold
-from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
+from shoal.runtime.router.lora_affinity import adapter_for_keys, model_of, prefer_adapter
 from shoal.runtime.router.poison import FailedRequests, fingerprint
 from shoal.runtime.router.policy import SPILL_LOAD_CAP, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
@@ -231,10 +231,11 @@ class RouterApp:
             return None
         # never raises: a body the router cannot key is routed by load, and the engine
         # answers it (a malformed one with its own 400)
+        adapter = adapter_for_keys(model_of(body), (r.lora for r in self.pool.replicas.values()))
         if self.tokenizer is not None:  # tokenizing is CPU work: off the event loop
             return await asyncio.to_thread(keys_or_none, path, body, self.settings.key_config,
-                                           self.tokenizer, tenant)
-        return keys_or_none(path, body, self.settings.key_config, None, tenant)
+                                           self.tokenizer, tenant, adapter)
+        return keys_or_none(path, body, self.settings.key_config, None, tenant, adapter)
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, received_at: float,
                        tenant: str | None) -> object:

@@ -194,14 +194,16 @@ def _token_id_prompt(prompt: Any) -> list[int] | None:
 
 def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
                  tokenizer: PromptTokenizer | None = None,
-                 tenant: str | None = None) -> RequestKeys:
+                 tenant: str | None = None, adapter: str | None = None) -> RequestKeys:
     """Block keys of the request's prompt. ``path`` picks chat vs completion semantics;
-    ``tenant`` is the identity the router forwards to the engines, which salt by it."""
+    ``tenant`` is the identity the router forwards to the engines, which salt by it;
+    ``adapter``: the LoRA adapter it runs on (``lora_affinity.adapter_for_keys``), whose
+    name the engines hash its blocks with."""
     if not isinstance(body, dict):
         raise RequestKeyError("request body must be a JSON object")
     salt = effective_cache_salt(tenant if config.per_tenant_cache else None,
                                 body.get("cache_salt"))
-    extra = ExtraKeys(config.model_revision, None, salt).digest()
+    extra = ExtraKeys(config.model_revision, adapter, salt).digest()
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -226,13 +228,13 @@ def request_keys(path: str, body: dict[str, Any], config: KeyConfig,
 
 
 def keys_of_body(path: str, raw: bytes, config: KeyConfig,
-                 tokenizer: PromptTokenizer | None = None,
-                 tenant: str | None = None) -> RequestKeys | MalformedBody | None:
+                 tokenizer: PromptTokenizer | None = None, tenant: str | None = None,
+                 adapter: str | None = None) -> RequestKeys | MalformedBody | None:
     """``request_keys`` of a raw body; a ``MalformedBody`` (returned, not raised) for a body
     no engine accepts; None when it cannot be keyed otherwise (route by load: the engine
     judges it). Nothing raises out of here: keying is an optimisation, never a 5xx."""
     try:
-        return request_keys(path, decode_body(raw), config, tokenizer, tenant)
+        return request_keys(path, decode_body(raw), config, tokenizer, tenant, adapter)
     except MalformedBody as exc:
         return exc
     except RequestKeyError:
@@ -243,9 +245,9 @@ def keys_of_body(path: str, raw: bytes, config: KeyConfig,
 
 
 def keys_or_none(path: str, raw: bytes, config: KeyConfig,
-                 tokenizer: PromptTokenizer | None = None,
-                 tenant: str | None = None) -> RequestKeys | None:
-    keys = keys_of_body(path, raw, config, tokenizer, tenant)
+                 tokenizer: PromptTokenizer | None = None, tenant: str | None = None,
+                 adapter: str | None = None) -> RequestKeys | None:
+    keys = keys_of_body(path, raw, config, tokenizer, tenant, adapter)
     return keys if isinstance(keys, RequestKeys) else None
 
 

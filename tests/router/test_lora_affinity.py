@@ -3,6 +3,8 @@ the API exports it) and narrowing the candidates to replicas holding the adapter
 
 from __future__ import annotations
 
+import json
+
 from shoal.runtime.api.metrics import ServerMetrics
 from shoal.runtime.engine.messages import SchedulerStats
 from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
@@ -79,3 +81,91 @@ def test_model_of_reads_the_body_model_field_only():
     assert model_of(b'{"prompt": "hi"}') is None
     assert model_of(b"not json") is None
     assert model_of(b'["model"]') is None
+
+
+def test_the_adapter_salts_prefix_keys_only_when_the_model_is_not_the_base():
+    from shoal.runtime.router.lora_affinity import adapter_for_keys
+
+    info = LoraInfo(2, frozenset(), frozenset(), frozenset({"base"}), frozenset({"a"}))
+    assert adapter_for_keys("a", [None, info]) == "a"
+    assert adapter_for_keys("not-loaded-yet", [info]) == "not-loaded-yet"  # its KV is its own
+    assert adapter_for_keys("base", [info, None]) is None
+    assert adapter_for_keys(None, [info]) is None
+    assert adapter_for_keys("a", [None, None]) is None  # LoRA off everywhere: all the base
+
+
+async def test_router_and_picker_keys_equal_the_engines_block_hashes_per_adapter():
+    """Same token prompt, base vs adapter: the router's and the picker's keys are exactly
+    the block hashes the engine core gives such a request (its scheduler Request with that
+    adapter), so the base's and each adapter's prefixes never match each other."""
+    from shoal.runtime.engine.messages import EngineCoreRequest
+    from shoal.runtime.kv.block_hash import hash_prefix_blocks
+    from shoal.runtime.router.epp_picker import EndpointPicker
+    from shoal.runtime.router.policy import make_policy
+    from shoal.runtime.router.proxy import ProxySettings, RouterApp
+    from shoal.runtime.router.replica_pool import ReplicaPool
+    from shoal.runtime.router.request_keys import KeyConfig, RequestKeys
+    from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.scheduler.request import Request
+
+    ids, config = list(range(100, 132)), KeyConfig(block_size=4, model_revision="rev")
+
+    def engine_hashes(adapter: str | None) -> list[int]:
+        core = Request(EngineCoreRequest(request_id="r", prompt_token_ids=ids,
+                                         sampling_params=SamplingParams(),
+                                         adapter_id=adapter), 0, 4096, model_revision="rev")
+        return hash_prefix_blocks(ids, 4, core.extra_digest)
+
+    pool = ReplicaPool()
+    pool.sync(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    for replica in pool.replicas.values():
+        replica.ready = True
+        replica.lora = LoraInfo(2, frozenset(), frozenset(), frozenset({"base"}),
+                                frozenset({"a", "b"}))
+    router = RouterApp(pool, make_policy("cache-affinity"), ProxySettings(key_config=config))
+    picker = EndpointPicker(pool, make_policy("cache-affinity"), config)
+
+    async def both(model: str) -> tuple[list[int], list[int]]:
+        body = json.dumps({"model": model, "prompt": ids}).encode()
+        routed = await router._keys("/v1/completions", body, None)
+        picked = await picker.keys("/v1/completions", body)
+        assert isinstance(routed, RequestKeys) and isinstance(picked, RequestKeys)
+        return routed.block_keys, picked.block_keys
+
+    for model, adapter in (("base", None), ("a", "a"), ("b", "b")):
+        routed, picked = await both(model)
+        assert routed == engine_hashes(adapter), (model, "router")
+        assert picked == engine_hashes(adapter), (model, "picker")
+    assert set(engine_hashes("a")).isdisjoint(engine_hashes(None))
+    assert set(engine_hashes("a")).isdisjoint(engine_hashes("b"))
+
+
+async def test_an_adapter_request_does_not_follow_the_bases_cached_prefix():
+    """The picker sent a long base prompt to one endpoint; the same prompt for an adapter
+    matches nothing there (different KV), while the base's repeat follows it."""
+    from shoal.runtime.router.epp_picker import EndpointPicker
+    from shoal.runtime.router.policy import make_policy
+    from shoal.runtime.router.replica_pool import ReplicaPool
+    from shoal.runtime.router.request_keys import KeyConfig
+
+    pool = ReplicaPool()
+    pool.sync(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    for replica in pool.replicas.values():
+        replica.ready = True
+        replica.lora = LoraInfo(4, frozenset(), frozenset(), frozenset({"base"}),
+                                frozenset({"a"}))
+    picker = EndpointPicker(pool, make_policy("cache-affinity"), KeyConfig(block_size=4))
+    prompt = list(range(200, 264))
+
+    async def pick(model: str):
+        body = json.dumps({"model": model, "prompt": prompt}).encode()
+        chosen = await picker.pick("/v1/completions", body, None)
+        picker.release(chosen.url)
+        return chosen
+
+    first = await pick("base")
+    assert first.matched_blocks == 0
+    again = await pick("base")
+    assert again.url == first.url and again.matched_blocks == len(prompt) // 4
+    adapter = await pick("a")
+    assert adapter.matched_blocks == 0  # the base's blocks are not its KV
