@@ -5,7 +5,9 @@ HF encodes it, BOS included; ``chat`` renders the checkpoint's template), valida
 engine (a bad one leaves the engine untouched), and steps the engine until all are done.
 Fan-out (``n``), incremental detokenization, stop strings and finish reasons are the API's
 own output path (frontend/output_processor.py); the n copies of a prompt enter once the
-first has computed it, so the prefix cache serves them.
+first has computed it, so the prefix cache serves them. ``lora_request`` (vLLM's
+``LoRARequest``, lora_request.py) runs prompts on LoRA adapters, loaded on first use;
+``LLM(..., enable_lora=True, max_loras=..., max_lora_rank=...)`` as in vLLM.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from shoal.runtime.frontend.output_processor import Choice, OutputProcessor, fan
 from shoal.runtime.frontend.output_processor import PromptInput as RenderedInput
 from shoal.runtime.frontend.prompts import ChatPrompt, PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.lora_request import LoRARequest, check_pairing, per_prompt
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 
@@ -34,36 +37,46 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.renderer = PromptRenderer(self.tokenizer)
         self._ids = itertools.count()
+        self._adapters: dict[str, LoRARequest] = {}  # loaded through lora_request, by name
         freeze_gc_after_startup()
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              tools: list[dict[str, Any]] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered by the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         rendered = [self.renderer.render_chat(ChatPrompt(
             list(conv), tools=tools, add_generation_prompt=add_generation_prompt))  # type: ignore[arg-type]
             for conv in conversations]
-        outputs = self.generate([r.token_ids for r in rendered], sampling_params)
+        outputs = self.generate([r.token_ids for r in rendered], sampling_params,
+                                lora_request=lora_request)
         for out, r in zip(outputs, rendered, strict=True):
             out.prompt = r.text
         return outputs
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 add_special_tokens: bool = True) -> list[RequestOutput]:
+                 add_special_tokens: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Text prompts are encoded as HF's ``tokenizer.encode`` (BOS added where the
-        checkpoint adds it) unless ``add_special_tokens=False``."""
+        checkpoint adds it) unless ``add_special_tokens=False``. ``lora_request``: one
+        adapter for all prompts, or one (or None, the base) per prompt."""
         prompt_list = _normalize_prompts(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
+        adapters = self._adapters_for(per_prompt(lora_request, len(prompt_list)))
         token_lists = [self.renderer.encode_text(p, add_special_tokens).token_ids
                        if isinstance(p, str) else list(p) for p in prompt_list]
         batch = str(next(self._ids))
         choices = fan_out(batch, [RenderedInput(t) for t in token_lists], params_list)
         processors = {c.request_id: OutputProcessor(self.tokenizer, c) for c in choices}
         requests = [EngineCoreRequest(request_id=c.request_id, prompt_token_ids=c.prompt.token_ids,
-                                      sampling_params=c.params) for c in choices]
+                                      sampling_params=c.params,
+                                      adapter_id=adapters[c.prompt_index])
+                    for c in choices]
         for request in requests:  # all valid, or none enters the engine
             self.engine.validate(request)
         # samples 1..n-1 of a prompt enter once sample 0 has computed the prompt, so its
@@ -115,6 +128,18 @@ class LLM:
             outputs=[CompletionOutput(index=c.sample_index, text=c.text, token_ids=c.token_ids,
                                       logprobs=c.logprobs or None, finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason) for c in choices])
+
+    def _adapters_for(self, requests: list[LoRARequest | None]) -> list[str | None]:
+        """Each prompt's adapter name, loading the adapters not loaded yet (a bad one is a
+        ValueError naming why, before any request enters the engine)."""
+        wanted = [r for r in requests if r is not None]
+        if wanted and not self.engine.config.enable_lora:
+            raise ValueError("lora_request needs LoRA enabled: LLM(..., enable_lora=True)")
+        for request in wanted:
+            if not check_pairing(self._adapters, request):
+                self.engine.add_lora(request.lora_name, request.lora_path)
+                self._adapters[request.lora_name] = request
+        return [None if r is None else r.lora_name for r in requests]
 
     def _params_for(self, prompts: list[PromptInput],
                     sampling_params: SamplingParams | Sequence[SamplingParams] | None
