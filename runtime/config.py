@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from shoal.runtime.kv_transfer.params import KVTransferConfig
 from shoal.runtime.lora_modules import LoraModule
 from shoal.runtime.pooling_config import PoolerConfig
 
@@ -93,6 +94,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # adapters kept parsed in memory (LRU); None: max_loras
     # --runner pooling: every request is an embedding (its prompt pooled, nothing sampled)
     pooler: PoolerConfig | None = None
+    # P/D disaggregation (vLLM's --kv-transfer-config): this engine's KV connector
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         for name in RANGES:

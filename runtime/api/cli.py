@@ -122,6 +122,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                         "\"topic\": \"...\"}' (default topic kv@<pod>@<model>, llm-d's)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="vLLM's P/D disaggregation: '{\"kv_connector\": \"TcpConnector\", "
+                        "\"kv_role\": \"kv_both\", \"kv_ip\": \"10.0.0.5\", "
+                        "\"kv_port\": 14579}' (kv_port 0: any free port; "
+                        "kv_connector_extra_config: abort_request_timeout, transfer_timeout "
+                        "in seconds); requests then honour kv_transfer_params")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
                    help="also export metrics under this runtime's names")
     p.add_argument("--generation-config", default="auto",
@@ -277,6 +283,14 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(f"shoal serve: {exc}") from None
         kv_endpoint, kv_topic = kv_settings.endpoint, kv_settings.topic
+    kv_transfer = None
+    if args.kv_transfer_config is not None:
+        from shoal.runtime.kv_transfer.params import parse_transfer_config
+
+        try:
+            kv_transfer = parse_transfer_config(args.kv_transfer_config)
+        except ValueError as exc:
+            raise SystemExit(f"shoal serve: {exc}") from None
     config = EngineConfig(
         model=model, served_model_name=names[0], model_revision=model_revision,
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
@@ -292,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_events_topic=kv_topic,
         grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,
         lora_modules=lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, pooler=pooler)
+        max_cpu_loras=args.max_cpu_loras, pooler=pooler, kv_transfer_config=kv_transfer)
     from .sampling_defaults import load_sampling_defaults
 
     try:

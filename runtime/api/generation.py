@@ -25,6 +25,7 @@ from shoal.runtime.frontend.output_processor import (
     fan_out,
 )
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.kv_transfer.params import KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams
 
 from .metrics import ServerMetrics, request_phases
@@ -48,7 +49,8 @@ class Generation:
                  request_id: str, prompts: list[PromptInput], params: SamplingParams,
                  eos_token_ids: list[int], priority: int = 0,
                  cache_salt: str | None = None, kv_blocks: int = 0,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None,
+                 kv_transfer: KVTransferParams | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -58,6 +60,7 @@ class Generation:
         self.priority = priority
         self.cache_salt = cache_salt
         self.adapter = adapter  # the LoRA adapter's name; None: the base model
+        self.kv_transfer = kv_transfer  # vLLM's kv_transfer_params (one engine request)
         self.kv_blocks = kv_blocks  # worst-case KV footprint of all its engine requests
         self.arrival = time.monotonic()
         self.requests = [_EngineRequest(c) for c in fan_out(
@@ -76,7 +79,8 @@ class Generation:
         return [EngineCoreRequest(
             request_id=req.choice.request_id, prompt_token_ids=req.choice.prompt.token_ids,
             sampling_params=req.choice.params, eos_token_ids=self.eos_token_ids, arrival_time=now,
-            priority=self.priority, cache_salt=self.cache_salt, adapter_id=self.adapter)
+            priority=self.priority, cache_salt=self.cache_salt, adapter_id=self.adapter,
+            kv_transfer=self.kv_transfer)
             for req in self.requests]
 
     def start(self) -> None:

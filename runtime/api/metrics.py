@@ -96,6 +96,7 @@ class EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
                 counter.add_metric(labels, value)
                 yield counter
+            yield from self._transfer_counters(p)
             phases = GaugeMetricFamily(f"{p}:startup_phase_duration_seconds",
                                        "Seconds each engine startup phase took",
                                        labels=["model_name", "phase"])
@@ -125,6 +126,37 @@ class EngineStatsCollector(Collector):
                 for adapter in self.adapters:
                     loaded.add_metric([adapter], 1.0)
                 yield loaded
+
+    def _transfer_counters(self, p: str) -> Iterator:
+        """Where prompt tokens came from (vLLM's prompt_tokens_by_source) and the KV
+        transfers of P/D disaggregation (vLLM's nixl_* metrics, as counters)."""
+        s, model = self.stats, self.model_name
+        sources = CounterMetricFamily(f"{p}:prompt_tokens_by_source",
+                                      "Prompt tokens by where their KV came from",
+                                      labels=["model_name", "source"])
+        sources.add_metric([model, "local_compute"], s.prompt_tokens - s.prompt_tokens_cached)
+        sources.add_metric([model, "local_cache_hit"],
+                           s.prompt_tokens_cached - s.prompt_tokens_external)
+        sources.add_metric([model, "external_kv_transfer"], s.prompt_tokens_external)
+        yield sources
+        moved = CounterMetricFamily(f"{p}:kv_transfer_bytes", "KV bytes moved between engines",
+                                    labels=["model_name", "direction"])
+        moved.add_metric([model, "received"], s.kv_transfer_bytes_received)
+        moved.add_metric([model, "sent"], s.kv_transfer_bytes_sent)
+        yield moved
+        for name, doc, value in (
+            ("kv_transfers", "KV pulls finished (ok or failed)", s.kv_transfer_pulls),
+            ("kv_transfer_failures", "KV pulls that failed (the prompt was computed here)",
+             s.kv_transfer_failures),
+            ("kv_transfer_seconds", "Seconds the successful KV pulls took", s.kv_transfer_seconds),
+            ("kv_transfer_expired_requests", "Prefills whose offered KV was never pulled in "
+             "time", s.kv_transfer_expired),
+            ("kv_transfer_blocks_skipped", "Prompt blocks not pulled: already in this "
+             "engine's prefix cache", s.kv_transfer_blocks_skipped),
+        ):
+            counter = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
 
     def _lora_info(self, prefix: str) -> GaugeMetricFamily:
         """As vLLM exports it: one sample, the adapters as comma lists in the labels, the

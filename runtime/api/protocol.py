@@ -23,8 +23,7 @@ class StreamOptions(BaseModel):
 
 # accepted and ignored: none of them can change what is generated
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                  "prediction", "verbosity", "reasoning_effort", "kv_transfer_params",
-                  "request_id")
+                  "prediction", "verbosity", "reasoning_effort", "request_id")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -97,8 +96,10 @@ class SamplingFields(BaseModel):
     prediction: dict[str, Any] | None = None
     verbosity: str | None = None
     reasoning_effort: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
+    # vLLM's P/D disaggregation (runtime/kv_transfer/params.py), honoured with
+    # --kv-transfer-config and ignored without one
+    kv_transfer_params: dict[str, Any] | None = None
     # refused unless at their neutral value (refused_fields)
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -33,6 +33,7 @@ from .reasoning import (
 from .serving_common import (
     check_template_inputs,
     first_delta,
+    kv_transfer_json,
     now_s,
     parse_body,
     run_to_completion,
@@ -196,7 +197,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     def respond(gen: Generation) -> dict:
         out = {"id": gen.request_id, "object": "chat.completion", "created": created,
                "model": model, "choices": [choice_json(c) for c in gen.choices],
-               "usage": chat_usage(gen)}
+               "usage": chat_usage(gen), "kv_transfer_params": kv_transfer_json(gen)}
         if body.return_token_ids:
             out["prompt_token_ids"] = prompt.token_ids
         if body.prompt_logprobs is not None:  # vLLM: once per response, the prompt's

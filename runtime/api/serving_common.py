@@ -24,6 +24,7 @@ from shoal.runtime.engine.client import EngineDeadError, EngineRequestError, Eng
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.kv.block_hash import effective_cache_salt
+from shoal.runtime.kv_transfer.params import KVTransferParams, parse_request_params
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
 from shoal.runtime.structured.spec import GrammarSpec
 
@@ -209,9 +210,11 @@ def start_generation(request: Request, state: ServerState, prefix: str,
     cache_salt = effective_cache_salt(getattr(request.state, "cache_tenant", None),
                                       body.cache_salt)
     adapter = state.adapter_for(body.model)
+    kv_transfer = kv_transfer_of(body, len(prompts) * params.n)
     generation = Generation(state.client, state.tokenizer, state.metrics,
                             f"{prefix}-{uuid.uuid4().hex}", prompts, params,
-                            state.eos_token_ids, body.priority, cache_salt, adapter=adapter)
+                            state.eos_token_ids, body.priority, cache_salt, adapter=adapter,
+                            kv_transfer=kv_transfer)
     limits = state.request_limits
     try:
         for engine_request in generation.engine_requests():
@@ -236,6 +239,26 @@ def start_generation(request: Request, state: ServerState, prefix: str,
         generation.abort_unfinished()
         raise
     return generation
+
+
+def kv_transfer_of(body: SamplingFields | EmbeddingRequest,
+                   num_engine_requests: int) -> KVTransferParams | None:
+    """vLLM's ``kv_transfer_params``: one prompt, one sample (a transfer is per request)."""
+    raw = getattr(body, "kv_transfer_params", None)
+    try:
+        params = parse_request_params(raw)
+    except ValueError as exc:
+        raise bad_request(str(exc), "kv_transfer_params") from exc
+    if params is not None and num_engine_requests != 1:
+        raise bad_request("kv_transfer_params needs one prompt and n = 1",
+                          "kv_transfer_params")
+    return params
+
+
+def kv_transfer_json(generation: Generation) -> dict | None:
+    """The response's ``kv_transfer_params`` (a prefill for a remote decode), else None."""
+    params = generation.choices[0].kv_transfer_params if generation.choices else None
+    return params.to_json() if params is not None else None
 
 
 def engine_error(exc: BaseException, request_id: str) -> APIError:

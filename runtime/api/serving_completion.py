@@ -28,6 +28,7 @@ from .protocol import CompletionRequest
 from .serving_common import (
     check_prompt_text,
     first_delta,
+    kv_transfer_json,
     now_s,
     parse_body,
     run_to_completion,
@@ -114,7 +115,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     def respond(gen: Generation) -> dict:
         return {"id": gen.request_id, "object": "text_completion", "created": created,
                 "model": model, "choices": [choice_json(c) for c in gen.choices],
-                "usage": usage(gen)}
+                "usage": usage(gen), "kv_transfer_params": kv_transfer_json(gen)}
 
     if not body.stream:
         return await run_to_completion(request, state, generation, respond)

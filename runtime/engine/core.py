@@ -21,9 +21,11 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
 from shoal.runtime.engine.lora_registry import LoraRegistry
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from shoal.runtime.engine.remote_kv import RemoteKV
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
+from shoal.runtime.kv_transfer.params import KVTransferConfig
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.lora_modules import check_lora_limits
 from shoal.runtime.sampling_params import InvalidParameter, RequestLimits
@@ -135,8 +137,30 @@ class EngineCore:
                 self.adapters.add(module.name, module.path)
             except ValueError as exc:
                 raise ValueError(f"--lora-modules {module.name}: {exc}") from None
+        self.remote: RemoteKV | None = None
+        self._ignored_transfer_log = RateLimitedLog(logger)
+        if config.kv_transfer_config is not None:
+            self.remote = self._start_kv_transfer(config.kv_transfer_config)
         debug_plugins.load_plugins()
         self._hooks = debug_plugins.hooks()
+
+    def _start_kv_transfer(self, transfer: KVTransferConfig) -> RemoteKV:
+        """The connector of ``--kv-transfer-config``, serving or pulling this engine's KV
+        blocks (one rank: a KV transfer per tensor-parallel rank is not done yet)."""
+        from shoal.runtime.kv_transfer.tcp_connector import TcpConnector
+
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
+                             "between tensor-parallel engines is not supported yet)")
+        if transfer.consumes and not self.config.enable_prefix_caching:
+            raise ValueError(f"--kv-transfer-config kv_role {transfer.kv_role} needs prefix "
+                             "caching: pulled blocks enter the prefix cache")
+        connector = TcpConnector(transfer.engine_id, transfer.kv_ip, transfer.kv_port,
+                                 transfer.transfer_timeout)
+        connector.start(self.executor.kv_block_io())
+        logger.info("KV transfer: %s %s on %s:%d (engine id %s)", transfer.kv_connector,
+                    transfer.kv_role, connector.host, connector.port, connector.engine_id)
+        return RemoteKV(transfer, connector, self.scheduler.kv, self.config.model_revision)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
@@ -157,6 +181,11 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
+        if request.kv_transfer is not None and self.remote is None:
+            self._ignored_transfer_log.log(
+                logging.WARNING, "no connector", "kv_transfer_params of %s ignored: this "
+                "engine has no --kv-transfer-config", request.request_id)
+            request.kv_transfer = None
         spec = request.sampling_params.structured
         compiler = self._grammar_compiler() if spec is not None else None
         if spec is not None and compiler is not None and not compiler.backend.cached(spec):
@@ -170,9 +199,26 @@ class EngineCore:
         self._schedule(request)
 
     def _schedule(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        if self.remote is not None and self.remote.begin(request):
+            return  # it enters when its prompt's blocks are pulled (or the pull failed)
+        self._enter(request)
+
+    def _enter(self, request: EngineCoreRequest, held: bool = False,
+               external_tokens: tuple[int, int] = (0, 0)) -> None:
+        req = self.scheduler.add_request(request)
+        req.kv_held, req.external_tokens = held, external_tokens
         for hook in self._hooks:
             hook.request_added(request)
+
+    def poll_transfers(self) -> bool:
+        """Pulls that ended enter the scheduler; offered blocks pulled or expired go back to
+        the pool. True when anything changed (the loop calls it while idle too)."""
+        if self.remote is None:
+            return False
+        ready, changed = self.remote.poll()
+        for item in ready:
+            self._enter(item.request, item.held, item.external_tokens)
+        return changed
 
     def validate(self, request: EngineCoreRequest) -> None:
         """Raise InvalidParameter naming what is wrong (the same checks as the API
@@ -182,7 +228,8 @@ class EngineCore:
         if request.adapter_id is not None and not self.adapters.serves(request.adapter_id):
             raise InvalidParameter("model", f"The model `{request.adapter_id}` does not exist.")
         if (request.request_id in self.scheduler.requests
-                or request.request_id in self._awaiting_grammar):
+                or request.request_id in self._awaiting_grammar
+                or (self.remote is not None and self.remote.is_pending(request.request_id))):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -190,6 +237,8 @@ class EngineCore:
             self._grammars.cancel(request_ids)
         for request_id in request_ids:
             self._awaiting_grammar.pop(request_id, None)
+        if self.remote is not None:
+            self.remote.abort(request_ids)
         self.scheduler.abort_requests(request_ids)
         self.isolation.forget(request_ids)
         for hook in self._hooks:
@@ -225,10 +274,13 @@ class EngineCore:
         if self._fatal is not None:
             raise self._fatal
         self._admit_compiled()
+        self.poll_transfers()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             if self._grammars is not None and self._awaiting_grammar:
                 self._grammars.wait(GRAMMAR_WAIT_S)  # nothing to run but compiles: no spin
+            elif self.remote is not None and self.remote.pending:
+                self.remote.connector.wait(GRAMMAR_WAIT_S)  # nothing to run but pulls
             return []
         plan = scheduled.plan
         try:
@@ -254,9 +306,25 @@ class EngineCore:
             self._failures.extend(failed)
             return []
         self.isolation.step_succeeded(plan.req_ids)
+        parked = self.scheduler.take_parked()
+        if parked:
+            self._offer(parked, outputs)
         if self.adapters.retiring:
             self._retire_unused_adapters()
         return outputs
+
+    def _offer(self, parked, outputs: list[EngineCoreOutput]) -> None:
+        """Finished prefills for remote decodes: their blocks are offered, their last
+        output says where (the response's kv_transfer_params)."""
+        if self.remote is None:  # cannot happen: add_request drops the params without one
+            for req, _ in parked:
+                self.scheduler.kv.release_hold(req.req_id)
+            return
+        answers = self.remote.park(parked)
+        for output in outputs:
+            params = answers.get(output.request_id)
+            if params is not None:
+                output.kv_transfer_params = params
 
     # -- LoRA adapters ------------------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -279,11 +347,23 @@ class EngineCore:
         return failures
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+        return (bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+                or (self.remote is not None and bool(self.remote.pending)))
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         stats.num_waiting += len(self._awaiting_grammar)  # waiting for their grammar
+        remote = self.remote
+        if remote is not None:
+            stats.num_waiting += len(remote.pending)  # waiting for their prompt's blocks
+            counters = remote.connector.counters
+            stats.kv_transfer_bytes_received = counters.bytes_received
+            stats.kv_transfer_bytes_sent = counters.bytes_sent
+            stats.kv_transfer_pulls = counters.pulls
+            stats.kv_transfer_failures = counters.pulls_failed
+            stats.kv_transfer_seconds = counters.pull_seconds
+            stats.kv_transfer_expired = counters.offers_expired
+            stats.kv_transfer_blocks_skipped = remote.blocks_skipped
         return stats
 
     def drain_kv_events(self) -> list[KVEvent]:
@@ -298,6 +378,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self.remote is not None:
+            self.remote.shutdown()
         self.executor.shutdown()
 
 

@@ -102,6 +102,9 @@ def _phase_reporting(executor, startup: _Startup):
         def remove_lora(self, name: str) -> None:
             executor.remove_lora(name)
 
+        def kv_block_io(self):
+            return executor.kv_block_io()
+
         def check_health(self, timeout_s: float | None = None) -> None:
             executor.check_health(timeout_s)
 
@@ -238,6 +241,8 @@ class EngineLoop:
             else:
                 outputs = []
                 self._probe_ranks_if_due()
+                if self.core.poll_transfers():  # offered blocks pulled or expired
+                    self._stats_dirty = True
             for failure in self.core.take_failures():
                 self._stats_dirty = True
                 self.send(CoreMessageType.REQUEST_ERROR, RequestError(

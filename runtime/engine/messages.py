@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 import msgspec
+from shoal.runtime.kv_transfer.params import KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None  # per-tenant isolation of the prefix cache
     adapter_id: str | None = None  # the LoRA adapter's name (None: the base); in cache identity
+    kv_transfer: KVTransferParams | None = None  # vLLM's kv_transfer_params (P/D)
 
 
 class FinishReason(str, enum.Enum):  # noqa: UP042 (msgspec-encoded by value)
@@ -60,6 +62,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     queued_time: float = 0.0
     scheduled_time: float = 0.0
     pooled: bytes | None = None  # the pooling runner: the prompt's vector, float32
+    # on a prefill's last output (do_remote_decode): where a decode engine pulls its blocks
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -73,7 +77,17 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of prompt_tokens: found in the prefix cache (local or pulled)
+    prompt_tokens_external: int = 0  # of prompt_tokens_cached: pulled from a prefill engine
     generation_tokens: int = 0
+    # KV transfer (cumulative; vLLM's nixl_* metrics as counters)
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_pulls: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_expired: int = 0
+    kv_transfer_blocks_skipped: int = 0  # already cached on the decode side: not sent again
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)  # sorted names
     waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from shoal.runtime.kv_transfer.connector import KVBlockIO
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.structured.backend import GrammarBackend
@@ -48,6 +49,10 @@ class Executor(ABC):
 
     def remove_lora(self, name: str) -> None:
         raise NotImplementedError("this executor serves no LoRA adapters")
+
+    def kv_block_io(self) -> KVBlockIO:
+        """The KV tensors as bytes, block by block, for a KV connector (one rank only)."""
+        raise NotImplementedError("this executor cannot move KV blocks between engines")
 
     @abstractmethod
     def check_health(self, timeout_s: float | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.executor.base import Executor
+from shoal.runtime.kv_transfer.connector import KVBlockIO
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.structured.backend import GrammarBackend
@@ -44,6 +45,14 @@ class UniProcExecutor(Executor):
 
     def remove_lora(self, name: str) -> None:
         self.worker.remove_lora(name)
+
+    def kv_block_io(self) -> KVBlockIO:
+        from shoal.runtime.worker.kv_block_io import KVBlockIO as TensorBlockIO
+
+        runner = self.worker.runner
+        if runner is None:
+            raise RuntimeError("the model is not loaded")
+        return TensorBlockIO(runner.kv_caches)
 
     def check_health(self, timeout_s: float | None = None) -> None:
         """In-process: a dead worker would already have raised from ``execute``."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from shoal.runtime.engine.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
 from shoal.runtime.frontend.tokenizer import Tokenizer
+from shoal.runtime.kv_transfer.params import KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams, child_params
 
 
@@ -55,6 +56,7 @@ class Choice:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, when asked
     pooled: bytes | None = None  # the pooling runner: the prompt's vector (float32)
+    kv_transfer_params: KVTransferParams | None = None  # a prefill's: where its blocks wait
 
     @property
     def finished(self) -> bool:
@@ -97,6 +99,8 @@ class OutputProcessor:
             choice.prompt_logprobs = output.prompt_logprobs
         if output.pooled is not None:
             choice.pooled = output.pooled
+        if output.kv_transfer_params is not None:
+            choice.kv_transfer_params = output.kv_transfer_params
         detok = self.detokenizer
         if detok.update(output.new_token_ids) is not None:
             choice.finish_reason, choice.stop_reason = FinishReason.STOP.value, detok.stop_string

@@ -79,6 +79,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.tables: dict[str, list[KVBlock]] = {}
+        # blocks a request holds outside any block table (KV transfer, ``hold_table``)
+        self.holds: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading table blocks already offered to the cache
         self._unwritten: list[KVBlock] = []  # hashed ahead by the step in flight
         self.rows: dict[str, int] = {}
@@ -127,6 +129,11 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def prefix_hashes(self, seq: KVSequence, num_blocks: int) -> list[int]:
+        """The hashes of the sequence's first ``num_blocks`` full blocks."""
+        self._ensure_hashes(seq, num_blocks)
+        return seq.block_hashes[:num_blocks]
 
     def _ensure_hashes(self, seq: KVSequence, num_blocks: int) -> None:
         hashes = seq.block_hashes
@@ -309,6 +316,52 @@ class KVCacheManager:
         self.num_freed[row] = 0
         self._free_rows.append(row)
 
+    # -- holds: blocks kept for a KV transfer, outside any block table ------------------
+    def hold_table(self, req_id: str, keep: int) -> list[KVBlock]:
+        """A finishing request (``free`` otherwise): its first ``keep`` blocks stay held under
+        its id for a remote engine to pull; the rest are freed. Returns the held blocks."""
+        table = self.tables.get(req_id)
+        if table is None or keep <= 0 or any(b is FREED for b in table[:keep]):
+            self.free(req_id)  # nothing to offer (a sliding window freed its head)
+            return []
+        kept = table[:keep]
+        for block in kept:
+            block.ref_cnt += 1  # the hold's own reference, so free() below leaves them
+        self.free(req_id)
+        self.holds[req_id] = kept
+        return kept
+
+    def hold_new(self, req_id: str, hits: list[KVBlock], count: int) -> list[KVBlock] | None:
+        """Hold ``hits`` (cached blocks, not evicted while held) and ``count`` fresh blocks
+        for a pull; None, nothing changed, when the pool cannot cover them."""
+        if req_id in self.holds:
+            raise ValueError(f"{req_id!r} already holds blocks")
+        hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0)
+        if count > self.pool.free_list.num_free - hits_in_free_list:
+            return None
+        self.pool.touch(hits)
+        fresh = self.pool.allocate(count)
+        self.holds[req_id] = [*hits, *fresh]
+        return fresh
+
+    def publish_held(self, req_id: str, start: int, hashes: list[int], parent: int | None,
+                     token_ids: Sequence[int], lora_name: str | None = None) -> None:
+        """Held blocks ``start..`` now hold the KV of these hashes (a pull wrote them): make
+        them findable, so the request's admission finds them as its cached prefix."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.holds[req_id][start:start + len(hashes)]
+        self.pool.cache_blocks(blocks, hashes, parent, self.block_size,
+                               token_ids if self.pool.record_events else (), lora_name)
+
+    def release_hold(self, req_id: str) -> bool:
+        """Drop a request's held blocks (tail first); False when it held none."""
+        blocks = self.holds.pop(req_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_cache()
 
@@ -320,8 +373,8 @@ class KVCacheManager:
         """Raise KVInvariantError if the bookkeeping is inconsistent (tests call this after
         every step)."""
         pool = self.pool
-        refs = Counter(b.block_id for table in self.tables.values() for b in table
-                       if b is not FREED)
+        refs = Counter(b.block_id for table in (*self.tables.values(), *self.holds.values())
+                       for b in table if b is not FREED)
         free_ids = [b.block_id for b in pool.free_list]
         free_set = set(free_ids)
         if len(free_ids) != len(free_set):
@@ -357,6 +410,6 @@ class KVCacheManager:
                 raise KVInvariantError(f"{req_id}: block-table row is stale")
         if self.num_freed[self._free_rows].any():
             raise KVInvariantError("a free block-table row counts freed entries")
-        if not self.tables and pool.num_free != pool.num_blocks:
+        if not self.tables and not self.holds and pool.num_free != pool.num_blocks:
             raise KVInvariantError(f"{pool.num_blocks - pool.num_free} blocks leaked with no "
                                    "request")

@@ -23,6 +23,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "status", "version",
         "block_hashes", "extra_digest", "max_tokens", "seen_by_worker", "ever_admitted",
         "logprobs_k", "queued_time", "scheduled_time", "prompt_logprobs", "lora_name",
+        "park_kv", "kv_held", "external_tokens",
     )
 
     def __init__(self, request: EngineCoreRequest, arrival_seq: int, max_model_len: int,
@@ -59,6 +60,13 @@ class Request:
             else None)
         self.queued_time = time.monotonic()  # engine-side arrival, for the queue-time metric
         self.scheduled_time = 0.0  # set when first scheduled
+        # KV transfer (runtime/kv_transfer): a prefill for a remote decode keeps its prompt's
+        # blocks when it finishes; a decode holds the blocks it pulled until it is admitted,
+        # and the pulled span of its prompt (start, end tokens) counts as external
+        transfer = request.kv_transfer
+        self.park_kv = transfer is not None and transfer.do_remote_decode
+        self.kv_held = False
+        self.external_tokens = (0, 0)
 
     @property
     def num_tokens(self) -> int:

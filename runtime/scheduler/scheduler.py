@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from itertools import compress
 
 import numpy as np
-from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from shoal.runtime.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.lora_admission import LoraGate, adapters_of
@@ -98,7 +103,10 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0  # found in the local prefix cache at first admission
+        self.prompt_tokens_external = 0  # ... of which a KV transfer brought
         self.generation_tokens = 0
+        self._parked: list[tuple[Request, list[int]]] = []  # finished, blocks held (take_parked)
 
     @property
     def running(self) -> list[Request]:
@@ -272,6 +280,9 @@ class Scheduler:
             count = min(req.num_tokens - computed, budget)
             if not kv.allocate_slots(req, computed, count, hits):
                 break
+            if req.kv_held:  # the pulled blocks are in its table now
+                kv.release_hold(req.req_id)
+                req.kv_held = False
             kv.cache_blocks_ahead((req,), (computed + count,))  # shareable by the next one
             if req is waiting.peek():
                 waiting.pop()
@@ -286,6 +297,9 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()  # request_queue_time_seconds ends here
                 req.num_cached_tokens = computed
                 self.prompt_tokens += req.num_prompt_tokens
+                self.prompt_tokens_cached += computed
+                start, end = req.external_tokens
+                self.prompt_tokens_external += max(0, min(computed, end) - start)
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             req.seen_by_worker = True
@@ -321,9 +335,21 @@ class Scheduler:
         self.waiting.push_preempted(req)
         self.num_preemptions += 1
 
-    def _retire(self, req: Request) -> None:
-        """A finished or aborted request lets go (the caller removes its batch row)."""
-        self.kv.free(req.req_id)
+    def _retire(self, req: Request, park: bool = False) -> None:
+        """A finished or aborted request lets go (the caller removes its batch row). ``park``:
+        it finished a prefill for a remote decode; its prompt's full blocks (all but the
+        block of the last token, which the decode side computes to sample) stay held until
+        ``take_parked``'s taker releases them."""
+        if park:
+            keep = (req.num_prompt_tokens - 1) // self.config.block_size
+            held = self.kv.hold_table(req.req_id, keep)
+            if held:
+                self._parked.append((req, [b.block_id for b in held]))
+        else:
+            self.kv.free(req.req_id)
+        if req.kv_held:
+            self.kv.release_hold(req.req_id)
+            req.kv_held = False
         req.status = RequestStatus.FINISHED
         req.version += 1
         if req.seen_by_worker:
@@ -385,7 +411,7 @@ class Scheduler:
                                                                   max_model_len)
             if output.finish_reason is not None:
                 del self.requests[req.req_id]
-                self._retire(req)
+                self._retire(req, park=req.park_kv and output.finish_reason is FinishReason.LENGTH)
                 finished.append(k if isinstance(rows, slice) else int(rows[k]))
         if finished:
             batch.remove(sorted(finished))
@@ -406,6 +432,12 @@ class Scheduler:
                 reqs.append(req)
         return np.asarray(rows, np.int64), np.asarray(result_rows, np.int64), reqs
 
+    def take_parked(self) -> list[tuple[Request, list[int]]]:
+        """Prefills that finished since the last call with their blocks held, and the held
+        block ids (released with ``kv.release_hold``)."""
+        parked, self._parked = self._parked, []
+        return parked
+
     # -- observability ------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -417,6 +449,8 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
+            prompt_tokens_cached=self.prompt_tokens_cached,
+            prompt_tokens_external=self.prompt_tokens_external,
             generation_tokens=self.generation_tokens,
             running_lora_adapters=adapters_of(self.running) if self.config.max_loras else [],
             waiting_lora_adapters=adapters_of(self.waiting) if self.config.max_loras else [],
