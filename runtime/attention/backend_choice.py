@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 # what each backend's kernels implement beyond causal attention over paged KV
+# (latent_attention: DeepSeek's MLA over the latent cache, attention/mla_torch.py)
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
-    "torch": frozenset({"sliding_window", "softcap", "sinks"}),
+    "torch": frozenset({"sliding_window", "softcap", "sinks", "latent_attention"}),
     "cpu": frozenset({"sliding_window", "softcap", "sinks"}),
     "triton": frozenset({"sliding_window", "softcap", "sinks"}),
     "flashinfer": frozenset({"sliding_window", "softcap"}),

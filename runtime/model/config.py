@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from shoal.runtime.model.families import PRE_NORM, Family, NormPlacement, QKNorm, family_for
+from shoal.runtime.model.mla_config import MlaConfig, parse_mla_config
 from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
 from shoal.runtime.model.quant.spec import QuantSpec, parse_quantization
 from shoal.runtime.model.rope import RopeSpec, rope_specs
@@ -73,6 +74,7 @@ class ModelConfig:
     weight_prefix: str | None = None
     hf_config: Any = None  # transformers' text config: the rope init functions read it
     moe: MoeConfig | None = None  # mixture of experts: see moe_config.py
+    mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek): see mla_config.py
     quantization: QuantSpec | None = None  # a quantized checkpoint: see quant/spec.py
 
     def __post_init__(self) -> None:
@@ -101,13 +103,18 @@ class ModelConfig:
             features.add("softcap")
         if self.attention_sinks:
             features.add("sinks")
+        if self.mla is not None:
+            features.add("latent_attention")
         return frozenset(features)
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         """K and V bytes one token occupies on one rank, all layers (KV heads replicated
-        when there are fewer than ranks)."""
-        heads_per_rank = max(1, self.num_kv_heads // tp_size)
+        when there are fewer than ranks). Latent attention caches the latent and the rotary
+        key instead, the same on every rank: ``kv_lora_rank + qk_rope_head_dim`` per layer."""
         elem = torch.empty((), dtype=dtype).element_size()
+        if self.mla is not None:
+            return self.num_layers * self.mla.cache_width * elem
+        heads_per_rank = max(1, self.num_kv_heads // tp_size)
         return 2 * self.num_layers * heads_per_rank * self.head_dim * elem
 
 
@@ -211,7 +218,9 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype_name not in _DTYPES:
         raise ValueError(f"{config_path}: unsupported dtype {dtype_name!r}")
-    ropes, layer_ropes = rope_specs(text, head_dim, family.rope_interleaved, architecture)
+    # DeepSeek: ``rope_interleave`` (pairs, as GLM) is a config field, True by default
+    interleaved = family.rope_interleaved or bool(getattr(text, "rope_interleave", False))
+    ropes, layer_ropes = rope_specs(text, head_dim, interleaved, architecture)
     embed_scale = float(getattr(text, "embedding_multiplier", None) or 1.0)
     if family.embed_scale_sqrt_hidden:
         embed_scale = math.sqrt(hidden)
@@ -260,5 +269,6 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
         weight_prefix="language_model" if nested else None,
         hf_config=text,
         moe=parse_moe_config(raw.get("text_config") or raw if nested else raw, architecture),
+        mla=parse_mla_config(text, architecture) if family.latent_attention else None,
         quantization=parse_quantization(raw),
     )

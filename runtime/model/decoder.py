@@ -24,6 +24,7 @@ from shoal.runtime.model.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from shoal.runtime.model.mla import MultiLatentAttention
 from shoal.runtime.model.mlp import build_mlp
 from shoal.runtime.model.ops import Kernels, kernels_for
 from shoal.runtime.model.parallel import ParallelContext
@@ -119,6 +120,10 @@ class Attention(nn.Module):
         # native CPU: rotary in place, one pass (q's and k's heads side by side in qkv rows)
         self.rotate_in_place = whole_neox and kernels.rotates_in_place
 
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(KV heads on this rank, K width, V width) of one token in this layer's cache."""
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rope: RopeTables | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -174,7 +179,8 @@ class DecoderLayer(nn.Module):
                  rotary: RotaryEmbedding | None, backend: AttentionBackend, kernels: Kernels,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.self_attn = Attention(config, layer_index, parallel, rotary, backend, kernels,
+        attention = MultiLatentAttention if config.mla is not None else Attention
+        self.self_attn = attention(config, layer_index, parallel, rotary, backend, kernels,
                                    dtype, device)
         self.mlp = build_mlp(config, layer_index, parallel, kernels, dtype, device)
         self.rope_key = config.layer_ropes[layer_index]

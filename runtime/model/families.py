@@ -57,6 +57,7 @@ class Family:
     query_position_scaling: bool = False  # Ministral 3: llama_4_scaling_beta on q
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (Arcee)
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax
+    latent_attention: bool = False  # DeepSeek: multi-head latent attention (mla_config.py)
 
 
 FAMILIES: dict[str, Family] = {
@@ -85,6 +86,10 @@ FAMILIES: dict[str, Family] = {
     # gpt-oss: sinks, alternating sliding/full layers (``layer_types``), yarn, biases on q/k/v
     # and o_proj from ``attention_bias``; its MoE (router bias, clamped SwiGLU) in moe_config
     "gpt_oss": Family(attention_sinks=True),
+    # DeepSeek-V3 (and Kimi K2): multi-head latent attention (mla.py) over the latent cache,
+    # rotary on interleaved pairs when ``rope_interleave``; sigmoid grouped routing,
+    # shared experts and ``first_k_dense_replace`` dense layers in moe_config
+    "deepseek_v3": Family(latent_attention=True),
 }
 
 # multimodal wrappers whose language model is one of the families above (served text-only)

@@ -9,6 +9,8 @@ is read and copied in, so loading never holds a second full copy of the weights.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,6 +32,9 @@ from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
 from shoal.runtime.model.quant.spec import QuantizationError, QuantSpec, check_flag
 from shoal.runtime.model_source import gguf_file
+
+logger = logging.getLogger(__name__)
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -62,7 +67,12 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, shard) for name, shard in _expected_shards(model)}
     loaded: set[tuple[str, object]] = set()
+    mtp = model.config.mla.mtp_layers if model.config.mla is not None else 0
+    skipped_mtp = 0
     for ckpt_name, st_slice in checkpoint_tensors(model_dir):
+        if mtp and _past_the_decoder(ckpt_name, model.config.num_layers):
+            skipped_mtp += 1
+            continue
         target = _target(model, ckpt_name, params)
         if target is None:
             continue
@@ -89,10 +99,21 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             loader(param, tensor.narrow(0, start, rows), part)
             loaded.add((name, part))
             start += rows
+    if mtp:
+        logger.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers) are "
+                    "not used (no MTP speculative decoding); %d of their tensors skipped",
+                    model.config.architecture, mtp, skipped_mtp)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+def _past_the_decoder(ckpt_name: str, num_layers: int) -> bool:
+    """A tensor of a layer after the last decoder layer: DeepSeek-V3 checkpoints store their
+    multi-token-prediction modules as ``model.layers.<num_hidden_layers + i>.*``."""
+    match = _LAYER_INDEX.match(ckpt_name)
+    return match is not None and int(match.group(1)) >= num_layers
 
 
 # safetensors dtypes a full-precision parameter may be filled from (cast on copy)

@@ -1,7 +1,7 @@
 """ModelRunner: a StepPlan in, logits for the sampling rows out.
 
-Holds the model, its KV tensors (allocated once, one K and one V tensor per layer) and the
-attention backend. Each plan array crosses to the device with a single copy; the forward
+Holds the model, its KV tensors (allocated once, one K and one V tensor per layer; for latent
+attention the latent and the rotary key, ``model/mla.py``) and the attention backend. Each plan array crosses to the device with a single copy; the forward
 runs the whole flat batch, and logits are computed only for rows that sample this step.
 """
 
@@ -40,21 +40,27 @@ class ModelRunner:
     def num_kv_heads(self) -> int:
         return self.model.model.layers[0].self_attn.num_kv_heads
 
+    def _cache_dims(self) -> tuple[int, int, int]:
+        """(heads, first tensor's width, second's) per token per layer: K and V, or for
+        latent attention the latent and the rotary key (``MultiLatentAttention``)."""
+        return self.model.model.layers[0].self_attn.kv_cache_dims()
+
     def kv_bytes_per_block(self) -> int:
-        attn = self.model.model.layers[0].self_attn
+        heads, k_width, v_width = self._cache_dims()
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        per_layer = self.block_size * heads * (k_width + v_width) * elem
         return per_layer * len(self.model.model.layers)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
-        attn = self.model.model.layers[0].self_attn
-        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        heads, k_width, v_width = self._cache_dims()
         self.kv_caches = []  # release the old tensors before allocating new ones
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros((num_blocks, self.block_size, heads, k_width), dtype=self.dtype,
+                         device=self.device),
+             torch.zeros((num_blocks, self.block_size, heads, v_width), dtype=self.dtype,
+                         device=self.device))
             for _ in self.model.model.layers]
 
     @property

@@ -112,6 +112,9 @@ class Worker:
         from shoal.runtime.model.lora import attach_lora
 
         config = self.config
+        if self.model_config().mla is not None:
+            raise ValueError(f"{self.model_config().architecture}: LoRA adapters on multi-head "
+                             "latent attention are not supported (--enable-lora)")
         made = attach_lora(model, config.max_loras, config.max_lora_rank, self.dtype,
                            self.device)
         return LoraManager(made, len(model.model.layers),
