@@ -7,6 +7,11 @@ the executor sees each rank finish each step. A rank that exits or crashes is se
 ``rank_timeout`` seconds is declared hung. Either way the executor kills every rank and
 raises ``RankFailure`` from then on: the engine core treats that as fatal.
 
+A step that raises on every rank (the ranks live on and report STEP_FAILED) is not a rank
+failure: ``execute`` raises ``StepFailed`` and the engine core isolates the request behind
+it (engine/isolation.py), as with one rank in process. Ranks that disagree about a step (one
+failed, another finished it or stays silent) are a RankFailure.
+
 Startup is fail-fast: all ranks start together, and the first one to report an error (or
 to exit) fails the startup with that rank's own message.
 """
@@ -26,15 +31,15 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import cast
+from typing import NoReturn, cast
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.distributed.plan_wire import PlanEncoder
 from shoal.runtime.distributed.result_wire import decode_result
 from shoal.runtime.distributed.shardability import check_shardable
 from shoal.runtime.executor.base import Executor
+from shoal.runtime.executor.grammar_shipping import ShippedGrammars, with_compiled_grammars
 from shoal.runtime.executor.preflight import check_gpus_for_ranks
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.plan import StepPlan, StepResult
@@ -45,6 +50,11 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1800.0  # loading a large checkpoint may take long; errors still fail fast
 STOP_GRACE_S = 5.0
+# once one rank reports that a step failed, how long the others get to report the same
+# (ranks run the same plan on the same inputs: a request's content fails them all at one
+# point, seconds apart at most on a loaded machine); a rank still silent after it is stuck
+# in a collective its failed peer left, and the engine is failed
+STEP_FAILURE_GRACE_S = 5.0
 
 
 class RankFailure(RuntimeError):
@@ -116,17 +126,8 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def with_compiled_grammars(plan: StepPlan, grammars: GrammarBackend) -> StepPlan:
-    """The plan with each new structured request's grammar attached, serialized. The engine
-    core compiled it before scheduling the request (a cache hit here); one evicted since is
-    compiled again here, in at most the budget it already passed once (as a rank of one
-    process would on a miss)."""
-    if not any(new.sampling_params.structured is not None for new in plan.new_requests):
-        return plan
-    news = [replace(new, compiled_grammar=grammars.serialized(new.sampling_params.structured))
-            if new.sampling_params.structured is not None else new
-            for new in plan.new_requests]
-    return replace(plan, new_requests=news)
+class StepFailed(RuntimeError):
+    """Every rank raised on the same step and lives on: the step failed, not the engine."""
 
 
 class _Rank:
@@ -147,6 +148,7 @@ class MultiprocExecutor(Executor):
         check_gpus_for_ranks(self.world_size, _resolved_device(config.device), _visible_gpus())
         self._encoder = PlanEncoder(config.block_size)
         self._grammars: GrammarBackend | None = None
+        self._shipped = ShippedGrammars()
         self._failure: RankFailure | None = None
         self._closed = False
         self._ranks: list[_Rank] = []
@@ -217,9 +219,12 @@ class MultiprocExecutor(Executor):
             self._send(r, message)
 
     def _collect(self, expected: bytes | list[bytes], deadline: float, doing: str,
-                 timeout_message: str | None = None) -> dict[int, bytes]:
+                 timeout_message: str | None = None,
+                 step_failures: dict[int, str] | None = None) -> dict[int, bytes]:
         """Wait for one message from every rank (``expected``: its kind, one for all or one
-        per rank); payloads by rank. Any other outcome is a RankFailure."""
+        per rank); payloads by rank. Any other outcome is a RankFailure, except a STEP_FAILED
+        when ``step_failures`` is given: recorded there (rank -> message), and the ranks
+        still running get ``STEP_FAILURE_GRACE_S`` more to report theirs."""
         kinds = expected if isinstance(expected, list) else [expected] * len(self._ranks)
         waited_s = deadline - time.monotonic()
         pending = {id(r.conn): r for r in self._ranks}
@@ -228,6 +233,12 @@ class MultiprocExecutor(Executor):
             remaining = deadline - time.monotonic()
             conns = [r.conn for r in pending.values()]
             ready = wait(conns, timeout=remaining) if remaining > 0 else []
+            if not ready and step_failures:
+                stalled = sorted(r.rank for r in pending.values())
+                failed = min(step_failures)
+                raise self._fail(failed, f"{step_failures[failed]}; ranks {stalled} did not "
+                                 f"{doing} (a rank that fails alone leaves its peers in a "
+                                 "collective)")
             if not ready:
                 stalled = sorted(r.rank for r in pending.values())
                 culprit = _likely_culprit([self._ranks[i] for i in stalled])
@@ -243,6 +254,11 @@ class MultiprocExecutor(Executor):
                     raise self._fail(r.rank, f"{_exit_description(r.proc)} "
                                      f"(while waiting for it to {doing})") from None
                 kind, payload = message[:1], message[1:]
+                if kind == wp.STEP_FAILED and step_failures is not None:
+                    step_failures[r.rank] = payload.decode(errors="replace")
+                    deadline = min(deadline, time.monotonic()
+                                   + min(STEP_FAILURE_GRACE_S, self.rank_timeout))
+                    continue
                 if kind == wp.ERROR:
                     text = payload.decode(errors="replace")
                     cause = self._dead_peer(r.rank, doing)
@@ -311,20 +327,36 @@ class MultiprocExecutor(Executor):
     def grammar_backend(self) -> GrammarBackend:
         """The engine core compiles grammars here, off its loop and within its budget, as
         with one rank; each plan then carries a new request's grammar serialized, and the
-        ranks read it back instead of compiling on the step (``with_compiled_grammars``)."""
+        ranks read it back instead of compiling on the step (grammar_shipping.py)."""
         if self._grammars is None:
             mc = self._model_config
-            self._grammars = GrammarBackend(self.config.model, mc.vocab_size, mc.eos_token_ids)
+            self._grammars = GrammarBackend(self.config.model, mc.vocab_size, mc.eos_token_ids,
+                                            serialize_on_compile=True)
         return self._grammars
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self._grammars is not None:
-            plan = with_compiled_grammars(plan, self._grammars)
+            plan = with_compiled_grammars(plan, self._grammars, self._shipped)
         self._broadcast(wp.PLAN + self._encoder.encode(plan))
         kinds = [wp.RESULT] + [wp.DONE] * (self.world_size - 1)  # only rank 0 reports tokens
-        replies = self._collect(kinds, time.monotonic() + self.rank_timeout,
-                                f"finish step {plan.step_id}")
+        failures: dict[int, str] = {}
+        doing = f"step {plan.step_id}"
+        replies = self._collect(kinds, time.monotonic() + self.rank_timeout, f"finish {doing}",
+                                step_failures=failures)
+        if failures:
+            self._step_failed(doing, failures, finished=sorted(replies))
         return decode_result(replies[0], plan)
+
+    def _step_failed(self, doing: str, failures: dict[int, str], finished: list[int]
+                     ) -> NoReturn:
+        """Every rank failed the step: the step failed, not the engine (the core isolates
+        the request behind it). Some ranks finished it: their state moved on while the
+        others' did not (a sampler's random stream, say), so the engine cannot go on."""
+        first = min(failures)
+        if finished:
+            raise self._fail(first, f"{failures[first]}; ranks {finished} finished {doing}: "
+                             "the ranks disagree")
+        raise StepFailed(f"{doing} failed on every rank: {failures[first]}")
 
     def check_health(self, timeout_s: float | None = None) -> None:
         """Raise RankFailure if a rank has exited, is stopped (SIGSTOP, traced), or does not

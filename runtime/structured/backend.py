@@ -70,14 +70,18 @@ class GrammarMatcher:
 
 class GrammarBackend:
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_bytes: int = CACHE_BYTES) -> None:
+                 cache_bytes: int = CACHE_BYTES, serialize_on_compile: bool = False) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_bytes = cache_bytes
+        # the engine core's backend at TP > 1: serializing takes ~10-30 ms even for a small
+        # JSON schema (more than compiling it), so the compile thread pays it, not the step
+        self.serialize_on_compile = serialize_on_compile
         self._compiler: Any = None
         self._tokenizer_info: Any = None
-        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        # (kind, source) -> (compiled, bytes held, xgrammar JSON or None)
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int, str | None]] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
@@ -115,26 +119,47 @@ class GrammarBackend:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
             raise GrammarError(f"invalid {spec.kind} for {spec.param}: "
                                f"{first_line(exc)}") from exc
+        serialized = str(grammar.serialize_json()) if self.serialize_on_compile else None
         elapsed = time.perf_counter() - started
         self.compile_seconds += elapsed
         log.debug("compiled a %s grammar in %.1f ms", spec.kind, elapsed * 1e3)
-        self._store(key, grammar)
+        self._store(key, grammar, serialized)
         return grammar
 
-    def _store(self, key: tuple[str, str], grammar: Any) -> None:
-        size = int(getattr(grammar, "memory_size_bytes", 0))
+    def _store(self, key: tuple[str, str], grammar: Any, serialized: str | None = None) -> None:
+        size = int(getattr(grammar, "memory_size_bytes", 0)) + len(serialized or "")
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = (grammar, size)
+                self._cache[key] = (grammar, size, serialized)
                 self._cached_bytes += size
             while self._cache and (len(self._cache) > CACHE_SIZE
                                    or self._cached_bytes > self.cache_bytes):
-                _, (_, dropped) = self._cache.popitem(last=False)
+                _, (_, dropped, _) = self._cache.popitem(last=False)
                 self._cached_bytes -= dropped
 
     def serialized(self, spec: GrammarSpec) -> str:
-        """The compiled spec as xgrammar's JSON, for a rank in another process (``install``)."""
-        return str(self.compiled(spec).serialize_json())
+        """The compiled spec as xgrammar's JSON, for a rank in another process (``install``);
+        kept with the compiled grammar, so it is made once per grammar, not per request."""
+        key = (spec.kind, spec.source)
+        grammar = self.compiled(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[2] is not None:
+                return hit[2]
+        serialized = str(grammar.serialize_json())
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[2] is None:
+                self._cache[key] = (grammar, hit[1] + len(serialized), serialized)
+                self._cached_bytes += len(serialized)
+        return serialized
+
+    def memory_bytes(self, spec: GrammarSpec) -> int:
+        """What the compiled grammar holds in memory (xgrammar's count; 0 if not cached): a
+        rank that installs it holds as much."""
+        with self._lock:
+            hit = self._cache.get((spec.kind, spec.source))
+        return int(getattr(hit[0], "memory_size_bytes", 0)) if hit is not None else 0
 
     def install(self, spec: GrammarSpec, serialized: str) -> None:
         """Cache a grammar another process compiled (``serialized``), unless already cached;

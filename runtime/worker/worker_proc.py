@@ -12,11 +12,21 @@ configures it). Messages are length-framed (multiprocessing
                      PING                                 (health check between steps)
                      STOP
     rank -> parent   READY / REPLY pickled value, RESULT encoded StepResult (rank 0),
-                     DONE step id (other ranks), PONG, ERROR text of the rank's exception
+                     DONE step id (other ranks), STEP_FAILED text (the step raised; the
+                     rank lives on), PONG, ERROR text of the exception that ends the rank
 
 Every rank decodes and runs every plan (the collectives need all of them); only rank 0
 sends its sampled tokens back, the others report that the step finished, which is what
 lets the executor see a rank that stopped making progress.
+
+A step that raises does not end the rank: the error goes back as STEP_FAILED and the rank
+waits for the next plan. Every rank runs the same plan on the same replicated inputs, so a
+request whose content trips the step trips it on every rank at the same point; the executor
+then fails the step alone and the engine core isolates the request, as with one rank in
+process (engine/isolation.py). Ranks that disagree (one fails, another finishes or stays
+stuck in a collective) are a failed engine: the executor decides that (executor/multiproc.py).
+Engine faults (out of memory) and anything outside the step (decoding the plan, replying)
+still end the rank.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from shoal.runtime.config import EngineConfig
 
 SETUP, PLAN, CALL, PING, STOP = b"S", b"P", b"C", b"H", b"Q"
 READY, REPLY, RESULT, DONE, PONG, ERROR = b"r", b"y", b"s", b"d", b"h", b"e"
+STEP_FAILED = b"f"
 
 CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block", "profile_num_kv_blocks"})
 
@@ -45,6 +56,13 @@ class RankSetup:
     world_size: int
     rendezvous_file: str
     collective_timeout_s: float
+
+
+def _ends_the_rank(exc: Exception) -> bool:
+    """Out of memory is the device's fault, not the request's: the rank ends (and with it
+    the engine, as the engine core decides for one rank in process)."""
+    return isinstance(exc, MemoryError) or any(
+        cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
 
 
 def _send(conn: Connection, kind: bytes, payload: bytes = b"") -> None:
@@ -97,9 +115,17 @@ def serve(conn: Connection, setup: RankSetup) -> None:
         kind, payload = message[:1], message[1:]
         if kind == PLAN:
             plan = decoder.decode(payload)
-            for hook in hooks:
-                hook.before_rank_step(setup.rank, plan)
-            result = worker.execute(plan)
+            try:
+                for hook in hooks:
+                    hook.before_rank_step(setup.rank, plan)
+                result = worker.execute(plan)
+            except Exception as exc:
+                if _ends_the_rank(exc):
+                    raise
+                text = f"rank {setup.rank}: {type(exc).__name__}: {exc}"
+                print(f"{text}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                _send(conn, STEP_FAILED, text.encode())
+                continue
             if setup.rank == 0:
                 _send(conn, RESULT, encode_result(result, plan))
             else:

@@ -5,7 +5,10 @@ is armed by its own variable, read when the hook runs, so the plugin is inert el
 - ``SHOAL_TEST_FAULT_SALT_MARKER``: a request whose cache salt contains it makes every step
   it is in raise (the engine must fail that request alone);
 - ``SHOAL_TEST_RANK_FAULT="RANK:PHASE"``: that rank fails while loading (``load``) or on its
-  first plan (``step``).
+  first plan (``step``);
+- ``SHOAL_TEST_RANK_POISON_STOP``: a request with this string among its ``stop`` strings makes
+  every step it is in raise on every tensor-parallel rank (what a request whose content trips
+  the model or the sampler does: the ranks run the same inputs, so they fail alike).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from shoal.runtime import debug_plugins
 
 SALT_MARKER_ENV = "SHOAL_TEST_FAULT_SALT_MARKER"
 RANK_FAULT_ENV = "SHOAL_TEST_RANK_FAULT"
+RANK_POISON_ENV = "SHOAL_TEST_RANK_POISON_STOP"
 
 
 class Faults(debug_plugins.EngineHooks):
     def __init__(self) -> None:
         self.faulty: set[str] = set()
+        self.poisoned: set[str] = set()  # on a rank: requests whose stop strings carry it
 
     def request_added(self, request: Any) -> None:
         marker = os.environ.get(SALT_MARKER_ENV)
@@ -40,6 +45,13 @@ class Faults(debug_plugins.EngineHooks):
 
     def before_rank_step(self, rank: int, plan: Any) -> None:
         self._rank_fault(rank, "step")
+        self.poisoned.difference_update(plan.finished_req_ids)
+        marker = os.environ.get(RANK_POISON_ENV)
+        if marker:
+            self.poisoned.update(new.req_id for new in plan.new_requests
+                                 if marker in new.sampling_params.stop)
+        if self.poisoned and not self.poisoned.isdisjoint(plan.req_ids):
+            raise RuntimeError(f"injected content fault on rank {rank} (test plugin)")
 
     @staticmethod
     def _rank_fault(rank: int, phase: str) -> None:

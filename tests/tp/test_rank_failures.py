@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 from shoal.runtime.executor.multiproc import RankFailure
 
@@ -99,6 +100,40 @@ def test_an_exception_inside_a_rank_step_carries_its_message(tiny_llama, make_en
     with pytest.raises(RankFailure, match="rank 1.*injected step fault on rank 1"):
         core.step()
     assert alive_after(pids, 5) == []
+
+
+def test_a_request_that_fails_the_step_on_every_rank_fails_alone(tiny_llama, make_engine,
+                                                                  greedy, monkeypatch):
+    """The content fault of a request trips every rank alike: the ranks live on, the engine
+    isolates the request (a 4xx-shaped failure) and serves the others to the end, greedy
+    tokens as the same request gets alone afterwards."""
+    from shoal.runtime.engine.messages import EngineCoreRequest
+    from shoal.runtime.sampling_params import SamplingParams
+
+    monkeypatch.setenv("SHOAL_DEBUG_PLUGINS", FAULTS)
+    monkeypatch.setenv("SHOAL_TEST_RANK_POISON_STOP", "poison-9c1")
+    core = make_engine(tiny_llama, tp=2)
+    pids = core.executor.pids
+    poison = EngineCoreRequest(request_id="poison", prompt_token_ids=[9, 8, 7],
+                               sampling_params=SamplingParams(temperature=0.0, max_tokens=6,
+                                                              stop=["poison-9c1"]))
+    core.add_request(greedy("good", [5, 6, 7, 8], max_tokens=10))
+    core.add_request(poison)
+    tokens: list[int] = []
+    failures = []
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step() if out.request_id == "good"
+                   for t in out.new_token_ids]
+        failures += core.take_failures()
+    assert [(f.request_id, f.param) for f in failures] == [("poison", "request")]
+    assert core.executor.pids == pids and all(psutil.pid_exists(p) for p in pids)
+    core.executor.check_health()
+    assert core.stats().kv_cache_usage == 0.0
+    core.add_request(greedy("again", [5, 6, 7, 8], max_tokens=10))
+    alone = [t for out in core.step() for t in out.new_token_ids]
+    while core.has_unfinished_requests():
+        alone += [t for out in core.step() for t in out.new_token_ids]
+    assert len(tokens) == 10 and tokens == alone
 
 
 def test_a_rank_whose_checkpoint_is_unreadable_fails_startup_with_its_error(

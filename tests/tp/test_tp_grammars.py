@@ -8,7 +8,7 @@ import json
 
 import pytest
 from shoal.runtime.engine.messages import EngineCoreRequest
-from shoal.runtime.executor.multiproc import with_compiled_grammars
+from shoal.runtime.executor.grammar_shipping import with_compiled_grammars
 from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend
@@ -73,3 +73,49 @@ def test_a_rank_reads_the_serialized_grammar_back_without_compiling(tiny_qwen2):
 
     tokens = Tokenizer.from_dir(tiny_qwen2).encode("gamma", add_special_tokens=False)
     assert all(matcher.accept(t) for t in tokens)
+
+
+def test_a_grammar_travels_to_the_ranks_once_and_is_serialized_by_the_compile(tiny_qwen2):
+    """The core's backend serializes when it compiles (its compile thread, not the step);
+    the second plan naming the same grammar carries none and the rank's cache serves it."""
+    from shoal.runtime.executor.grammar_shipping import ShippedGrammars
+    from shoal.runtime.model.config import load_model_config
+
+    mc = load_model_config(str(tiny_qwen2))
+    core = GrammarBackend(str(tiny_qwen2), mc.vocab_size, mc.eos_token_ids,
+                          serialize_on_compile=True)
+    rank = GrammarBackend(str(tiny_qwen2), mc.vocab_size, mc.eos_token_ids)
+    spec = GrammarSpec(kind="choice", source=json.dumps(CHOICES))
+    core.compiled(spec)  # what the core's compile thread does
+    made_by_the_compile = core._cache[(spec.kind, spec.source)][2]
+    assert made_by_the_compile is not None
+    shipped = ShippedGrammars()
+    sent: list[NewRequestData] = []
+    for step, ids in enumerate((["a"], ["b", "c"])):
+        news = [NewRequestData(i, [1, 2], [], SamplingParams(structured=spec)) for i in ids]
+        plan = StepPlan(step_id=step, req_ids=[], input_ids=None,  # type: ignore[arg-type]
+                        positions=None, query_start_loc=None,  # type: ignore[arg-type]
+                        seq_lens=None, block_tables=None,  # type: ignore[arg-type]
+                        slot_mapping=None, sample_rows=None,  # type: ignore[arg-type]
+                        new_requests=news, finished_req_ids=[])
+        sent += with_compiled_grammars(plan, core, shipped).new_requests
+    assert [n.compiled_grammar is not None for n in sent] == [True, False, False]
+    assert sent[0].compiled_grammar is made_by_the_compile  # not serialized on the step
+    rank.install(spec, sent[0].compiled_grammar)
+    for _ in sent[1:]:
+        rank.matcher(spec)  # a hit: nothing compiled on the rank
+    assert rank.compile_seconds == 0.0
+
+
+def test_the_ledger_forgets_least_recently_used_grammars_within_its_bounds():
+    from shoal.runtime.executor.grammar_shipping import ShippedGrammars
+
+    specs = [GrammarSpec(kind="regex", source=f"a{i}") for i in range(4)]
+    shipped = ShippedGrammars(max_entries=2, max_bytes=100)
+    assert [shipped.must_send(s, 10) for s in specs[:2]] == [True, True]
+    assert not shipped.must_send(specs[0], 10)  # now the most recent
+    assert shipped.must_send(specs[2], 10)  # specs[1] forgotten
+    assert shipped.must_send(specs[1], 10) and not shipped.must_send(specs[1], 10)
+    big = ShippedGrammars(max_entries=8, max_bytes=100)
+    assert big.must_send(specs[0], 60) and big.must_send(specs[1], 60)  # over the bytes
+    assert len(big) == 1 and big.must_send(specs[0], 60)
