@@ -96,6 +96,10 @@ class EngineCore:
         profiled = (profile() if profile is not None and config.num_kv_blocks is None
                     and config.kv_cache_memory is None else None)
         num_blocks = profiled or resolve_num_kv_blocks(config, executor.kv_bytes_per_block())
+        logger.info("KV cache: %d blocks of %d tokens, %d bytes per token per rank%s", num_blocks,
+                    config.block_size, executor.kv_bytes_per_block() // config.block_size,
+                    " (latent + rotary key: multi-head latent attention)"
+                    if getattr(self.model_config, "mla", None) is not None else "")
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(
@@ -152,6 +156,10 @@ class EngineCore:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
                              "between tensor-parallel engines is not supported yet)")
+        if getattr(self.model_config, "mla", None) is not None:
+            raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} caches "
+                             "latents (multi-head latent attention), which KV transfer does not "
+                             "carry yet")
         if transfer.consumes and not self.config.enable_prefix_caching:
             raise ValueError(f"--kv-transfer-config kv_role {transfer.kv_role} needs prefix "
                              "caching: pulled blocks enter the prefix cache")
