@@ -65,6 +65,14 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="approximate mode: prefix blocks remembered per replica (LRU); "
                              "near the engines' cache size, the router forgets what they "
                              "evict (default 50000)")
+    parser.add_argument("--prefill-backend", action="append", default=[], metavar="URL",
+                        help="P/D disaggregation: a prefill engine (repeatable; engines with "
+                             "--kv-transfer-config). The decode replica is chosen first; a "
+                             "prefill engine computes the prompt when more than --pd-threshold "
+                             "of its tokens are not cached there")
+    parser.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
+                        help="uncached prompt tokens above which a prefill engine computes "
+                             "the prompt (default 256)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas tried per request before its first byte (default 3)")
 
@@ -194,7 +202,8 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         upstream_api_key_file=args.upstream_api_key_file, enable_debug=args.enable_debug,
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout, stream_stall_timeout=args.stream_stall_timeout,
-        quarantine_window=args.quarantine_window)
+        quarantine_window=args.quarantine_window,
+        prefill_backends=list(args.prefill_backend), pd_threshold=args.pd_threshold)
 
 
 def _main(args: argparse.Namespace) -> int:

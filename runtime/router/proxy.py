@@ -44,8 +44,9 @@ from shoal.runtime.router.asgi import (
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.hold_queue import CapacityHold
 from shoal.runtime.router.lora_affinity import adapter_for_keys, model_of, prefer_adapter
+from shoal.runtime.router.pd import PrefillStage, wants_remote_prefill
 from shoal.runtime.router.poison import FailedRequests, fingerprint
-from shoal.runtime.router.policy import SPILL_LOAD_CAP, RoutingPolicy
+from shoal.runtime.router.policy import SPILL_LOAD_CAP, Decision, RoutingPolicy
 from shoal.runtime.router.replica_pool import ReplicaPool
 from shoal.runtime.router.request_keys import (
     KeyConfig,
@@ -111,8 +112,10 @@ class RouterApp:
                  tokenizer: PromptTokenizer | None = None,
                  on_startup: Callable[[], Awaitable[None]] | None = None,
                  on_shutdown: Callable[[], Awaitable[None]] | None = None,
-                 hold: CapacityHold | None = None) -> None:
+                 hold: CapacityHold | None = None,
+                 prefill: PrefillStage | None = None) -> None:
         self.pool = pool
+        self.prefill = prefill  # P/D: prefill replicas, used when the prompt is worth it
         self.hold = hold  # scale from zero: wait for a replica instead of a 503
         self.policy = policy
         self.session: aiohttp.ClientSession | None = None  # made on startup, inside the loop
@@ -272,6 +275,7 @@ class RouterApp:
         if home is not None:  # a Responses follow-up: only where its conversation is stored
             tried |= {url for url in self.pool.replicas if url != home}
         last_error = "no ready replica"
+        sent_body: bytes | None = None  # P/D: decided once, at the first decode replica
         for attempt in range(self.settings.max_attempts):
             candidates = self.pool.available(exclude=tried)
             if not candidates:
@@ -288,6 +292,8 @@ class RouterApp:
             self.policy.routed(replica.url, keys, now)
             if attempt:
                 self.metrics.retries.inc()
+            if sent_body is None:
+                sent_body = await self._maybe_prefill(path, body, headers, keys, decision)
             url = f"{replica.url}{path}" + (f"?{query}" if query else "")
             replica.in_flight += 1
             upstream: aiohttp.ClientResponse | None = None
@@ -296,7 +302,7 @@ class RouterApp:
                 try:
                     async with asyncio.timeout(self.settings.first_byte_timeout):
                         upstream = await self.session.request(
-                            scope["method"], url, data=body, headers=headers,
+                            scope["method"], url, data=sent_body, headers=headers,
                             allow_redirects=False)
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # never connected, nothing sent: another replica may take it; out of
@@ -353,6 +359,22 @@ class RouterApp:
         self.metrics.no_replica.inc()
         await error_response(send, 503, f"no replica could take the request ({last_error})")
         return None
+
+    async def _maybe_prefill(self, path: str, body: bytes, headers: CIMultiDict,
+                             keys: RequestKeys | None, decision: Decision) -> bytes:
+        """P/D: the body the decode replica gets (``pd.py``): as it came, or with the
+        kv_transfer_params of a prefill replica that computed the prompt."""
+        if self.prefill is None or path not in ROUTED_PATHS:
+            return body
+        if not wants_remote_prefill(keys, decision, self.settings.key_config,
+                                    self.prefill.threshold):
+            self.metrics.pd_decisions.labels("local").inc()
+            return body
+        assert self.session is not None
+        outcome = await self.prefill.run(self.session, path, body, headers,
+                                         self.settings.first_byte_timeout)
+        self.metrics.pd_decisions.labels(outcome.decision).inc()
+        return outcome.body
 
     @staticmethod
     async def _fingerprint(tenant: str | None, path: str, body: bytes) -> bytes:

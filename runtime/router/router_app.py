@@ -10,6 +10,7 @@ from shoal.runtime.router.capacity_request import CapacityRequester
 from shoal.runtime.router.discovery import KubernetesDiscovery, StaticDiscovery
 from shoal.runtime.router.edge_auth import EdgeAuth, read_key_file
 from shoal.runtime.router.hold_queue import CapacityHold, HoldSettings
+from shoal.runtime.router.pd import PrefillStage
 from shoal.runtime.router.policy import make_policy
 from shoal.runtime.router.proxy import ProxySettings, RouterApp
 from shoal.runtime.router.replica_pool import ReplicaPool
@@ -58,6 +59,10 @@ class RouterConfig:
     idle_timeout: float = 60.0
     stream_stall_timeout: float = 30.0
     quarantine_window: float = 60.0
+    # P/D disaggregation (runtime/router/pd.py): prefill replicas, and the uncached prompt
+    # tokens above which one computes the prompt before the decode replica
+    prefill_backends: list[str] = field(default_factory=list)
+    pd_threshold: int = 256
 
     def edge_auth(self) -> EdgeAuth:
         keys = list(self.api_keys)
@@ -99,6 +104,11 @@ class RouterConfig:
                 raise ValueError(f"{flag} must be > 0")
         if self.stream_stall_timeout < 0 or self.quarantine_window < 0:
             raise ValueError("--stream-stall-timeout and --quarantine-window must be >= 0")
+        if self.prefill_backends and self.policy != "cache-affinity":
+            raise ValueError("--prefill-backend needs --policy cache-affinity (the decode "
+                             "replica's cached prefix decides)")
+        if self.pd_threshold < 0:
+            raise ValueError("--pd-threshold must be >= 0")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")
 
@@ -125,6 +135,12 @@ def build_router(config: RouterConfig) -> RouterApp:
                                         api_url=config.kube_api)
     background: list[asyncio.Task[None]] = []
     subscriber = None
+    prefill: PrefillStage | None = None
+    if config.prefill_backends:
+        prefill = PrefillStage(ReplicaPool(config.health_interval, config.scrape_interval,
+                                           scrape_headers=auth.scrape_headers(),
+                                           metrics_port=config.engine_metrics_port),
+                               config.pd_threshold)
 
     async def startup() -> None:
         nonlocal subscriber
@@ -146,6 +162,10 @@ def build_router(config: RouterConfig) -> RouterApp:
             background.append(asyncio.create_task(load_from_engines(
                 pool, install, config.health_interval), name="tokenizer"))
         pool.start()
+        if prefill is not None:
+            prefill.pool.sync(set(config.prefill_backends))
+            prefill.pool.start()
+            await prefill.pool.wait_first_check(timeout=config.health_interval * 2)
         await pool.wait_first_check(timeout=config.health_interval * 2)
 
     async def shutdown() -> None:
@@ -153,6 +173,8 @@ def build_router(config: RouterConfig) -> RouterApp:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await pool.stop()
+        if prefill is not None:
+            await prefill.pool.stop()
         if subscriber is not None:
             await subscriber.close()
 
@@ -168,5 +190,6 @@ def build_router(config: RouterConfig) -> RouterApp:
            if config.capacity_request and isinstance(discovery, KubernetesDiscovery) else None)
     hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue,
                                                config.hold_queue_bytes), ask)
-    app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold)
+    app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold,
+                    prefill=prefill)
     return app

@@ -106,6 +106,11 @@ class RouterMetrics:
         self.quarantined = Counter(
             "shoal:router_quarantined", "Repeats of a failed request refused because the "
             "replica it failed on is out of rotation", registry=self.registry)
+        self.pd_decisions = Counter(
+            "shoal:router_pd_decisions", "P/D: requests whose prompt a prefill replica "
+            "computed (remote), the decode replica computed because it held enough of it or "
+            "it was short (local), or because the prefill leg failed (failed)", ["decision"],
+            registry=self.registry)
         self.client_stalls = Counter("shoal:router_client_stalls", "Streams dropped because "
                                      "their client read nothing for the stall window",
                                      registry=self.registry)

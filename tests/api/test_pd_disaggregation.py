@@ -12,12 +12,15 @@ itself (a failed pull, counted) and the request still completes with the same to
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from .conftest import Server, wait_until
+from .conftest import Server, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-3
@@ -122,6 +125,67 @@ def test_bad_kv_transfer_params_are_a_400_naming_them(pd):
             "model": "shoal-test", "prompt": "hi", "max_tokens": 1, "kv_transfer_params": bad})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "kv_transfer_params"
+
+
+@pytest.fixture
+def router(pd, tmp_path):
+    """``shoal route`` in P/D mode over the two engines: decode first, prefill when more
+    than 40 of the prompt's tokens are not cached on the decode engine."""
+    prefill, decode = pd
+    port = free_port()
+    log = open(tmp_path / "router.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.runtime.router.cli", "--host", "127.0.0.1", "--port",
+         str(port), "--backend", decode.base_url, "--prefill-backend", prefill.base_url,
+         "--pd-threshold", "40", "--tokenizer", str(decode.model_dir),
+         "--health-interval", "0.2", "--scrape-interval", "0.2"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ok(url + "/ready"), 60, 0.1, "router ready")
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_router_sends_long_uncached_prompts_through_a_prefill_engine(pd, router):
+    prefill, decode = pd
+    body = {"model": "shoal-test", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    long_prompt = list(range(500, 580))  # 80 uncached tokens > 40: prefill, then decode
+    short_prompt = list(range(600, 620))  # 20: straight to the decode engine
+    p_before, d_before = metrics(prefill), metrics(decode)
+    response = httpx.post(router + "/v1/completions", json={**body, "prompt": long_prompt},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]["token_ids"]
+    short = httpx.post(router + "/v1/completions", json={**body, "prompt": short_prompt},
+                       timeout=120)
+    assert short.status_code == 200, short.text
+    p_after, d_after = metrics(prefill), metrics(decode)
+    pulled = sample(d_after, "shoal:prompt_tokens_by_source_total",
+                    'source="external_kv_transfer"') - sample(
+        d_before, "shoal:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+    assert pulled == 4 * 16  # the long prompt's full blocks before its last token's
+    # the prefill engine saw the long prompt only
+    assert sample(p_after, "shoal:prompt_tokens_total") - \
+        sample(p_before, "shoal:prompt_tokens_total") == len(long_prompt)
+    decisions = httpx.get(router + "/metrics", timeout=5).text
+    assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="remote"') == 1
+    assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="local"') == 1
+    want = httpx.post(prefill.v1 + "/completions", timeout=120, json={
+        **body, "prompt": long_prompt, "cache_salt": "reference"}).json()["choices"][0]
+    assert got == want["token_ids"]
+    wait_until(lambda: idle(prefill) and idle(decode), 20, 0.2, "both KV caches idle")
 
 
 def test_a_killed_prefill_engine_makes_the_decode_engine_compute_the_prompt(pd):

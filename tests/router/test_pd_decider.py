@@ -1,0 +1,59 @@
+"""The router's P/D decisions (runtime/router/pd.py): which prompts a prefill replica
+computes, and the prefill leg's body (vLLM's proxy flow)."""
+
+from __future__ import annotations
+
+import pytest
+from shoal.runtime.router.pd import prefill_request, uncached_tokens, wants_remote_prefill
+from shoal.runtime.router.policy import Decision
+from shoal.runtime.router.request_keys import KeyConfig, RequestKeys
+from shoal.runtime.router.router_app import RouterConfig
+
+CONFIG = KeyConfig(block_size=16, chars_per_block=64)
+
+
+def keys(units: int, precise: bool = True) -> RequestKeys:
+    per_block = 16 if precise else 64
+    return RequestKeys(list(range(units // per_block)), precise, units, 0)
+
+
+def test_uncached_tokens_are_the_prompt_less_the_blocks_the_decode_replica_holds():
+    assert uncached_tokens(keys(100), 0, CONFIG) == 100
+    assert uncached_tokens(keys(100), 4, CONFIG) == 36
+    assert uncached_tokens(keys(640, precise=False), 2, CONFIG) == (640 - 128) // 4
+
+
+@pytest.mark.parametrize("units, matched, threshold, remote", [
+    (300, 0, 256, True),  # long and uncached: a prefill replica computes it
+    (300, 16, 256, False),  # mostly cached on the decode replica: it computes the rest
+    (200, 0, 256, False),  # short: straight to decode
+    (257, 0, 256, True),
+])
+def test_a_prefill_replica_computes_only_long_uncached_prompts(units, matched, threshold,
+                                                              remote):
+    decision = Decision("http://d", matched_blocks=matched)
+    assert wants_remote_prefill(keys(units), decision, CONFIG, threshold) is remote
+
+
+def test_a_body_the_router_cannot_key_goes_straight_to_decode():
+    assert not wants_remote_prefill(None, Decision("http://d"), CONFIG, 0)
+
+
+def test_the_prefill_leg_is_the_request_with_one_token_not_streamed():
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": 1},
+            "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5, "temperature": 0}
+    leg = prefill_request(body)
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert leg["kv_transfer_params"]["do_remote_prefill"] is False
+    assert (leg["max_tokens"], leg["max_completion_tokens"], leg["stream"]) == (1, 1, False)
+    assert "stream_options" not in leg and "min_tokens" not in leg
+    assert leg["temperature"] == 0 and body["max_tokens"] == 50  # the original is untouched
+
+
+def test_prefill_backends_need_the_cache_affinity_policy_and_a_sane_threshold():
+    with pytest.raises(ValueError, match="--prefill-backend needs --policy cache-affinity"):
+        RouterConfig(policy="round-robin", backends=["http://d"],
+                     prefill_backends=["http://p"]).validate()
+    with pytest.raises(ValueError, match="--pd-threshold"):
+        RouterConfig(backends=["http://d"], prefill_backends=["http://p"],
+                     pd_threshold=-1).validate()
