@@ -29,16 +29,19 @@ class KVLayout:
     """What a block is on this engine; a pull between different layouts is refused."""
 
     num_layers: int
-    block_shape: tuple[int, ...]  # one block of K (V has the same): (block_size, heads, dim)
+    k_shape: tuple[int, ...]  # one block of the first tensor: (block_size, heads, width)
+    v_shape: tuple[int, ...]  # ... of the second (V; for latent attention the rotary key)
     dtype: str
-    block_bytes: int  # of K or V, one layer
+    block_bytes: int  # one block of one layer, both tensors
 
     def as_list(self) -> list:
-        return [self.num_layers, list(self.block_shape), self.dtype, self.block_bytes]
+        return [self.num_layers, list(self.k_shape), list(self.v_shape), self.dtype,
+                self.block_bytes]
 
     @classmethod
     def from_list(cls, raw: list) -> KVLayout:
-        return cls(int(raw[0]), tuple(int(d) for d in raw[1]), str(raw[2]), int(raw[3]))
+        return cls(int(raw[0]), tuple(int(d) for d in raw[1]), tuple(int(d) for d in raw[2]),
+                   str(raw[3]), int(raw[4]))
 
 
 class KVBlockIO(Protocol):

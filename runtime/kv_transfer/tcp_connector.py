@@ -237,7 +237,7 @@ class TcpConnector(KVConnector):
             if header.num_blocks != len(job.block_ids):
                 raise TransferError(f"{header.num_blocks} blocks offered, "
                                     f"{len(job.block_ids)} asked")
-            layer_bytes = 2 * self._layout.block_bytes * len(job.block_ids)
+            layer_bytes = self._layout.block_bytes * len(job.block_ids)
             for layer in range(self._layout.num_layers):
                 data = _recv_exact(sock, layer_bytes, job.deadline)
                 self._io.write_layer(layer, job.block_ids, data)

@@ -28,7 +28,7 @@ def engine(model_dir, role: str | None, **extra) -> EngineCore:
     transfer = None if role is None else KVTransferConfig(
         kv_role=role, kv_ip="127.0.0.1", kv_port=0, kv_connector_extra_config=extra)
     return EngineCore(EngineConfig.from_kwargs(
-        str(model_dir), dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64,
+        str(model_dir), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64,
         block_size=BLOCK, kv_transfer_config=transfer))
 
 
@@ -106,7 +106,7 @@ def test_the_decode_engine_continues_from_the_pulled_blocks_token_for_token(engi
     assert after.kv_transfer_failures == before.kv_transfer_failures
     layout = decode_engine.executor.kv_block_io().layout()
     assert after.kv_transfer_bytes_received - before.kv_transfer_bytes_received == \
-        4 * 2 * layout.block_bytes * layout.num_layers
+        4 * layout.block_bytes * layout.num_layers
     settle(prefill_engine)
     assert prefill_engine.stats().kv_transfer_bytes_sent > 0
 
@@ -129,7 +129,7 @@ def test_blocks_the_decode_side_has_cached_are_not_sent_again(engines):
     layout = decode_engine.executor.kv_block_io().layout()
     assert after.kv_transfer_blocks_skipped - before.kv_transfer_blocks_skipped == 3
     assert after.kv_transfer_bytes_received - before.kv_transfer_bytes_received == \
-        2 * 2 * layout.block_bytes * layout.num_layers  # blocks 3 and 4 only
+        2 * layout.block_bytes * layout.num_layers  # blocks 3 and 4 only
     assert after.prompt_tokens_external - before.prompt_tokens_external == 2 * BLOCK
     settle(prefill_engine)
     settle(decode_engine)
@@ -234,3 +234,26 @@ def test_a_transfer_needs_one_rank_and_a_decode_side_prefix_cache(tiny_llama):
         EngineCore(EngineConfig.from_kwargs(
             str(tiny_llama), dtype="float32", device="cpu", num_kv_blocks=16,
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
+
+
+def test_a_latent_attention_cache_moves_too():
+    """DeepSeek-V3's cache holds a latent and a rotary key per layer (different widths)."""
+    from shoal.runtime.model.make_mla_model import cached_mla_model
+
+    model_dir = cached_mla_model("deepseek_v3")
+    prefill_engine = engine(model_dir, "kv_producer")
+    decode_engine = engine(model_dir, "kv_consumer")
+    try:
+        layout = decode_engine.executor.kv_block_io().layout()
+        assert layout.k_shape != layout.v_shape
+        prompt = prompt_of(40, 8)
+        params = prefill(prefill_engine, "p-9", prompt)
+        tokens, _ = run(decode_engine, request("d-9", prompt, 8, params))
+        assert decode_engine.stats().prompt_tokens_external == 2 * BLOCK
+        want, _ = run(prefill_engine, request("r-9", prompt, 8, salt="reference"))
+        assert tokens == want
+        settle(prefill_engine)
+        settle(decode_engine)
+    finally:
+        prefill_engine.shutdown()
+        decode_engine.shutdown()
