@@ -156,10 +156,6 @@ class EngineCore:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
                              "between tensor-parallel engines is not supported yet)")
-        if getattr(self.model_config, "mla", None) is not None:
-            raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} caches "
-                             "latents (multi-head latent attention), which KV transfer does not "
-                             "carry yet")
         if transfer.consumes and not self.config.enable_prefix_caching:
             raise ValueError(f"--kv-transfer-config kv_role {transfer.kv_role} needs prefix "
                              "caching: pulled blocks enter the prefix cache")

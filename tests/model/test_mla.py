@@ -167,16 +167,6 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, cap
         _worker(model_dir)
 
 
-def test_a_kv_transfer_is_refused_at_startup_naming_the_latent_cache():
-    from shoal.runtime.kv_transfer.params import KVTransferConfig
-
-    config = EngineConfig.from_kwargs(str(cached_mla_model("deepseek_v3")), dtype="float32",
-                                      device="cpu", max_model_len=64, num_kv_blocks=32,
-                                      kv_transfer_config=KVTransferConfig(kv_role="kv_both"))
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM caches latents"):
-        EngineCore(config)
-
-
 def test_the_engine_logs_its_cache_in_latent_bytes_per_token(caplog):
     hf = mla_hf_config("deepseek_v3")
     per_token = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
