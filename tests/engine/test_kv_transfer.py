@@ -180,7 +180,12 @@ def test_a_pull_with_other_hashes_is_refused_and_computed(engines):
     want, _ = run(decode_engine, request("r-5", prompt, 4, salt="reference"))
     assert tokens == want
     settle(decode_engine)
-    assert prefill_engine.scheduler.kv.holds  # still offered: a refused pull takes nothing
+    assert "p-5" in prefill_engine.scheduler.kv.holds  # a refused pull takes nothing ...
+    pulls = decode_engine.stats().kv_transfer_pulls
+    run(decode_engine, request("d-5b", prompt, 1, params))  # ... the right one still can
+    assert decode_engine.stats().kv_transfer_pulls == pulls + 1
+    assert decode_engine.stats().kv_transfer_failures == failures + 1
+    settle(prefill_engine)
 
 
 def test_an_offer_nobody_pulls_is_freed_after_its_timeout(tiny_llama):
@@ -257,3 +262,54 @@ def test_a_latent_attention_cache_moves_too():
     finally:
         prefill_engine.shutdown()
         decode_engine.shutdown()
+
+
+def test_a_prefill_engine_dying_mid_transfer_falls_back_to_computing(engines):
+    """A producer that answers the header and half a layer, then closes (killed mid-send)."""
+    import threading
+
+    import msgspec
+    from shoal.runtime.kv_transfer.tcp_connector import _Header, _recv_frame, _send_frame
+
+    _, decode_engine = engines
+    layout = decode_engine.executor.kv_block_io().layout()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def die_mid_transfer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            _recv_frame(conn)
+            _send_frame(conn, msgspec.msgpack.encode(_Header("", layout.as_list(), 3)))
+            conn.sendall(b"\0" * (layout.block_bytes * 3 // 2))
+
+    thread = threading.Thread(target=die_mid_transfer, daemon=True)
+    thread.start()
+    prompt = prompt_of(60, 9)  # 3 full blocks before the last token's
+    params = KVTransferParams(do_remote_prefill=True, remote_request_id="p-w",
+                              remote_host="127.0.0.1", remote_port=server.getsockname()[1])
+    failures = decode_engine.stats().kv_transfer_failures
+    tokens, _ = run(decode_engine, request("d-10", prompt, 6, params))
+    thread.join(5)
+    server.close()
+    assert decode_engine.stats().kv_transfer_failures == failures + 1
+    want, _ = run(decode_engine, request("r-10", prompt, 6, salt="reference"))
+    assert tokens == want  # the half-written blocks were never published
+    settle(decode_engine)
+
+
+def test_a_decode_engine_dying_mid_pull_leaves_no_block_held_on_the_prefill_side(engines):
+    """The consumer asks, then goes away without reading: the offer is released anyway."""
+    import msgspec
+    from shoal.runtime.kv_transfer.tcp_connector import _Pull, _send_frame
+
+    prefill_engine, _ = engines
+    prompt = prompt_of(80, 10)
+    params = prefill(prefill_engine, "p-11", prompt)
+    assert prefill_engine.stats().kv_cache_usage > 0
+    hashes = prefill_engine.scheduler.kv.holds["p-11"]
+    wanted = [b.block_hash for b in hashes]
+    with socket.create_connection(("127.0.0.1", params.remote_port)) as conn:
+        _send_frame(conn, msgspec.msgpack.encode(_Pull("p-11", 0, wanted)))
+    settle(prefill_engine)  # copied out, then released; the send failing changes nothing
