@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.runtime.kv_transfer.params import KVTransferConfig
 from shoal.runtime.lora_modules import LoraModule
@@ -96,6 +97,8 @@ class EngineConfig:
     pooler: PoolerConfig | None = None
     # P/D disaggregation (vLLM's --kv-transfer-config): this engine's KV connector
     kv_transfer_config: KVTransferConfig | None = None
+    # --hf-overrides: merged into config.json wherever the model's config is read
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in RANGES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -130,15 +131,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "in seconds); requests then honour kv_transfer_params")
     p.add_argument("--metrics-compat", choices=["vllm"], action="append", default=[],
                    help="also export metrics under this runtime's names")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="a JSON object merged into the checkpoint's config.json wherever it is "
+                        "read (nested objects key by key), e.g. '{\"max_position_embeddings\": "
+                        "8192}' or '{\"rope_parameters\": {\"factor\": 4.0}}'")
     p.add_argument("--generation-config", default="auto",
                    help="auto: sampling defaults (temperature, top_p, top_k, min_p, "
                         "repetition_penalty, max_new_tokens) from the model's "
                         "generation_config.json, a request's own fields winning; none: "
                         "neutral defaults; or a directory holding a generation_config.json")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split the model's <think>...</think> span off as reasoning_content "
-                        "(chat), reasoning items (Responses), thinking blocks (Messages); "
-                        "structured outputs and forced tools start after it")
+    p.add_argument("--reasoning-parser", default=None,
+                   choices=["qwen3", "deepseek_r1", "openai_gptoss"],
+                   help="split the model's reasoning off (qwen3, deepseek_r1: the "
+                        "<think>...</think> span; openai_gptoss: gpt-oss's harmony analysis "
+                        "channel) as reasoning_content (chat), reasoning items (Responses), "
+                        "thinking blocks (Messages); structured outputs and forced tools start "
+                        "after it")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters beside the base model (--lora-modules; "
                         "/v1/load_lora_adapter only with SHOAL_ALLOW_RUNTIME_LORA_UPDATING=1 "
@@ -156,7 +164,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "needed); default: --max-loras")
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool_choice auto reads calls from the model's text, by vLLM's "
-                        "names: mistral, qwen3_coder, pythonic, deepseek_v3; default: hermes "
+                        "names: mistral, qwen3_coder, pythonic, deepseek_v3, openai (gpt-oss's "
+                        "harmony calls); default: hermes "
                         "<tool_call> JSON and Llama 3 JSON (hermes, llama3_json)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")
@@ -260,7 +269,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"shoal serve: --tool-call-parser {args.tool_call_parser!r} is not one "
                          f"of {', '.join(TOOL_CALL_PARSERS)}")
     try:
-        pooler = _pooler_config(args, model)
+        hf_overrides = parse_hf_overrides(args.hf_overrides)
+        pooler = _pooler_config(args, model, hf_overrides)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"shoal serve: {exc}") from None
     if pooler is not None and args.enable_lora:
@@ -306,7 +316,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_events_topic=kv_topic,
         grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,
         lora_modules=lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, pooler=pooler, kv_transfer_config=kv_transfer)
+        max_cpu_loras=args.max_cpu_loras, pooler=pooler, kv_transfer_config=kv_transfer,
+        hf_overrides=hf_overrides)
     from .sampling_defaults import load_sampling_defaults
 
     try:
@@ -338,7 +349,20 @@ def _serve(args: argparse.Namespace) -> int:
                              args.log_level, limits, args.metrics_port))
 
 
-def _pooler_config(args: argparse.Namespace, model: str):
+def parse_hf_overrides(text: str | None) -> dict:
+    """``--hf-overrides``: a JSON object (vLLM's flag), else a ValueError saying why."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hf-overrides is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("--hf-overrides must be a JSON object of config.json fields")
+    return value
+
+
+def _pooler_config(args: argparse.Namespace, model: str, hf_overrides: dict | None = None):
     """The pooling runner's config, or None when the model generates."""
     from shoal.runtime.model.config import load_model_config
     from shoal.runtime.pooling_config import load_pooler_config, wants_pooling
@@ -346,7 +370,7 @@ def _pooler_config(args: argparse.Namespace, model: str):
     if args.runner == "generate" and args.convert == "embed":
         raise ValueError("--convert embed needs --runner pooling (or auto)")
     runner = "pooling" if args.convert == "embed" else args.runner
-    if not wants_pooling(runner, load_model_config(model).architecture):
+    if not wants_pooling(runner, load_model_config(model, hf_overrides).architecture):
         if args.pooler_config:
             raise ValueError("--pooler-config needs --runner pooling")
         return None

@@ -10,6 +10,7 @@ These models are also what /openapi.json describes.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -170,6 +171,7 @@ class ChatMessageIn(BaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant (reasoning models' earlier thoughts)
+    reasoning: str | None = None  # the same under vLLM's newer name (answers carry both)
     refusal: str | None = None  # assistant (the openai client echoes it back)
 
     def text(self) -> str:
@@ -180,8 +182,31 @@ class ChatMessageIn(BaseModel):
         return "".join(part.text for part in self.content)
 
     def template_data(self) -> dict[str, Any]:
-        """The message as the chat template sees it: the fields that were sent."""
-        return self.model_dump(exclude_none=True, exclude={"refusal"})
+        """The message as the chat template sees it: the fields that were sent, an earlier
+        reasoning under each name templates read (``reasoning_content``: Qwen3,
+        DeepSeek; ``thinking``: gpt-oss's harmony template renders it as the analysis)."""
+        data = self.model_dump(exclude_none=True, exclude={"refusal", "reasoning"})
+        for call in data.get("tool_calls") or []:
+            call["function"]["arguments"] = template_arguments(call["function"]["arguments"])
+        thought = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if thought is not None and self.role == "assistant":
+            data["reasoning_content"] = thought
+            data["thinking"] = thought
+        return data
+
+
+def template_arguments(arguments: str) -> Any:
+    """A past call's arguments as templates take them (vLLM, transformers): the JSON
+    object, not its text (gpt-oss's and Qwen3-Coder's templates read it as an object;
+    others test ``is string``). Text that is not a JSON object or array stays text."""
+    if not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict | list) else arguments
 
 
 class FunctionDefinition(BaseModel):
@@ -244,6 +269,16 @@ class ChatCompletionRequest(SamplingFields):
         refused += [name for name in ("audio", "web_search_options", "functions",
                                       "function_call", "echo") if getattr(self, name)]
         return refused
+
+    def ignored_fields(self) -> list[str]:
+        return [name for name in super().ignored_fields() if name != "reasoning_effort"]
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with ``reasoning_effort`` as vLLM passes it (gpt-oss's
+        template reads it); the kwargs' own value wins."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 class TokenizeRequest(BaseModel):

@@ -13,10 +13,21 @@ Either way the span is open from the first token when the rendered prompt ends w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")  # the last: harmony.py
+
+
+class TextSplitter(Protocol):
+    """Output text in, (reasoning, content) pieces out, as it streams."""
+
+    saw_reasoning: bool
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def finish(self) -> tuple[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -28,10 +39,19 @@ class ReasoningFormat:
     parser: str
     starts_open: bool
     grammar_deferred: bool = True
+    end_marker: str = THINK_END  # where the reasoning has surely ended (a grammar starts)
+
+    def stream(self) -> TextSplitter:
+        return ReasoningStream(self)
+
+    def reasoning_tokens(self, text: str, output_ids: list[int], tokenizer) -> int:
+        """How many of the output's tokens (``text`` decoded) were reasoning."""
+        return reasoning_token_count(output_ids, tokenizer.encode(
+            self.end_marker, add_special_tokens=False), self.split(text)[0] is not None)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole output; reasoning None when there was none."""
-        stream = ReasoningStream(self)
+        stream = self.stream()
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         reasoning += more_reasoning

@@ -20,16 +20,10 @@ from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
+from .harmony import HARMONY_PARSER, HarmonyFormat, harmony_format
 from .logprobs_format import chat_logprobs, token_names, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
-from .reasoning import (
-    THINK_END,
-    ReasoningFormat,
-    ReasoningStream,
-    reasoning_fields,
-    reasoning_format,
-    reasoning_token_count,
-)
+from .reasoning import ReasoningFormat, TextSplitter, reasoning_fields, reasoning_format
 from .serving_common import (
     check_template_inputs,
     first_delta,
@@ -97,15 +91,31 @@ def output_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> GrammarSp
     return grammar
 
 
-def with_reasoning(state: ServerState, params: SamplingParams, prompt: PromptInput
-                   ) -> tuple[ReasoningFormat | None, SamplingParams]:
-    """The request's reasoning format (``--reasoning-parser``), and its params with the
-    grammar (structured output, a forced tool) starting after ``</think>`` when the span
-    may come first: a thinking model is not constrained from its first token."""
-    fmt = reasoning_format(state.settings.reasoning_parser, prompt.text)
+def output_reading(state: ServerState, prompt_text: str | None,
+                   policy: ToolPolicy) -> ReasoningFormat | None:
+    """How the request's output splits into reasoning and the rest: gpt-oss's harmony
+    channels (``--reasoning-parser openai_gptoss`` or ``--tool-call-parser openai``), a
+    ``<think>`` span (``--reasoning-parser qwen3|deepseek_r1``), or not at all."""
+    settings = state.settings
+    if HARMONY_PARSER == settings.reasoning_parser or settings.tool_call_parser == "openai":
+        return harmony_format(prompt_text, settings.reasoning_parser == HARMONY_PARSER,
+                              policy.mode == "auto" and policy.format is not None
+                              and policy.format.name == "openai")
+    return reasoning_format(settings.reasoning_parser, prompt_text)
+
+
+def with_reasoning(state: ServerState, params: SamplingParams, prompt: PromptInput,
+                   policy: ToolPolicy) -> tuple[ReasoningFormat | None, SamplingParams]:
+    """The request's reasoning format (``output_reading``), and its params with the grammar
+    (structured output, a forced tool) starting after the reasoning's end marker when the
+    reasoning may come first: a thinking model is not constrained from its first token.
+    Harmony is read with its special tokens in the text."""
+    fmt = output_reading(state, prompt.text, policy)
+    if isinstance(fmt, HarmonyFormat):
+        params = replace(params, skip_special_tokens=False)
     if fmt is None or params.structured is None or not fmt.grammar_deferred:
         return fmt, params
-    marker = tuple(state.tokenizer.encode(THINK_END, add_special_tokens=False))
+    marker = tuple(state.tokenizer.encode(fmt.end_marker, add_special_tokens=False))
     return fmt, replace(params, structured=replace(params.structured, start_after=marker))
 
 
@@ -120,9 +130,7 @@ def with_tool_format(params: SamplingParams, policy: ToolPolicy) -> SamplingPara
 def reasoning_tokens(state: ServerState, choice: Choice, fmt: ReasoningFormat | None) -> int:
     if fmt is None:
         return 0
-    reasoning, _ = fmt.split(choice.text)
-    return reasoning_token_count(choice.token_ids, state.tokenizer.encode(
-        THINK_END, add_special_tokens=False), reasoning is not None)
+    return fmt.reasoning_tokens(choice.text, choice.token_ids, state.tokenizer)
 
 
 def assistant_message(text: str, policy: ToolPolicy, finish: str | None,
@@ -167,11 +175,11 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt = truncated(await render_chat(state, chat_prompt(
         body.messages, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, template=body.chat_template,
-        template_kwargs=body.chat_template_kwargs, documents=body.documents, tools=tools,
+        template_kwargs=body.template_kwargs(), documents=body.documents, tools=tools,
         add_special_tokens=body.add_special_tokens,
         allow_special_tokens_in_content=body.allow_special_tokens_in_content)),
         body.truncate_prompt_tokens, state)
-    fmt, params = with_reasoning(state, params, prompt)
+    fmt, params = with_reasoning(state, params, prompt, policy)
     params = with_tool_format(params, policy)
     generation = start_generation(request, state, "chatcmpl", [prompt], params, body)
     created, model = now_s(), state.response_model(body.model)
@@ -213,7 +221,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     first = await first_delta(state, generation) if grammar is not None else None
     started: set[int] = set()
     tool_streams: dict[int, ToolDeltaStream] = {}
-    reasoning_streams: dict[int, ReasoningStream] = {}
+    reasoning_streams: dict[int, TextSplitter] = {}
 
     def chunk(choice: dict) -> dict:
         return {"id": generation.request_id, "object": "chat.completion.chunk",
@@ -225,7 +233,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             started.add(delta.index)
             tool_streams[delta.index] = ToolDeltaStream(policy)
             if fmt is not None:
-                reasoning_streams[delta.index] = ReasoningStream(fmt)
+                reasoning_streams[delta.index] = fmt.stream()
             first = chunk({"index": delta.index,
                            "delta": {"role": "assistant", "content": ""},
                            "logprobs": None, "finish_reason": None})
@@ -259,7 +267,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                            first)
 
 
-def stream_fields(tools: ToolDeltaStream, reasoning: ReasoningStream | None,
+def stream_fields(tools: ToolDeltaStream, reasoning: TextSplitter | None,
                   delta: ChoiceDelta) -> dict[str, Any]:
     """One delta's message fields: its reasoning (split off first), then the content and
     tool calls read from the rest; at the end, whatever either held back."""

@@ -31,7 +31,7 @@ from .anthropic_protocol import (
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation
 from .protocol import ChatTool
-from .reasoning import ReasoningFormat, ReasoningStream
+from .reasoning import ReasoningFormat
 from .serving_chat import (
     assistant_message,
     chat_prompt,
@@ -125,7 +125,7 @@ async def create_message(request: Request, state: ServerState) -> Response:
     prompt = await render_chat(state, chat_prompt(
         chat.messages, tools=_template_tools(chat.tools),
         template_kwargs=chat.chat_template_kwargs))
-    fmt, params = with_reasoning(state, params, prompt)
+    fmt, params = with_reasoning(state, params, prompt, policy)
     params = with_tool_format(params, policy)
     generation = start_generation(request, state, "msg", [prompt], params, chat)
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -161,7 +161,7 @@ class MessageEvents:
         self.message_id = message_id
         self.model = model
         self.tools = ToolDeltaStream(policy)
-        self.reasoning = ReasoningStream(fmt) if fmt is not None else None
+        self.reasoning = fmt.stream() if fmt is not None else None
         self.started = False
         self.index = -1  # the open block's index (-1: none yet)
         self.open_kind: str | None = None  # "text" | "thinking" | "tool_use"

@@ -33,7 +33,7 @@ from .protocol import (
     ToolCallFunction,
     ToolChoiceFunction,
 )
-from .reasoning import ReasoningFormat, ReasoningStream
+from .reasoning import ReasoningFormat
 from .responses_events import ResponseEvents, message_item, reasoning_item, response_object
 from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
 from .responses_store import ConversationTooLarge, ResponseStore, encode_conversation
@@ -142,7 +142,7 @@ async def create_response(request: Request, state: ServerState,
     template_tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools \
         else None
     prompt = await render_chat(state, chat_prompt(chat.messages, tools=template_tools))
-    fmt, params = with_reasoning(state, params, prompt)
+    fmt, params = with_reasoning(state, params, prompt, policy)
     params = with_tool_format(params, policy)
     generation = start_generation(request, state, "resp", [prompt], params, chat)
     response_id = store.new_id()
@@ -170,7 +170,7 @@ async def create_response(request: Request, state: ServerState,
 
     first = await first_delta(state, generation) if grammar is not None else None
     tools = ToolDeltaStream(policy)
-    reasoning = ReasoningStream(fmt) if fmt is not None else None
+    reasoning = fmt.stream() if fmt is not None else None
     events = ResponseEvents(response_object(response_id, created, model, echo, [], None, None))
 
     def chunks(delta: ChoiceDelta) -> list[dict]:

@@ -143,7 +143,7 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.rank_timeout = float(config.rank_timeout)
-        self._model_config = load_model_config(config.model)
+        self._model_config = load_model_config(config.model, config.hf_overrides)
         check_shardable(self._model_config, self.world_size)  # before any process starts
         check_gpus_for_ranks(self.world_size, _resolved_device(config.device), _visible_gpus())
         self._encoder = PlanEncoder(config.block_size)

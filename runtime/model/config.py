@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,12 +185,25 @@ def _optional(text, name: str) -> float | None:
     return float(value) if value else None
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``--hf-overrides``: config.json with the overrides merged in, as vLLM merges them (a
+    dict value updates the nested config it names, key by key; anything else replaces)."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = with_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_model_config(model_dir: str | Path,
+                      hf_overrides: Mapping[str, Any] | None = None) -> ModelConfig:
     gguf = gguf_file(model_dir)
     if gguf is not None:  # config from the file's metadata
         from shoal.runtime.model.gguf_checkpoint import open_gguf
 
-        raw = open_gguf(gguf).hf_config()
+        raw = with_overrides(open_gguf(gguf).hf_config(), hf_overrides or {})
         return model_config_from_dict(raw, {}, gguf, _hf_config(raw, raw["architectures"][0]))
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -198,10 +212,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     raw = json.loads(config_path.read_text())
     gen_path = model_dir / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    if hf_overrides:
+        raw = with_overrides(raw, hf_overrides)
     archs = raw.get("architectures") or []
     if not archs:
         raise ValueError(f"{config_path}: 'architectures' is missing")
-    return model_config_from_dict(raw, generation, config_path, _hf_config(model_dir, archs[0]))
+    return model_config_from_dict(raw, generation, config_path, _hf_config(
+        raw if hf_overrides else model_dir, archs[0]))
 
 
 def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -> ModelConfig:

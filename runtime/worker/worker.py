@@ -81,7 +81,7 @@ class Worker:
 
     def model_config(self) -> ModelConfig:
         if self._model_config is None:
-            self._model_config = load_model_config(self.config.model)
+            self._model_config = load_model_config(self.config.model, self.config.hf_overrides)
         return self._model_config
 
     @property

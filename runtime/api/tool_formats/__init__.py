@@ -9,12 +9,14 @@ from typing import Any
 from .base import ToolFormat, parse_whole
 from .deepseek_v3 import DeepSeekV3Format
 from .mistral import MistralFormat
+from .openai import OpenAIFormat
 from .pythonic import PythonicFormat
 from .qwen3_coder import Qwen3CoderFormat
 from .stream import FormatCallStream
 
 FORMATS: dict[str, type[ToolFormat]] = {
-    f.name: f for f in (MistralFormat, Qwen3CoderFormat, PythonicFormat, DeepSeekV3Format)}
+    f.name: f for f in (MistralFormat, Qwen3CoderFormat, PythonicFormat, DeepSeekV3Format,
+                        OpenAIFormat)}
 BUILT_IN = ("hermes", "llama3_json")  # the default reading (tool_parsers.py)
 TOOL_CALL_PARSERS = (*BUILT_IN, *FORMATS)
 

@@ -4,8 +4,11 @@ from that point. One format per module in this package, named as vLLM's ``--tool
 
 ``calls(section, final=False)`` returns only calls that nothing later can change (their end
 was written), so the calls it returns while the text grows are always a prefix of the calls
-of the finished text: that is what lets the stream send each call once, and the streamed
-calls assemble to the whole-message ones (``stream.py``, ``parse_whole``).
+of the finished text. ``open_call`` is the call being written after them, once its name is
+known: its arguments so far, only the part that is sure to stay (a prefix of what they will
+be), so the stream sends them piece by piece as vLLM does. A call begun is a call: when the
+output ends inside one, it counts with the arguments written (as vLLM returns it), so the
+streamed calls assemble to the whole-message ones (``stream.py``, ``final_calls``).
 """
 
 from __future__ import annotations
@@ -30,15 +33,17 @@ class ToolFormat:
 
     def held_back(self, text: str) -> int:
         """How many trailing characters could begin the marker (not content yet)."""
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-n:]):
-                return n
-        return 0
+        return held_suffix(text, self.marker)
 
     def calls(self, section: str, final: bool) -> list[ToolCall]:
         """The complete calls in ``section`` (the text from ``section_start`` on); with
         ``final`` the text has ended and a call cut short there may count."""
         raise NotImplementedError
+
+    def open_call(self, section: str) -> tuple[int, ToolCall] | None:
+        """(its index among the calls, the call so far) for a call begun after the complete
+        ones; None when there is none or the format cannot tell before it ends."""
+        return None
 
     def parameter_types(self, function: str) -> dict[str, Any]:
         """A function's parameter name -> its JSON-schema ``type`` (from the request's tools)."""
@@ -50,13 +55,30 @@ class ToolFormat:
         return {}
 
 
+def held_suffix(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could begin ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def final_calls(fmt: ToolFormat, section: str) -> list[ToolCall]:
+    """The calls of a finished text: the complete ones, and one cut short by the end."""
+    calls = fmt.calls(section, final=True)
+    begun = fmt.open_call(section)
+    if begun is not None and begun[0] == len(calls):
+        calls.append(begun[1])
+    return calls
+
+
 def parse_whole(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished message; content None when it is only calls. Text in
-    which no complete call is found stays content, whole."""
+    which no call begins stays content, whole."""
     start = fmt.section_start(text)
     if start is None:
         return text, []
-    calls = fmt.calls(text[start:], final=True)
+    calls = final_calls(fmt, text[start:])
     if not calls:
         return text, []
     return text[:start].strip() or None, calls

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from ..tool_calls import ToolCall
-from .base import ToolFormat
+from .base import ToolFormat, held_suffix
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -24,6 +24,9 @@ SEP = "<｜tool▁sep｜>"
 _CALL = re.compile(re.escape(CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(SEP)
                    + r"(?P<name>.*?)\n```json\n(?P<args>.*?)\n```"
                    + r"(?P<end>" + re.escape(CALL_END) + r"|$)", re.DOTALL)
+_OPEN = re.compile(re.escape(CALL_BEGIN) + r".*?" + re.escape(SEP) + r"(?P<name>[^\n]*)\n```json\n"
+                   + r"(?P<args>.*)", re.DOTALL)
+FENCE = "\n```"
 
 
 class DeepSeekV3Format(ToolFormat):
@@ -37,3 +40,18 @@ class DeepSeekV3Format(ToolFormat):
                 break  # the fence closed but the call has not ended: more may follow
             out.append(ToolCall(match.group("name").strip(), match.group("args")))
         return out
+
+    def open_call(self, section: str) -> tuple[int, ToolCall] | None:
+        """The call after the complete ones, once its fence opened: the text so far, less
+        what could begin the closing fence."""
+        done = len(self.calls(section, final=False))
+        begins = section.split(CALL_BEGIN)
+        if len(begins) < done + 2:
+            return None
+        match = _OPEN.match(CALL_BEGIN + begins[done + 1])
+        if match is None:
+            return None
+        args = match.group("args")
+        fence = args.find(FENCE)
+        args = args[:fence] if fence >= 0 else args[:len(args) - held_suffix(args, FENCE)]
+        return done, ToolCall(match.group("name").strip(), args)

@@ -55,6 +55,34 @@ class MistralFormat(ToolFormat):
             out += found
         return out
 
+    def open_call(self, section: str) -> tuple[int, ToolCall] | None:
+        """The v7+ call being written: its name once ``[ARGS]`` (or ``{``) follows it, and
+        its JSON text so far (whitespace before it dropped, as the finished call drops it).
+        A pre-v11 array is sent when it closes."""
+        done = 0
+        for piece in section.split(self.marker)[1:]:
+            found = self._piece(piece)
+            if found is not None:
+                done += len(found)
+                continue
+            if piece.lstrip().startswith("["):
+                return None
+            name, rest = self._name_and_rest(piece)
+            if not name or rest is None:
+                return None
+            return done, ToolCall(name, rest.lstrip(), mistral_call_id())
+        return None
+
+    @staticmethod
+    def _name_and_rest(piece: str) -> tuple[str, str | None]:
+        name, sep, rest = piece.partition("[ARGS]")
+        if not sep:
+            brace = piece.find("{")  # some releases write name{...} with no separator
+            if brace < 0:
+                return "", None
+            name, rest = piece[:brace], piece[brace:]
+        return name.partition("[CALL_ID]")[0].strip(), rest
+
     def _piece(self, piece: str) -> list[ToolCall] | None:
         if piece.lstrip().startswith("["):  # pre-v11: a JSON array of call objects
             array = _json_prefix(piece)
@@ -70,13 +98,9 @@ class MistralFormat(ToolFormat):
                     args = str(json.loads(args))
                 calls.append(ToolCall(json.loads(members["name"]), args, mistral_call_id()))
             return calls
-        name, sep, rest = piece.partition("[ARGS]")
-        if not sep:
-            brace = piece.find("{")  # some releases write name{...} with no separator
-            if brace < 0:
-                return None
-            name, rest = piece[:brace], piece[brace:]
-        name = name.partition("[CALL_ID]")[0].strip()
+        name, rest = self._name_and_rest(piece)
+        if rest is None:
+            return None
         written = _json_prefix(rest)
         if not name or written is None:
             return None

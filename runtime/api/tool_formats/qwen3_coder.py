@@ -96,9 +96,24 @@ class Qwen3CoderFormat(ToolFormat):
         for match in _FUNCTION.finditer(section):
             if not match.group(3) and not final:
                 break
-            name = match.group(1).strip()
-            types = self.parameter_types(name)
-            args = {key.strip(): typed_value(_trim(value), types.get(key.strip(), "string"))
-                    for key, value in _PARAMETER.findall(match.group(2))}
-            out.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+            out.append(ToolCall(match.group(1).strip(), self._members(match) + "}"))
         return out
+
+    def open_call(self, section: str) -> tuple[int, ToolCall] | None:
+        """The function being written: its parameters closed so far, as the opening of
+        its arguments object (each streams once its ``</parameter>`` is written)."""
+        for index, match in enumerate(_FUNCTION.finditer(section)):
+            if not match.group(3):
+                return index, ToolCall(match.group(1).strip(), self._members(match))
+        return None
+
+    def _members(self, match: re.Match[str]) -> str:
+        """``{`` and the closed parameters as JSON members, as ``json.dumps`` writes an
+        object (so the finished text is the object with ``}`` added)."""
+        name = match.group(1).strip()
+        types = self.parameter_types(name)
+        members = [
+            json.dumps(key.strip(), ensure_ascii=False) + ": " + json.dumps(
+                typed_value(_trim(value), types.get(key.strip(), "string")), ensure_ascii=False)
+            for key, value in _PARAMETER.findall(match.group(2))]
+        return "{" + ", ".join(members)
