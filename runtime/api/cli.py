@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "checkpoint; for measuring a model's shapes, as vLLM's)")
     p.add_argument("--quantization", "-q", default=None,
                    help="the method the checkpoint is quantized with (fp8, compressed-tensors, "
-                        "gptq, awq); unset: what its quantization_config says. Startup "
+                        "gptq, awq, mxfp4); unset: what its quantization_config says. Startup "
                         "refuses a checkpoint quantized otherwise")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton", "flashinfer"],

@@ -30,7 +30,13 @@ from shoal.runtime.model.linear import (
 from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
-from shoal.runtime.model.quant.spec import QuantizationError, QuantSpec, check_flag
+from shoal.runtime.model.quant.mxfp4 import dequantized_tensors
+from shoal.runtime.model.quant.spec import (
+    Mxfp4Scheme,
+    QuantizationError,
+    QuantSpec,
+    check_flag,
+)
 from shoal.runtime.model_source import gguf_file
 
 logger = logging.getLogger(__name__)
@@ -69,7 +75,10 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     loaded: set[tuple[str, object]] = set()
     mtp = model.config.mla.mtp_layers if model.config.mla is not None else 0
     skipped_mtp = 0
-    for ckpt_name, st_slice in checkpoint_tensors(model_dir):
+    tensors = checkpoint_tensors(model_dir)
+    if dequantized_at_load(model.config.quantization):
+        tensors = dequantized_tensors(tensors)
+    for ckpt_name, st_slice in tensors:
         if mtp and _past_the_decoder(ckpt_name, model.config.num_layers):
             skipped_mtp += 1
             continue
@@ -84,7 +93,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
         _refuse_unscaled(ckpt_name, st_slice, param)
         loader = getattr(param, "weight_loader", _load_replicated)
         fused = _fused_parts(model, name, shard)
-        if fused is not None and model.config.quantization is not None:
+        if fused is not None and model.config.quantization is not None \
+                and not dequantized_at_load(model.config.quantization):
             raise QuantizationError(f"{ckpt_name}: a fused checkpoint tensor in a quantized "
                                     "checkpoint is not supported")
         if fused is None:
@@ -236,6 +246,19 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             param.data.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
 
 
+def dequantized_at_load(spec: QuantSpec | None) -> bool:
+    """MXFP4 experts become full-precision tensors as they are read: the model is built,
+    loaded and run as an unquantized one."""
+    return spec is not None and isinstance(spec.scheme, Mxfp4Scheme)
+
+
+def check_dequantized_model(spec: QuantSpec, config: ModelConfig) -> None:
+    """MXFP4 is gpt-oss's format for its experts; on anything else it is refused."""
+    if config.moe is None or config.moe.gpt_oss_swiglu is None:
+        raise QuantizationError(f"{spec.method}: served for gpt-oss experts only, not for "
+                                f"{config.architecture}")
+
+
 def check_quantized_model(spec: QuantSpec, config: ModelConfig, parallel: ParallelContext,
                           load_format: str) -> None:
     """What the quantized layers do not serve yet, refused before anything is built."""
@@ -262,6 +285,9 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
                          f"{', '.join(LOAD_FORMATS)}")
     spec = config.quantization
     check_flag(spec, quantization)
+    if spec is not None and dequantized_at_load(spec):
+        check_dequantized_model(spec, config)
+        spec = None  # built, loaded and run full precision
     if spec is not None:
         check_quantized_model(spec, config, parallel, load_format)
     cls = model_class(config.architecture)

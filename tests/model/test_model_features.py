@@ -116,15 +116,18 @@ def test_gpt_oss_config_reads_sinks_windows_yarn_and_its_router(tiny_moe_model_d
     assert config.moe.router_bias and config.moe.gpt_oss_swiglu == (1.702, 1.5)
 
 
-def test_mxfp4_gpt_oss_is_refused_at_startup_naming_the_format(tiny_moe_model_dirs, tmp_path):
-    """Published gpt-oss checkpoints ship MXFP4 experts; shoal does not dequantize them (a
-    bf16 copy, e.g. transformers' dequantized save, serves)."""
+def test_an_mxfp4_gpt_oss_config_is_read_as_experts_dequantized_at_load(tiny_moe_model_dirs,
+                                                                       tmp_path):
+    """Published gpt-oss checkpoints ship MXFP4 experts: served by dequantizing them as they
+    are read (tests/engine/test_mxfp4_gpt_oss.py)."""
+    from shoal.runtime.model.quant.spec import Mxfp4Scheme
+
     raw = json.loads((tiny_moe_model_dirs["gpt_oss"] / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4",
                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="quantization method 'mxfp4' is not supported"):
-        load_model_config(tmp_path)
+    spec = load_model_config(tmp_path).quantization
+    assert spec is not None and spec.method == "mxfp4" and spec.scheme == Mxfp4Scheme()
 
 
 def test_gpt_oss_yarn_table_equals_transformers_rotary_embedding(tiny_moe_model_dirs):

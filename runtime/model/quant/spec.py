@@ -15,7 +15,7 @@ from typing import Any
 
 # --quantization values (vLLM's names); the *_marlin spellings are vLLM's GPU kernels for the
 # same checkpoints and name the same method here
-METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 
 
@@ -52,7 +52,13 @@ class Fp8ChannelScheme:
     per_tensor: bool
 
 
-Scheme = Fp8BlockScheme | Fp8ChannelScheme | IntWeightScheme
+@dataclass(frozen=True)
+class Mxfp4Scheme:
+    """gpt-oss's MXFP4 experts (``quant/mxfp4.py``): dequantized to the model dtype as they
+    are loaded, so the model runs full precision; every other tensor is stored so."""
+
+
+Scheme = Fp8BlockScheme | Fp8ChannelScheme | IntWeightScheme | Mxfp4Scheme
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ def parse_quantization(raw_config: dict) -> QuantSpec | None:
         from shoal.runtime.model.quant.ct_spec import parse_compressed_tensors
 
         return parse_compressed_tensors(qc)
+    if method == "mxfp4":
+        return QuantSpec("mxfp4", Mxfp4Scheme(), tuple(qc.get("modules_to_not_convert") or ()))
     return {"fp8": _fp8, "gptq": _gptq, "awq": _awq}[method](qc)
 
 
