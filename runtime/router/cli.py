@@ -65,14 +65,6 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                         help="approximate mode: prefix blocks remembered per replica (LRU); "
                              "near the engines' cache size, the router forgets what they "
                              "evict (default 50000)")
-    parser.add_argument("--prefill-backend", action="append", default=[], metavar="URL",
-                        help="P/D disaggregation: a prefill engine (repeatable; engines with "
-                             "--kv-transfer-config). The decode replica is chosen first; a "
-                             "prefill engine computes the prompt when more than --pd-threshold "
-                             "of its tokens are not cached there")
-    parser.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
-                        help="uncached prompt tokens above which a prefill engine computes "
-                             "the prompt (default 256)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas tried per request before its first byte (default 3)")
 
@@ -174,6 +166,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     add_router_flags(parser)
+    parser.add_argument("--prefill-backend", action="append", default=[], metavar="URL",
+                        help="P/D disaggregation: a prefill engine (repeatable; engines with "
+                             "--kv-transfer-config). The decode replica is chosen first; a "
+                             "prefill engine computes the prompt when more than --pd-threshold "
+                             "of its tokens are not cached there")
+    parser.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
+                        help="uncached prompt tokens above which a prefill engine computes "
+                             "the prompt (default 256)")
     add_security_flags(parser)
     parser.set_defaults(func=_main)
 
@@ -203,7 +203,9 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
         idle_timeout=args.idle_timeout, stream_stall_timeout=args.stream_stall_timeout,
         quarantine_window=args.quarantine_window,
-        prefill_backends=list(args.prefill_backend), pd_threshold=args.pd_threshold)
+        # shoal route's own (shoal fleet starts no prefill engines)
+        prefill_backends=list(getattr(args, "prefill_backend", [])),
+        pd_threshold=getattr(args, "pd_threshold", RouterConfig.pd_threshold))
 
 
 def _main(args: argparse.Namespace) -> int:
