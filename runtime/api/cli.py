@@ -271,6 +271,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         hf_overrides = parse_hf_overrides(args.hf_overrides)
         pooler = _pooler_config(args, model, hf_overrides)
+        from shoal.runtime.model.config import load_model_config
+
+        model_type = load_model_config(model, hf_overrides).model_type
     except (OSError, ValueError) as exc:
         raise SystemExit(f"shoal serve: {exc}") from None
     if pooler is not None and args.enable_lora:
@@ -341,7 +344,7 @@ def _serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, sampling_defaults=sampling_defaults,
         enable_lora=args.enable_lora, lora_modules=lora_modules, pooler=pooler,
         allow_runtime_lora_updating=runtime_updating_allowed(os.environ),
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, model_type=model_type)
     # the body limit is the app's (decided while reading, after auth: runtime/api/body.py)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes, max_body_bytes=0)

@@ -1,5 +1,6 @@
 """gpt-oss's output format, "harmony" (``--reasoning-parser openai_gptoss``, ``--tool-call-parser
-openai``; on by default for ``gpt_oss`` checkpoints): the model writes messages, each a header
+openai``; without them too for a ``gpt_oss`` checkpoint with harmony's tokens, as vLLM
+reads gpt-oss: ``reads_harmony``): the model writes messages, each a header
 then a body::
 
     <|channel|>analysis<|message|>Need the weather.<|end|>
@@ -219,6 +220,17 @@ class HarmonyFormat(ReasoningFormat):
             if stream.kind == "reasoning" or before == "reasoning":
                 count = i + 1
         return count
+
+
+def reads_harmony(reasoning_parser: str | None, tool_call_parser: str | None,
+                  model_type: str, tokenizer) -> bool:
+    """Whether outputs are read as harmony: with either flag; and, as vLLM does for gpt-oss,
+    for a ``gpt_oss`` checkpoint whose tokenizer has harmony's tokens when neither flag
+    names another format (then the content is the final channel, reasoning not reported)."""
+    if reasoning_parser == HARMONY_PARSER or tool_call_parser == "openai":
+        return True
+    return (model_type == "gpt_oss" and reasoning_parser is None and tool_call_parser is None
+            and all(tokenizer.token_id(t) is not None for t in (START, CHANNEL, MESSAGE, END)))
 
 
 def harmony_format(prompt_text: str | None, keep_reasoning: bool,

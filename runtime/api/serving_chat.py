@@ -20,7 +20,7 @@ from shoal.runtime.structured.spec import GrammarSpec
 
 from .errors import bad_request
 from .generation import Choice, ChoiceDelta, Generation, PromptInput
-from .harmony import HARMONY_PARSER, HarmonyFormat, harmony_format
+from .harmony import HARMONY_PARSER, HarmonyFormat, harmony_format, reads_harmony
 from .logprobs_format import chat_logprobs, token_names, vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, ChatMessageIn
 from .reasoning import ReasoningFormat, TextSplitter, reasoning_fields, reasoning_format
@@ -94,10 +94,11 @@ def output_grammar(body: ChatCompletionRequest, policy: ToolPolicy) -> GrammarSp
 def output_reading(state: ServerState, prompt_text: str | None,
                    policy: ToolPolicy) -> ReasoningFormat | None:
     """How the request's output splits into reasoning and the rest: gpt-oss's harmony
-    channels (``--reasoning-parser openai_gptoss`` or ``--tool-call-parser openai``), a
-    ``<think>`` span (``--reasoning-parser qwen3|deepseek_r1``), or not at all."""
+    channels (``harmony.reads_harmony``), a ``<think>`` span (``--reasoning-parser
+    qwen3|deepseek_r1``), or not at all."""
     settings = state.settings
-    if HARMONY_PARSER == settings.reasoning_parser or settings.tool_call_parser == "openai":
+    if reads_harmony(settings.reasoning_parser, settings.tool_call_parser,
+                     settings.model_type, state.tokenizer):
         return harmony_format(prompt_text, settings.reasoning_parser == HARMONY_PARSER,
                               policy.mode == "auto" and policy.format is not None
                               and policy.format.name == "openai")

@@ -51,6 +51,7 @@ class ServerSettings:
     lora_modules: list[LoraModule] = field(default_factory=list)  # served from the start
     pooler: PoolerConfig | None = None  # --runner pooling: /v1/embeddings only
     tool_call_parser: str | None = None  # --tool-call-parser; None: hermes and Llama 3 JSON
+    model_type: str = ""  # config.json's (gpt_oss: harmony is read without the flags too)
 
     @property
     def model_name(self) -> str:

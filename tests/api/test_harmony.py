@@ -348,3 +348,36 @@ def test_reasoning_effort_and_past_arguments_reach_the_template() -> None:
     assert template_arguments('{"a": [1]}') == {"a": [1]}
     assert template_arguments("") == {}
     assert template_arguments('{"cut') == '{"cut'  # not JSON: the text as it was
+
+
+class _Vocabulary:
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = tokens
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokens.index(token) if token in self.tokens else None
+
+
+def test_which_servers_read_harmony() -> None:
+    from shoal.runtime.api.harmony import reads_harmony
+
+    harmony, chatml = _Vocabulary(HARMONY_TOKENS), _Vocabulary(["<|im_start|>", "<|im_end|>"])
+    assert reads_harmony("openai_gptoss", None, "llama", chatml)
+    assert reads_harmony(None, "openai", "llama", chatml)
+    assert reads_harmony(None, None, "gpt_oss", harmony)  # vLLM reads gpt-oss so by default
+    assert not reads_harmony(None, None, "gpt_oss", chatml)  # (the tests' random gpt-oss)
+    assert not reads_harmony("qwen3", None, "gpt_oss", harmony)  # another format named
+    assert not reads_harmony(None, None, "qwen3", harmony)
+
+
+def test_a_gpt_oss_checkpoint_without_the_flags_answers_with_its_final_channel(
+        start_server, harmony_model) -> None:
+    server = start_server("--max-model-len", "512", model_dir=harmony_model)
+    try:
+        answer = _client(server).chat.completions.create(
+            model="shoal-test", messages=HELLO_Q, temperature=0, max_tokens=60)
+        message = answer.choices[0].message
+        assert message.content == "Hello there."
+        assert "reasoning_content" not in (message.model_extra or {})  # not asked for
+    finally:
+        server.stop()
