@@ -56,14 +56,18 @@ class Router(nn.Module):
                  device: torch.device | str):
         super().__init__()
         self.moe = moe
-        self.weight = _param((moe.num_experts, hidden), dtype, device)
+        # DeepSeek / GLM keep the router's weight in float32 whatever the model's dtype
+        # (transformers' _keep_in_fp32_modules_strict): a bfloat16 copy would move the
+        # sigmoid scores by its rounding and flip near choices
+        router_dtype = torch.float32 if moe.scoring == "sigmoid" else dtype
+        self.weight = _param((moe.num_experts, hidden), router_dtype, device)
         self.bias = _param((moe.num_experts,), dtype, device) if moe.router_bias else None
         self.e_score_correction_bias = _param((moe.num_experts,), torch.float32, device) \
             if moe.correction_bias else None
 
     def forward(self, x: torch.Tensor) -> Routing:
         if self.moe.scoring == "sigmoid":  # DeepSeek / GLM score in float32 throughout
-            logits = torch.nn.functional.linear(x.float(), self.weight.float())
+            logits = torch.nn.functional.linear(x.float(), self.weight)
         else:
             logits = torch.nn.functional.linear(x, self.weight, self.bias)
         return route(self.moe, logits, self.e_score_correction_bias)

@@ -176,3 +176,62 @@ def test_the_engine_logs_its_cache_in_latent_bytes_per_token(caplog):
                                             num_kv_blocks=20, max_model_len=64))
     assert (f"KV cache: 20 blocks of 4 tokens, {per_token} bytes per token per rank (latent + "
             "rotary key") in caplog.text
+
+
+def test_a_bfloat16_model_keeps_the_router_in_float32_and_serves(hf_bf16_first_tokens):
+    """As transformers keeps ``gate.weight`` and the correction bias in float32 for DeepSeek
+    (``_keep_in_fp32_modules_strict``): the router's weight is the checkpoint's float32 values
+    unrounded. The bfloat16 model (latent cache in bfloat16) serves, and its first greedy
+    token equals HF bfloat16's wherever HF's own top-2 margin is clear of bfloat16 noise."""
+    from safetensors import safe_open
+
+    model_dir = cached_mla_model("deepseek_v3")
+    core = EngineCore(EngineConfig.from_kwargs(str(model_dir), dtype="bfloat16", device="cpu",
+                                               max_model_len=128, num_kv_blocks=64))
+    model = core.executor.worker.runner.model  # type: ignore[attr-defined]
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert torch.equal(gate.weight, f.get_tensor("model.layers.1.mlp.gate.weight"))
+    assert core.executor.worker.runner.kv_caches[0][0].dtype == torch.bfloat16  # type: ignore
+
+    from shoal.runtime.engine.messages import EngineCoreRequest
+    from shoal.runtime.sampling_params import SamplingParams
+
+    prompts = {f"r{i}": [(37 * i + 11 * j) % 1000 + 3 for j in range(5 + 9 * i)]
+               for i in range(6)}
+    for req_id, prompt in prompts.items():
+        core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
+                                           sampling_params=SamplingParams(temperature=0.0,
+                                                                          max_tokens=1)))
+    first: dict[str, int] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            first.setdefault(out.request_id, out.new_token_ids[0])
+    compared = 0
+    for req_id, prompt in prompts.items():
+        token, margin = hf_bf16_first_tokens(model_dir, prompt)
+        if margin > 0.1:  # a few bfloat16 ulps of logits of size ~10
+            assert first[req_id] == token, req_id
+            compared += 1
+    assert compared >= 3
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_first_tokens():
+    models: dict[str, object] = {}
+
+    def first(model_dir, prompt: list[int]) -> tuple[int, float]:
+        from transformers import AutoModelForCausalLM
+
+        key = str(model_dir)
+        if key not in models:
+            models[key] = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                               dtype=torch.bfloat16).eval()
+        with torch.inference_mode():
+            logits = models[key](torch.tensor([prompt])).logits[0, -1].float()  # type: ignore
+        top = logits.topk(2)
+        return int(top.indices[0]), float(top.values[0] - top.values[1])
+
+    return first
