@@ -185,6 +185,19 @@ def test_the_router_sends_long_uncached_prompts_through_a_prefill_engine(pd, rou
     want = httpx.post(prefill.v1 + "/completions", timeout=120, json={
         **body, "prompt": long_prompt, "cache_salt": "reference"}).json()["choices"][0]
     assert got == want["token_ids"]
+
+    # streamed: the prefill leg is not, the decode leg streams to the client through the router
+    streamed = list(range(700, 790))
+    with httpx.stream("POST", router + "/v1/completions", timeout=120, json={
+            **body, "prompt": streamed, "stream": True}) as events:
+        assert events.status_code == 200
+        text = "".join(events.iter_text())
+    chunks = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    assert text.rstrip().endswith("data: [DONE]")
+    assert sum(len(c["choices"][0].get("token_ids") or []) for c in chunks if c["choices"]) == 8
+    decisions = httpx.get(router + "/metrics", timeout=5).text
+    assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="remote"') == 2
     wait_until(lambda: idle(prefill) and idle(decode), 20, 0.2, "both KV caches idle")
 
 
