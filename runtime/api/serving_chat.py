@@ -99,6 +99,11 @@ def output_reading(state: ServerState, prompt_text: str | None,
     settings = state.settings
     if reads_harmony(settings.reasoning_parser, settings.tool_call_parser,
                      settings.model_type, state.tokenizer):
+        if policy.constrained:  # its grammar would wait for a final channel never written
+            raise bad_request(f"tool_choice {policy.mode} is not supported with gpt-oss's "
+                              "harmony output (its calls are commentary-channel messages, "
+                              "read with tool_choice auto and --tool-call-parser openai)",
+                              "tool_choice")
         return harmony_format(prompt_text, settings.reasoning_parser == HARMONY_PARSER,
                               policy.mode == "auto" and policy.format is not None
                               and policy.format.name == "openai")

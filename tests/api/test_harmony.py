@@ -381,3 +381,22 @@ def test_a_gpt_oss_checkpoint_without_the_flags_answers_with_its_final_channel(
         assert "reasoning_content" not in (message.model_extra or {})  # not asked for
     finally:
         server.stop()
+
+
+def test_a_grammar_applies_in_the_final_channel_only(server) -> None:
+    """json_object starts after ``<|channel|>final<|message|>``: the analysis is written
+    freely (as trained), the final channel is constrained. A forced tool choice is refused:
+    gpt-oss writes its calls in the commentary channel, where no grammar is placed."""
+    client = _client(server)
+    answer = client.chat.completions.create(
+        model="shoal-test", messages=HELLO_Q, temperature=0, max_tokens=40,
+        response_format={"type": "json_object"})
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Greet them."
+    assert message.content.lstrip().startswith("{")
+    openai = pytest.importorskip("openai")
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="shoal-test", messages=WEATHER_Q, tools=TOOLS,
+                                           max_tokens=10, tool_choice=choice)
+        assert info.value.body["param"] == "tool_choice"
