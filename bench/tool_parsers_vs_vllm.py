@@ -5,7 +5,8 @@
 Every case of tests/api/test_tool_formats.py (CASES) is given, whole, to vLLM's own parser
 of the same name (mistral, qwen3_coder, pythonic, deepseek_v3, not openai; run in the vLLM venv with a
 stand-in tokenizer that has the format's marker tokens) and to Shoal's. The calls must agree
-(names, and arguments as JSON values), and so must whether any call was found. Content is
+(names, and arguments as JSON values), and so must whether any call was found; a case on
+which vLLM's parser raises counts as differing. Content is
 compared after stripping (Shoal trims the text before the calls, vLLM keeps it). Exit 0 when
 every case agrees; the cases that differ are printed.
 """
@@ -67,7 +68,11 @@ for name, text in cases:
     parser = PARSERS[name]()
     if name == "qwen3_coder":  # the engine parser types values by the request's tools
         parser = type(parser)(parser.model_tokenizer, tools=request.tools)
-    got = parser.extract_tool_calls(text, request)
+    try:
+        got = parser.extract_tool_calls(text, request)
+    except Exception as error:  # vLLM's parser raised: it reads no calls or content
+        out.append({"raised": repr(error), "content": None, "calls": None})
+        continue
     out.append({"content": got.content,
                 "calls": [[c.function.name, value(c.function.arguments)]
                           for c in got.tool_calls] if got.tools_called else []})
@@ -118,7 +123,7 @@ def main(vllm_venv: str) -> int:
         label = "same " if same else "known" if known else "DIFF "
         print(f"{label} {name:12} {text[:60]!r}"
               + ("" if same else f"\n    shoal: {content!r} {ours}\n    vllm:  "
-                                 f"{vllm['content']!r} {vllm['calls']}"
+                                 + vllm.get("raised", f"{vllm['content']!r} {vllm['calls']}")
                                  + (f"\n    ({departures[text]})" if known else "")))
     agree = sum(1 for (_, text, _, _) in cases) - differ - sum(
         1 for (_, text, _, _) in cases if text in departures)

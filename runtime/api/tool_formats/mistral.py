@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
+from dataclasses import dataclass
 
-from ..json_text import raw_array_items, raw_members
+from ..json_text import raw_members
 from ..tool_calls import ToolCall
 from .base import ToolFormat
 
@@ -41,6 +43,58 @@ def _json_prefix(text: str) -> str | None:
     return stripped[:end]
 
 
+_ITEM_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class _Array:
+    calls: list[ToolCall]  # the items written whole
+    closed: bool  # its ``]`` was written
+    open: ToolCall | None  # the item being written, once its arguments began
+
+
+def _item_call(raw: str) -> ToolCall | None:
+    members = raw_members(raw) if raw.startswith("{") else {}
+    if not members.get("name", "").startswith('"'):
+        return None
+    args = members.get("arguments", "{}")
+    if args.startswith('"'):  # the arguments written as a JSON string
+        args = str(json.loads(args))
+    return ToolCall(json.loads(members["name"]), args, mistral_call_id())
+
+
+def _array(piece: str) -> _Array:
+    """A pre-v11 ``[{"name": ..., "arguments": {...}}, ...]`` as far as it is written. An item
+    that is not a call object ends it (the calls before it stay, as the stream sent them)."""
+    text = piece.lstrip()
+    calls: list[ToolCall] = []
+    at = 1
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ","):
+            at += 1
+        if at == len(text):
+            return _Array(calls, False, None)
+        if text[at] == "]":
+            return _Array(calls, True, None)
+        if text[at] != "{":
+            return _Array(calls, False, None)
+        try:
+            _, end = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:  # the item is being written
+            header = _ITEM_HEADER.match(text, at)
+            if header is None or header.end() == len(text) or text[header.end()] not in "{[":
+                return _Array(calls, False, None)
+            args = text[header.end():]
+            written = _json_prefix(args)
+            return _Array(calls, False, ToolCall(json.loads(header.group(1)), written or args,
+                                                 mistral_call_id()))
+        call = _item_call(text[at:end])
+        if call is None:
+            return _Array(calls, False, None)
+        calls.append(call)
+        at = end
+
+
 class MistralFormat(ToolFormat):
     name = "mistral"
     marker = "[TOOL_CALLS]"
@@ -49,6 +103,12 @@ class MistralFormat(ToolFormat):
     def calls(self, section: str, final: bool) -> list[ToolCall]:
         out: list[ToolCall] = []
         for piece in section.split(self.marker)[1:]:
+            if piece.lstrip().startswith("["):  # pre-v11: the items written so far count
+                array = _array(piece)
+                out += array.calls
+                if not array.closed:
+                    break
+                continue
             found = self._piece(piece)
             if found is None:
                 break  # not ended (or not a call): nothing after it counts yet
@@ -56,17 +116,22 @@ class MistralFormat(ToolFormat):
         return out
 
     def open_call(self, section: str) -> tuple[int, ToolCall] | None:
-        """The v7+ call being written: its name once ``[ARGS]`` (or ``{``) follows it, and
-        its JSON text so far (whitespace before it dropped, as the finished call drops it).
-        A pre-v11 array is sent when it closes."""
+        """The call being written: v7+, its name once ``[ARGS]`` (or ``{``) follows it, and
+        its JSON text so far (whitespace before it dropped, as the finished call drops it);
+        pre-v11, the array item after the complete ones once its ``"arguments": `` began an
+        object or array (arguments written as a JSON string are sent when the item ends)."""
         done = 0
         for piece in section.split(self.marker)[1:]:
+            if piece.lstrip().startswith("["):
+                array = _array(piece)
+                if array.closed:
+                    done += len(array.calls)
+                    continue
+                return (done + len(array.calls), array.open) if array.open else None
             found = self._piece(piece)
             if found is not None:
                 done += len(found)
                 continue
-            if piece.lstrip().startswith("["):
-                return None
             name, rest = self._name_and_rest(piece)
             if not name or rest is None:
                 return None
@@ -84,20 +149,7 @@ class MistralFormat(ToolFormat):
         return name.partition("[CALL_ID]")[0].strip(), rest
 
     def _piece(self, piece: str) -> list[ToolCall] | None:
-        if piece.lstrip().startswith("["):  # pre-v11: a JSON array of call objects
-            array = _json_prefix(piece)
-            if array is None:
-                return None
-            calls = []
-            for item in raw_array_items(array):
-                members = raw_members(item) if item.startswith("{") else {}
-                if not members.get("name", "").startswith('"'):
-                    return None
-                args = members.get("arguments", "{}")
-                if args.startswith('"'):  # the arguments written as a JSON string
-                    args = str(json.loads(args))
-                calls.append(ToolCall(json.loads(members["name"]), args, mistral_call_id()))
-            return calls
+        """A v7+ piece's call, once its JSON ended."""
         name, rest = self._name_and_rest(piece)
         if rest is None:
             return None
