@@ -19,6 +19,8 @@ from shoal.contract.kv import DEFAULT_BLOCK_SIZE
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# --kv-cache-dtype (vLLM's names): auto = the model's dtype; fp8 = fp8_e4m3 (one byte each)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # field -> (lowest allowed, highest allowed or None, whether the lowest itself is allowed);
 # None values (meaning "derive it") are not checked
@@ -81,6 +83,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: the checkpoint | dummy: random weights from config.json alone
     quantization: str | None = None  # the checkpoint's method, checked (None: as it says)
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flashinfer
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: fp8 halves a KV block's bytes
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_logprobs: int = 20
     rank_timeout: float = 30.0  # seconds a rank may make no progress before the engine is fatal
@@ -103,6 +106,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in RANGES:
             check_range(name, getattr(self, name))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

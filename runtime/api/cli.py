@@ -10,6 +10,7 @@ from pathlib import Path
 from shoal.runtime.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    KV_CACHE_DTYPES,
     ConfigRangeError,
 )
 
@@ -78,6 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=["auto", "torch", "cpu", "triton", "flashinfer"],
                    help="cpu: native C kernels for attention (decode and prefill) and the position-wise "
                    "ops (auto's pick on CPU for float32); torch: the plain-torch reference path")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's element type: auto = the model's dtype; fp8 (= "
+                        "fp8_e4m3) and fp8_e5m2 store one byte per element (twice the blocks "
+                        "in the same memory; lossy), scaled by the checkpoint's k_scale / "
+                        "v_scale where it has them, else 1.0")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20)
@@ -314,7 +320,8 @@ def _serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
         quantization=args.quantization,
-        attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, kv_events_endpoint=kv_endpoint,
         kv_events_topic=kv_topic,
         grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,

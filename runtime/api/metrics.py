@@ -3,7 +3,8 @@
 ``--metrics-compat vllm`` makes an engine pod a model server that Gateway API Inference
 Extension endpoint pickers can score: they read ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the labels ``block_size`` and
-``num_gpu_blocks`` of the info gauge ``vllm:cache_config_info`` (value 1, as vLLM exports it),
+``num_gpu_blocks`` of the info gauge ``vllm:cache_config_info`` (value 1, as vLLM exports it;
+its ``cache_dtype`` label says ``--kv-cache-dtype``: fp8 doubles the blocks in the same memory),
 scraping as often as every 50 ms: a scrape only renders numbers already held here.
 
 Engine-side numbers come from the ``SchedulerStats`` the core attaches to its outputs: the
@@ -67,7 +68,8 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.stats = SchedulerStats()
         self.phase_durations: dict[str, float] = {}
-        self.cache_config: tuple[int, int] | None = None  # (block_size, num_gpu_blocks)
+        # (block_size, cache_dtype, num_gpu_blocks)
+        self.cache_config: tuple[int, str, int] | None = None
         self.quantization: str | None = None  # "none" or the method, once the engine is ready
         self.max_loras = 0  # LoRA slots (--max-loras); 0: LoRA off, no lora_requests_info
         self.stats_time = 0.0  # time.time() of the latest stats: lora_requests_info's value
@@ -106,10 +108,10 @@ class EngineStatsCollector(Collector):
             info = GaugeMetricFamily(f"{p}:cache_config_info",
                                      "Information of the KV cache config (value 1); no sample "
                                      "until the engine has sized its cache",
-                                     labels=["block_size", "num_gpu_blocks"])
+                                     labels=["block_size", "cache_dtype", "num_gpu_blocks"])
             if self.cache_config is not None:
-                block_size, num_blocks = self.cache_config
-                info.add_metric([str(block_size), str(num_blocks)], 1.0)
+                block_size, cache_dtype, num_blocks = self.cache_config
+                info.add_metric([str(block_size), cache_dtype, str(num_blocks)], 1.0)
             yield info
             model = GaugeMetricFamily(f"{p}:model_config_info",
                                       "Information of the served model (value 1): its "
@@ -240,10 +242,11 @@ class ServerMetrics:
         self._rendered = None
         self.engine.phase_durations = dict(durations)
 
-    def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+    def set_cache_config(self, block_size: int, num_gpu_blocks: int,
+                         cache_dtype: str = "auto") -> None:
         """Known once the engine has sized its KV cache (after profiling)."""
         self._rendered = None
-        self.engine.cache_config = (block_size, num_gpu_blocks)
+        self.engine.cache_config = (block_size, cache_dtype, num_gpu_blocks)
 
     def set_model_config(self, quantization: str) -> None:
         self._rendered = None

@@ -157,7 +157,8 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
         except EngineStartupError:
             return  # engine_died already reported it and set the exit code
         metrics.set_phase_durations(info.durations)
-        metrics.set_cache_config(engine_config.block_size, info.num_kv_blocks)
+        metrics.set_cache_config(engine_config.block_size, info.num_kv_blocks,
+                                 engine_config.kv_cache_dtype)
         metrics.set_model_config(info.quantization)
         logger.info("engine ready: %s (max_model_len %d, %d KV blocks)",
                     info.durations, info.max_model_len, info.num_kv_blocks)

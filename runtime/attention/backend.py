@@ -10,7 +10,8 @@ Attention sinks (gpt-oss): a learned logit per query head that joins every softm
 denominator and attends to nothing: ``p_i = exp(s_i) / (exp(sink) + sum_j exp(s_j))``.
 
 KV cache layout, per layer: ``k_cache`` and ``v_cache`` each
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), in the model's dtype or, with
+``--kv-cache-dtype fp8``, in float8 with the layer's ``kv_scales`` (``kv_cache_dtype.py``).
 """
 
 from __future__ import annotations
@@ -64,5 +65,6 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,  # attend to the last this-many positions only
         softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
         sinks: torch.Tensor | None = None,  # float32 [num_heads]: gpt-oss's attention sinks
+        kv_scales: torch.Tensor | None = None,  # float32 [2]: (k, v) scales of a float8 cache
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

@@ -7,7 +7,7 @@ An explicit choice is honoured where it can run at all, and refused with a reaso
 cannot: flashinfer needs CUDA (importing it on CPU-only machines has crashed); triton needs
 CUDA or the interpreter (``TRITON_INTERPRET=1``, tests).
 
-Models need features of attention (``BACKEND_FEATURES``): a backend ``auto`` would pick that
+Models (and ``--kv-cache-dtype fp8``) need features of attention (``BACKEND_FEATURES``): a backend ``auto`` would pick that
 lacks one is passed over for the next that has it, with a log line saying so; an explicit
 choice that lacks one is refused, naming the feature.
 """
@@ -18,13 +18,16 @@ import importlib.util
 import logging
 import os
 
+from shoal.runtime.attention.kv_cache_dtype import FP8_KV_FEATURE
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 # what each backend's kernels implement beyond causal attention over paged KV
 # (latent_attention: DeepSeek's MLA over the latent cache, attention/mla_torch.py)
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
-    "torch": frozenset({"sliding_window", "softcap", "sinks", "latent_attention"}),
+    "torch": frozenset({"sliding_window", "softcap", "sinks", "latent_attention",
+                        FP8_KV_FEATURE}),
     "cpu": frozenset({"sliding_window", "softcap", "sinks"}),
     "triton": frozenset({"sliding_window", "softcap", "sinks"}),
     "flashinfer": frozenset({"sliding_window", "softcap"}),

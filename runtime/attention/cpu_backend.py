@@ -72,7 +72,8 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:  # no float8 cache
         plan = step_plan(self, meta, CpuAttentionPlan)
         cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         native_prefill = bool(plan.prefills) and paged_prefill_cpu.supports_head_dim(q.shape[2])

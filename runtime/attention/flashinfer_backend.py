@@ -86,6 +86,7 @@ class FlashInferBackend:
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,  # float8 caches are refused by the selector
     ) -> torch.Tensor:
         if sinks is not None:  # the backend choice routes models with sinks elsewhere
             raise ValueError("the flashinfer attention backend does not implement attention "

@@ -15,6 +15,11 @@ the block table with a causal mask shifted by the cached prefix. SDPA has neithe
 Positions at or past ``seq_len`` never influence a result: their scores are masked and
 the gather reads the row's first slot in their place, so whatever sits in unused cache
 memory (even NaN) is never read.
+
+A float8 cache (``--kv-cache-dtype fp8``): rows are quantized on write, gathered as bytes and
+widened to the model's dtype; the K scale joins the softmax scale and the V scale multiplies
+the output. Prefill chunks attend over K/V as the cache holds them (rounded through float8),
+as a kernel reading the cache would.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from shoal.runtime.attention.kv_cache_dtype import is_fp8, round_trip, unit_scales, write_fp8_kv
 
 PlanT = TypeVar("PlanT")
 
@@ -94,16 +100,26 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         plan = step_plan(self, meta, TorchAttentionPlan)
-        write_kv(k, v, k_cache, v_cache, meta)
+        fp8 = is_fp8(k_cache.dtype)
+        if not fp8:
+            kv_scales = None  # the cache holds the model's dtype: nothing to scale
+        elif kv_scales is None:
+            kv_scales = unit_scales(k_cache.device)
+        write_kv(k, v, k_cache, v_cache, meta, kv_scales)
         out = torch.empty_like(q)
         for chunk in plan.decode_chunks:
             result = self._decode(q.index_select(0, chunk.token_idx), k_cache, v_cache, chunk,
-                                  scale, sliding_window, softcap, sinks)
+                                  scale, sliding_window, softcap, sinks, kv_scales)
             out.index_copy_(0, chunk.token_idx, result)
+        if plan.prefills and fp8:  # attend over what the cache holds
+            assert kv_scales is not None
+            k = round_trip(k, kv_scales[0], k_cache.dtype)
+            v = round_trip(v, kv_scales[1], v_cache.dtype)
         attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                        sliding_window, softcap, sinks)
+                        sliding_window, softcap, sinks, kv_scales)
         return out
 
     def _buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,17 +134,21 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 chunk: _DecodeChunk, scale: float, sliding_window: int | None,
                 softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, D], one query per row at position seq_len - 1 -> [B, Hq, D]."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         index, invalid = chunk.prepare(num_kv_heads, sliding_window)
         span = chunk.slots.shape[1]
-        k_buf, v_buf = self._buffers(index.numel() * head_dim, q)
+        k_buf, v_buf = self._buffers(index.numel() * head_dim, k_cache)
         torch.index_select(k_cache.view(-1, head_dim), 0, index, out=k_buf.view(-1, head_dim))
         torch.index_select(v_cache.view(-1, head_dim), 0, index, out=v_buf.view(-1, head_dim))
         keys = k_buf.view(batch, num_kv_heads, span, head_dim)
         values = v_buf.view(batch, num_kv_heads, span, head_dim)
+        if kv_scales is not None:  # float8 rows widened; the K scale joins the softmax's
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            scale = kv_scales[0] * scale  # type: ignore[assignment]
         qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, G, S]
         if softcap is not None:
@@ -136,7 +156,8 @@ class TorchAttentionBackend:
         scores.masked_fill_(invalid, float("-inf"))
         group_sinks = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
         probs = softmax_with_sinks(scores, group_sinks).to(q.dtype)
-        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+        out = torch.matmul(probs, values).view(batch, num_heads, head_dim)
+        return out if kv_scales is None else out.mul_(kv_scales[1].to(out.dtype))
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -162,11 +183,13 @@ def step_plan(backend: AttentionBackend, meta: AttentionMetadata, kind: type[Pla
 def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     spans: list[PrefillSpan], scale: float, sliding_window: int | None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
-    """Each prefill chunk's attention into its rows of ``out``."""
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    kv_scales: torch.Tensor | None = None) -> None:
+    """Each prefill chunk's attention into its rows of ``out`` (a float8 cache: ``k``/``v``
+    already rounded as the cache holds them, ``kv_scales`` its scales)."""
     for p in spans:
         out[p.start:p.end] = prefill_attention(q, k, v, k_cache, v_cache, meta, p, scale,
-                                               sliding_window, softcap, sinks)
+                                               sliding_window, softcap, sinks, kv_scales)
 
 
 def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
@@ -177,8 +200,13 @@ def prefill_spans(meta: AttentionMetadata) -> list[PrefillSpan]:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """This step's new K/V into their cache slots."""
+             meta: AttentionMetadata, kv_scales: torch.Tensor | None = None) -> None:
+    """This step's new K/V into their cache slots (quantized with ``kv_scales`` into a
+    float8 cache)."""
+    if is_fp8(k_cache.dtype):
+        write_fp8_kv(k, v, k_cache, v_cache, meta.slot_mapping,
+                     unit_scales(k.device) if kv_scales is None else kv_scales)
+        return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -220,7 +248,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSpan,
                       scale: float, sliding_window: int | None,
                       softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None,
+                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One request's chunk of queries (rows ``p.start:p.end`` of the flat q/k/v) attending
     causally over its cached prefix and itself; with a window, over only the keys of the
     blocks the window reaches."""
@@ -238,6 +267,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         blocks = block_tables[p.row, key_start // block_size:nb].long()
         keys = k_cache[blocks].flatten(0, 1)[: p.seq_len - key_start]
         values = v_cache[blocks].flatten(0, 1)[: p.seq_len - key_start]
+        if is_fp8(k_cache.dtype):
+            scales = unit_scales(q.device) if kv_scales is None else kv_scales
+            keys = (keys.float() * scales[0]).to(q.dtype)
+            values = (values.float() * scales[1]).to(q.dtype)
     if prefix == 0:
         key_start = 0
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]

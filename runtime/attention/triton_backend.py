@@ -41,6 +41,7 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(

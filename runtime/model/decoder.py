@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from shoal.runtime.attention.kv_cache_dtype import unit_scales
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.layers import RMSNorm, RotaryEmbedding, _param
 from shoal.runtime.model.linear import (
@@ -111,6 +112,8 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcap
         self.sinks = _sinks(config, self.num_heads, parallel, device) \
             if config.attention_sinks else None
+        # (k_scale, v_scale) of a float8 KV cache (kv_cache_dtype.py); unused otherwise
+        self.register_buffer("kv_scales", unit_scales(device), persistent=False)
         self.query_beta = config.query_scaling_beta
         self.query_original = config.query_scaling_original
         whole_neox = rotary is not None and rotary.whole_head_neox(head_dim)
@@ -153,7 +156,8 @@ class Attention(nn.Module):
             far = torch.floor(positions.float() / self.query_original)
             q = q * (1 + self.query_beta * torch.log1p(far)).to(q.dtype)[:, None, None]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   self.sliding_window, self.softcap, self.sinks)
+                                   self.sliding_window, self.softcap, self.sinks,
+                                   self.kv_scales)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _rotate(self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RopeTables,

@@ -1,7 +1,8 @@
 """ModelRunner: a StepPlan in, logits for the sampling rows out.
 
-Holds the model, its KV tensors (allocated once, one K and one V tensor per layer; for latent
-attention the latent and the rotary key, ``model/mla.py``) and the attention backend. Each plan array crosses to the device with a single copy; the forward
+Holds the model, its KV tensors (allocated once, one K and one V tensor per layer, in the
+model's dtype or ``--kv-cache-dtype``'s float8; for latent attention the latent and the rotary
+key, ``model/mla.py``) and the attention backend. Each plan array crosses to the device with a single copy; the forward
 runs the whole flat batch, and logits are computed only for rows that sample this step.
 """
 
@@ -27,11 +28,13 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+                 device: torch.device, dtype: torch.dtype, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # captured by Worker.warmup on CUDA
@@ -47,7 +50,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         heads, k_width, v_width = self._cache_dims()
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_layer = self.block_size * heads * (k_width + v_width) * elem
         return per_layer * len(self.model.model.layers)
 
@@ -57,10 +60,10 @@ class ModelRunner:
         heads, k_width, v_width = self._cache_dims()
         self.kv_caches = []  # release the old tensors before allocating new ones
         self.kv_caches = [
-            (torch.zeros((num_blocks, self.block_size, heads, k_width), dtype=self.dtype,
-                         device=self.device),
-             torch.zeros((num_blocks, self.block_size, heads, v_width), dtype=self.dtype,
-                         device=self.device))
+            (torch.zeros((num_blocks, self.block_size, heads, k_width),
+                         dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros((num_blocks, self.block_size, heads, v_width),
+                         dtype=self.kv_cache_dtype, device=self.device))
             for _ in self.model.model.layers]
 
     @property

@@ -89,12 +89,15 @@ class Worker:
         return self.config.max_model_len or self.model_config().max_position_embeddings
 
     def load_model(self) -> None:
+        from shoal.runtime.attention.kv_cache_dtype import attention_needs, kv_cache_torch_dtype
         from shoal.runtime.attention.selector import get_attention_backend
         from shoal.runtime.model.loader import build_model
 
         mc = self.model_config()
+        kv_name = self.config.kv_cache_dtype
         backend = get_attention_backend(self.config.attention_backend, self.device, self.dtype,
-                                        mc.attention_features)
+                                        mc.attention_features
+                                        | attention_needs(kv_name, mc.attention_features))
         max_positions = max(self.max_model_len, mc.max_position_embeddings)
         if self.config.pooler is not None:  # no logits: an LM head need not be stored
             mc = dataclasses.replace(mc, tie_word_embeddings=True)
@@ -104,7 +107,7 @@ class Worker:
                                 self.config.seed + self.parallel.rank,
                                 self.config.quantization)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,
-                                  self.config.block_size)
+                                  self.config.block_size, kv_cache_torch_dtype(kv_name, self.dtype))
         if self.config.enable_lora:
             self.lora = self._attach_lora(model)
 

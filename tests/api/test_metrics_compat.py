@@ -15,13 +15,14 @@ def test_vllm_names_and_cache_config_info() -> None:
     metrics = ServerMetrics("m", ["vllm"])
     metrics.update_stats(SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25))
     assert samples(metrics.render())["vllm:cache_config_info"] == []  # unknown before sizing
-    metrics.set_cache_config(16, 512)
+    metrics.set_cache_config(16, 512, "fp8")
     parsed = samples(metrics.render())
     assert parsed["vllm:num_requests_running"][0].value == 3
     assert parsed["vllm:num_requests_waiting"][0].value == 2
     assert parsed["vllm:kv_cache_usage_perc"][0].value == 0.25
     (info,) = parsed["vllm:cache_config_info"]
-    assert info.labels == {"block_size": "16", "num_gpu_blocks": "512"} and info.value == 1.0
+    assert info.labels == {"block_size": "16", "cache_dtype": "fp8", "num_gpu_blocks": "512"}
+    assert info.value == 1.0
     assert "shoal:cache_config_info" in parsed
 
 

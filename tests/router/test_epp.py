@@ -80,7 +80,8 @@ def test_engines_expose_what_endpoint_pickers_scrape(engines):
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
                  "vllm:kv_cache_usage_perc"):
         assert f'{name}{{model_name="shoal-test"}}' in text, name
-    assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0' in text
+    assert ('vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="64"} 1.0'
+            in text)
     models = httpx.get(f"{engines[0]}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["shoal-test"]
 
