@@ -25,6 +25,7 @@ from shoal.runtime.engine.remote_kv import RemoteKV
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
+from shoal.runtime.kv.kv_manager import window_peak_blocks
 from shoal.runtime.kv_transfer.params import KVTransferConfig
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.lora_modules import check_lora_limits
@@ -168,9 +169,15 @@ class EngineCore:
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """config.json's limit unless set; one sequence must fit the whole KV cache, so a
-        default is shrunk to it and an explicit value beyond it is an error."""
+        default is shrunk to it and an explicit value beyond it is an error. A model windowed
+        on every layer needs only its window's blocks at once (the rest are freed as it
+        runs): when the cache holds that, any length the model takes fits."""
         model_limit = self.model_config.max_position_embeddings
         kv_limit = num_blocks * self.config.block_size
+        window = self.model_config.sliding_window
+        if window is not None and num_blocks >= window_peak_blocks(
+                window, self.config.max_num_batched_tokens, self.config.block_size):
+            kv_limit = model_limit
         asked = self.config.max_model_len
         if asked is None:
             return min(model_limit, kv_limit)

@@ -64,6 +64,13 @@ def cdiv(a: int, b: int) -> int:
 FREED = KVBlock(-1)
 
 
+def window_peak_blocks(window: int, max_step_tokens: int, block_size: int) -> int:
+    """The most blocks one request of a model windowed on every layer holds at once, however
+    long it is: a step's tokens and the ``window - 1`` positions before them, misaligned by
+    up to a block."""
+    return cdiv(window - 1 + max_step_tokens, block_size) + 1
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, enable_prefix_caching: bool = True,
@@ -218,6 +225,10 @@ class KVCacheManager:
         needed = cdiv(total_tokens, self.block_size) - have - len(hits)
         if cdiv(total_tokens, self.block_size) > self.max_blocks_per_seq:
             raise ValueError(f"{req_id!r}: {total_tokens} tokens exceed max_model_len")
+        # leading hits no window reaches are not taken (FREED in the table): a long cached
+        # prefix then needs only the window's blocks, like a running request
+        dead = min(self._dead_blocks(num_computed_tokens), len(hits)) if table is None else 0
+        hits = hits[dead:]
         # hits sitting in the free list leave it, so they cannot also be allocated fresh
         hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
         if needed > self.pool.free_list.num_free - hits_in_free_list:
@@ -225,14 +236,15 @@ class KVCacheManager:
         if table is None:
             if not self._free_rows:
                 return False
-            table = self.tables[req_id] = []
+            table = self.tables[req_id] = [FREED] * dead
             self.rows[req_id] = self._free_rows.pop()
-            self._num_hashed[req_id] = len(hits)
+            self.num_freed[self.rows[req_id]] = dead
+            self._num_hashed[req_id] = dead + len(hits)
         if not hits and needed <= 0:
             return True
         self.pool.touch(hits)
         new_blocks = self.pool.allocate(max(needed, 0))
-        start = len(table)
+        start = len(table)  # after any FREED entries (0 in the array already)
         table.extend(hits)
         table.extend(new_blocks)
         row = self.block_table_array[self.rows[req_id]]
@@ -290,6 +302,11 @@ class KVCacheManager:
         for i in np.flatnonzero(dead > self.num_freed[rows]).tolist():
             freed += self._free_leading(req_ids[i], int(rows[i]), int(dead[i]))
         return freed
+
+    def _dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks no window reaches once ``num_computed`` tokens are computed."""
+        window = self.sliding_window
+        return 0 if window is None else max(num_computed - (window - 1), 0) // self.block_size
 
     def _free_leading(self, req_id: str, row: int, count: int) -> int:
         table = self.tables[req_id]

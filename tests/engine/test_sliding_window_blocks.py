@@ -12,7 +12,7 @@ import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreRequest
-from shoal.runtime.kv.kv_manager import FREED, KVCacheManager
+from shoal.runtime.kv.kv_manager import FREED, KVCacheManager, window_peak_blocks
 from shoal.runtime.sampling_params import SamplingParams
 
 WINDOW = 16  # make_family_model.WINDOW: mistral_sliding windows every layer by it
@@ -64,11 +64,14 @@ def test_freed_blocks_stay_valid_cached_prefixes_until_reallocated(make_seq):
     kv.cache_blocks_ahead([seq], [32])
     kv.written()
     assert _free(kv, seq, 32) == 7  # the window of position 32 starts in block 7
-    # another request with the same prompt finds all eight blocks, seven of them free
+    # another request with the same prompt finds all eight blocks, seven of them free; it
+    # takes only the one its window reaches (and a new one), the others stay FREED
     again = make_seq("b", prompt + [9])
     hits = kv.find_cached_prefix(again)
     assert len(hits) == 8 and hits[0].ref_cnt == 0
     assert kv.allocate_slots(again, 32, 1, hits)
+    assert kv.block_ids("b") == [-1] * 7 + [hits[7].block_id, kv.tables["b"][8].block_id]
+    assert kv.num_blocks_held("b") == 2 and hits[0].ref_cnt == 0
     kv.check_invariants()
     kv.free("b")
     # reallocating the freed blocks evicts their hashes: no stale prefix is ever served
@@ -183,6 +186,43 @@ def test_preemption_with_freed_blocks_equals_hf(sliding_model, hf_greedy, assert
     outputs = _run(core, prompts, 60)
     assert core.stats().num_preemptions > 0
     assert check(hf_greedy(sliding_model), assert_matches_hf, prompts, outputs, 60) <= 1
+
+
+def test_a_sequence_longer_than_the_whole_cache_equals_hf(sliding_model, hf_greedy,
+                                                          assert_matches_hf):
+    """16 blocks of 4 hold 64 tokens; a request runs to 20 + 150 tokens, since it only ever
+    holds its window's blocks (max_model_len is the model's own 1024)."""
+    core = _engine(sliding_model, num_kv_blocks=16, max_num_batched_tokens=16)
+    assert core.max_model_len == 1024
+    prompt = random.Random(4).sample(range(3, 1000), 20)
+    held: list[int] = []
+    outputs = _run(core, {"long": prompt}, 150,
+                   lambda c: held.append(c.scheduler.kv.num_blocks_held("long")))
+    assert len(held) >= 150 and max(held) <= window_peak_blocks(WINDOW, 16, 4), held
+    assert max(held[2:]) <= WINDOW // 4 + 2, held  # decoding: the window and one block
+    assert check(hf_greedy(sliding_model), assert_matches_hf, {"long": prompt}, outputs,
+                 150) == 0
+
+
+def test_a_long_cached_prefix_is_taken_from_the_windows_start(sliding_model, hf_greedy,
+                                                              assert_matches_hf):
+    core = _engine(sliding_model, num_kv_blocks=48, max_num_batched_tokens=16)
+    prompt = random.Random(5).sample(range(3, 1000), 20)
+    first = _run(core, {"first": prompt}, 60)["first"]
+    again = prompt + first[:50]  # 70 tokens: 17 full blocks cached, 13 behind the window
+    held: list[int] = []
+    hits_before = core.stats().prefix_cache_hits
+    outputs = _run(core, {"again": again}, 10,
+                   lambda c: held.append(c.scheduler.kv.num_blocks_held("again")))
+    assert core.stats().prefix_cache_hits - hits_before == 68
+    assert held[0] <= WINDOW // 4 + 2, held  # not the 18 blocks of the whole prefix
+    assert check(hf_greedy(sliding_model), assert_matches_hf, {"again": again}, outputs,
+                 10) == 0
+
+
+def test_a_cache_smaller_than_the_window_keeps_the_limit(sliding_model):
+    core = _engine(sliding_model, num_kv_blocks=8, max_num_batched_tokens=16)
+    assert core.max_model_len == 32  # 8 blocks of 4: the window (16) and a step do not fit
 
 
 def check(hf, assert_matches_hf, prompts, outputs, max_tokens: int) -> int:
