@@ -225,5 +225,29 @@ def test_a_cache_smaller_than_the_window_keeps_the_limit(sliding_model):
     assert core.max_model_len == 32  # 8 blocks of 4: the window (16) and a step do not fit
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "ministral", "gpt_oss"])
+def test_a_model_with_full_attention_layers_keeps_every_block_and_equals_hf(
+        name, hf_greedy, assert_matches_hf):
+    """Windowed layers alternating with full ones: the full layers read every position, so
+    over a sequence many windows long nothing is freed (and the cache still bounds the
+    length), and the output equals HF's."""
+    from shoal.runtime.model.make_family_model import cached_family_model
+    from shoal.runtime.model.make_moe_model import cached_moe_model
+
+    model_dir = cached_moe_model(name) if name == "gpt_oss" else cached_family_model(name)
+    core = _engine(model_dir, num_kv_blocks=40, max_num_batched_tokens=16)
+    assert set(core.model_config.layer_windows) == {WINDOW, None}
+    assert core.scheduler.kv.sliding_window is None
+    assert core.max_model_len == 160  # 40 blocks of 4, not the model's 1024
+    prompt = random.Random(7).sample(range(3, 1000), 20)
+    tables: list[tuple[int, int]] = []
+    outputs = _run(core, {"long": prompt}, 120, lambda c: tables.append(
+        (c.scheduler.kv.num_blocks_held("long"), c.scheduler.kv.num_blocks_of("long"))))
+    assert all(held == covered for held, covered in tables)
+    assert max(held for held, _ in tables) == 35  # 139 positions computed, 4 per block
+    assert check(hf_greedy(model_dir), assert_matches_hf, {"long": prompt}, outputs,
+                 120) <= 1
+
+
 def check(hf, assert_matches_hf, prompts, outputs, max_tokens: int) -> int:
     return assert_matches_hf(hf, prompts, outputs, dict.fromkeys(prompts, max_tokens))
