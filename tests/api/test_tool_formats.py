@@ -3,9 +3,8 @@ read whole and as it streams, cut at every point; the streamed calls assemble to
 ones, their arguments arriving piece by piece as the model writes them (pythonic's at the end).
 The expected calls are what vLLM's parsers return for the same text
 (bench/tool_parsers_vs_vllm.py runs vLLM's own parsers on these cases), except the few in
-DEPARTS_FROM_VLLM. Then served: the
-tiny model is made to write each format (vLLM's ``structured_outputs`` choice), and the
-openai client reads the calls, streamed and not."""
+DEPARTS_FROM_VLLM. Served, on what a model trained to write each format samples:
+tests/api/test_trained_tool_calls.py."""
 
 from __future__ import annotations
 
@@ -182,58 +181,6 @@ def test_mistral_ids_are_nine_alphanumerics_and_markers_kept() -> None:
 ])
 def test_qwen3_coder_values_take_the_schema_type_in_vllm_order(text, schema_type, value):
     assert typed_value(text, schema_type) == value
-
-
-# what the tiny model is made to write, per format, and the call it must come back as
-SERVED = {
-    "mistral": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
-                {"city": "Paris", "days": 3}),
-    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-                    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
-                    "</tool_call>", {"city": "Paris", "days": 3}),
-    "pythonic": ('[get_weather(city="Paris", days=3)]', {"city": "Paris", "days": 3}),
-    "deepseek_v3": (f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
-                    f'{{"city": "Paris", "days": 3}}\n```{DS_END}{DS_ALL_END}',
-                    {"city": "Paris", "days": 3}),
-}
-
-
-@pytest.mark.parametrize("parser", sorted(SERVED))
-def test_served_calls_through_the_openai_client_streamed_and_not(start_server, tiny_qwen2,
-                                                                 parser) -> None:
-    openai = pytest.importorskip("openai")
-    text, arguments = SERVED[parser]
-    server = start_server("--tool-call-parser", parser, "--enable-auto-tool-choice",
-                          model_dir=tiny_qwen2)
-    try:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-        kwargs = {"model": "shoal-test", "tools": TOOLS, "max_tokens": 200, "temperature": 0,
-                  "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
-                  "extra_body": {"structured_outputs": {"choice": [text]}}}
-        answer = client.chat.completions.create(**kwargs)
-        choice = answer.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        assert choice.message.content is None
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather"
-        assert json.loads(call.function.arguments) == arguments
-        calls: dict[int, dict] = {}
-        content, finish = "", None
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                content += c.delta.content or ""
-                finish = c.finish_reason or finish
-                for d in c.delta.tool_calls or []:
-                    entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
-                    entry["id"] = entry["id"] or d.id
-                    entry["name"] += d.function.name or ""
-                    entry["arguments"] += d.function.arguments or ""
-        assert finish == "tool_calls" and content == ""
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-            (call.function.name, call.function.arguments)]
-        assert calls[0]["id"]
-    finally:
-        server.stop()
 
 
 def test_mistral_requests_keep_special_tokens_in_the_text_on_every_endpoint() -> None:
