@@ -1,16 +1,18 @@
 """Reasoning and tool calls on real model output: the tiny qwen2 checkpoint, its tokenizer
-given each format's marker tokens, is trained here (a few hundred CPU steps) to think in a
+given each format's marker tokens, is trained here (a few dozen CPU steps) to think in a
 ``<think>`` span, then call a tool in the format its prompt names: mistral (``[TOOL_CALLS]``
 and ``[ARGS]`` special tokens, as in Mistral's tokenizers), qwen3_coder, pythonic and
 deepseek_v3. Each format is served with ``--reasoning-parser qwen3`` and its
 ``--tool-call-parser``; the openai client reads the reasoning and the call, streamed and
-not, and the anthropic client reads a thinking block and a tool_use block, streamed and
-not. The model only writes each text as trained; what the server makes of it is read from
-the tokens it sampled, not from a string fixture."""
+not (its stream helper too, which parses the arguments as partial JSON at every delta), and
+the anthropic client reads a thinking block and a tool_use block, streamed and not. The
+model only writes each text as trained; what the server makes of it is read from the
+tokens it sampled, not from a string fixture."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -22,6 +24,8 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"},
                                          "days": {"type": "integer"}}}}}]
+# as the openai client's stream helper needs them (it parses strict tools' arguments only)
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
 DS = ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
       "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"]
 # each format's call as the model is trained to write it, after its reasoning
@@ -65,8 +69,8 @@ def _train(out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         data = []
-        for parser, call in CALLS.items():
-            prompt = tokenizer.apply_chat_template(question(parser), tools=TOOLS,
+        for (parser, call), tools in itertools.product(CALLS.items(), (TOOLS, STRICT_TOOLS)):
+            prompt = tokenizer.apply_chat_template(question(parser), tools=tools,
                                                    tokenize=False, add_generation_prompt=True)
             answer = f"<think>{REASONING}</think>\n\n{call}{tokenizer.eos_token}"
             data.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
@@ -100,7 +104,7 @@ def _train(out: Path) -> None:
 def trained_model() -> Path:
     from shoal.runtime.model.make_model import cached_build
 
-    version = hashlib.sha256(json.dumps([REASONING, CALLS, ADDED, TOOLS]).encode()
+    version = hashlib.sha256(json.dumps([REASONING, CALLS, ADDED, TOOLS, STRICT_TOOLS]).encode()
                              ).hexdigest()[:8]
     return cached_build(f"qwen2-think-and-call-trained-{version}", _train)
 
@@ -163,6 +167,17 @@ def test_trained_reasoning_then_call_read_by_openai_and_anthropic_clients(
             assert calls[0]["pieces"] > 1  # the arguments stream as the model writes them
         last_reasoning = max(i for i, k in enumerate(kinds) if k == "reasoning")
         assert kinds.index("tool_call") > last_reasoning
+
+        # the openai client's own stream accumulation: it parses the arguments so far as
+        # partial JSON at every delta, so each prefix sent must be one
+        with client.chat.completions.stream(**{**kwargs, "tools": STRICT_TOOLS}) as stream:
+            partial = [event.parsed_arguments for event in stream
+                       if event.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion()
+        [helped] = final.choices[0].message.tool_calls
+        assert helped.function.name == "get_weather"
+        assert helped.function.parsed_arguments == ARGUMENTS == partial[-1]
+        assert len(partial) >= calls[0]["pieces"]  # one event per delta, each one parsed
 
         # the same output as Anthropic blocks: thinking, then tool_use with the object
         messages = anthropic.Anthropic(base_url=server.base_url, api_key="unused",
