@@ -1,0 +1,103 @@
+"""The routed experts of one MoE block on CPU (``shoal/kernels/moe_grouped.py``), at the
+shape of ``make_moe_model``'s Qwen3-MoE ``bench`` size: hidden 1024, 64 experts of 256, top-8.
+
+For each token count (a decode batch up to a prefill chunk) it reports the median CPU time of
+one ``grouped_experts`` call on one thread (CPU time, so other jobs on a shared machine
+inflate it less than wall time; still noisy) and the max difference from a float64
+reference. Routing is a softmax top-k over random logits, so the experts' loads are uneven.
+
+``--against REF`` times REF's ``moe_grouped.py`` (``git show``) in the same process too,
+calls alternating, and reports the ratio of the medians.
+
+    .venv/bin/python bench/moe_experts.py [--dtype bfloat16] [--tokens 1 8 64 256]
+        [--repeats 9] [--against REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.kernels import moe_grouped
+
+EXPERTS, HIDDEN, SIZE, TOP_K = 64, 1024, 256, 8
+
+
+def _module_at(ref: str):
+    source = subprocess.run(["git", "show", f"{ref}:shoal/kernels/moe_grouped.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "moe_grouped_ref.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("moe_grouped_ref", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _float64_reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """Each (token, expert) pair on its own, in float64."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _cpu_ms(fn, *args) -> float:
+    start = time.process_time()
+    fn(*args)
+    return (time.process_time() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--against", metavar="REF")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    w13 = (torch.randn(EXPERTS, 2 * SIZE, HIDDEN) * 0.03).to(dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, SIZE) * 0.03).to(dtype)
+    versions = {"this": moe_grouped.grouped_experts}
+    if args.against:
+        versions[args.against] = _module_at(args.against).grouped_experts
+    print(f"{args.dtype}, E={EXPERTS} H={HIDDEN} I={SIZE} top-{TOP_K}, one thread, "
+          f"median CPU ms of {args.repeats}")
+    for tokens in args.tokens:
+        x = torch.randn(tokens, HIDDEN).to(dtype)
+        weights, ids = torch.softmax(torch.randn(tokens, EXPERTS), -1).topk(TOP_K, -1)
+        exact = _float64_reference(x, w13, w2, weights, ids)
+        times: dict[str, list[float]] = {name: [] for name in versions}
+        for fn in versions.values():
+            fn(x, w13, w2, weights, ids)  # warm up
+        for _ in range(args.repeats):
+            for name, fn in versions.items():
+                times[name].append(_cpu_ms(fn, x, w13, w2, weights, ids))
+        cells = []
+        for name, fn in versions.items():
+            error = (fn(x, w13, w2, weights, ids).double() - exact).abs().max().item()
+            cells.append(f"{name} {statistics.median(times[name]):8.2f} ms (max err {error:.2g})")
+        if args.against:
+            ratio = statistics.median(times[args.against]) / statistics.median(times["this"])
+            cells.append(f"{ratio:.2f}x")
+        print(f"T={tokens:5d}  " + "  ".join(cells))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
