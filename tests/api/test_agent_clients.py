@@ -1,6 +1,6 @@
-"""LangChain (langchain-openai) and LiteLLM, from PyPI, unchanged against ``shoal serve``:
-chat, streaming, tools and structured output, on a random-weight model whose outputs are
-only valid because the grammar makes them so."""
+"""LangChain (langchain-openai, langchain-anthropic) and LiteLLM, from PyPI, unchanged
+against ``shoal serve``: chat, streaming, tools and structured output, on a random-weight
+model whose outputs are only valid because the grammar makes them so."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ class Pet(BaseModel):
 
     kind: Literal["cat", "dog", "fish"]
     age: int = Field(ge=0, le=30)
+
+
+class PetKind(BaseModel):
+    """A pet's kind."""
+
+    kind: Literal["cat", "dog", "fish"]
+    name: str
 
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -95,3 +102,35 @@ def test_litellm_tools_and_response_format(litellm_kwargs) -> None:
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     response = litellm.completion(messages=MESSAGES, response_format=Pet, **litellm_kwargs)
     assert Pet.model_validate_json(response.choices[0].message.content)
+
+
+@pytest.fixture(scope="module")
+def anthropic_chat_model(tiny_chat_server):
+    """LangChain's Anthropic chat model (langchain-anthropic) on /v1/messages."""
+    from langchain_anthropic import ChatAnthropic
+
+    return ChatAnthropic(base_url=tiny_chat_server.base_url, api_key="unused",
+                         model="shoal-test", max_tokens=60, temperature=0, max_retries=0)
+
+
+def test_langchain_anthropic_invoke_stream_tools_and_structured_output(
+        anthropic_chat_model) -> None:
+    message = anthropic_chat_model.invoke("Hello")
+    assert isinstance(message.content, str) and message.content
+    assert message.usage_metadata["output_tokens"] == 60
+    assert message.response_metadata["stop_reason"] == "max_tokens"
+    chunks = list(anthropic_chat_model.stream("Hello"))
+    assert len(chunks) > 2
+    assert "".join(c.text for c in chunks) == message.content  # greedy: same text
+    for tool_choice in ("any", "get_weather"):  # Anthropic's any, and a named tool
+        bound = anthropic_chat_model.bind_tools([WEATHER_TOOL], tool_choice=tool_choice)
+        called = bound.invoke("What is the weather?")
+        assert [c["name"] for c in called.tool_calls] == ["get_weather"]
+        jsonschema.validate(called.tool_calls[0]["args"], WEATHER)
+    pet = anthropic_chat_model.with_structured_output(Pet).invoke("A pet, please.")
+    assert isinstance(pet, Pet)  # a forced tool call, its input_schema the model's
+    # output_config: the anthropic client moves minimum/maximum (which Anthropic does not
+    # constrain) into the description before sending, so the model here has no bounds
+    kind = anthropic_chat_model.with_structured_output(PetKind, method="json_schema").invoke(
+        "A pet, please.")
+    assert isinstance(kind, PetKind)
