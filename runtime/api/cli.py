@@ -82,7 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type: auto = the model's dtype; fp8 (= "
                         "fp8_e4m3) and fp8_e5m2 store one byte per element (twice the blocks "
-                        "in the same memory; lossy), with K and V scales of 1.0")
+                        "in the same memory; lossy), scaled by the checkpoint's per-layer "
+                        "k_scale / v_scale where it has them (a calibrated FP8 KV cache), "
+                        "else 1.0")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-logprobs", type=int, default=20)

@@ -7,7 +7,8 @@ and the same memory holds twice the blocks. A stored element is ``x / scale`` sa
 the format's finite range (e4m3: +-448; e5m2: +-57344; torch's cast would turn an e5m2
 overflow into inf); it reads back as ``stored * scale``. One scale per layer for K and one
 for V (``kv_scales``, float32 ``[2]`` on the cache's device, read by the kernels at run
-time so captured CUDA graphs follow it), 1.0 each.
+time so captured CUDA graphs follow it): the checkpoint's ``k_scale`` / ``v_scale`` where it
+has them (``model/kv_scales.py``), else 1.0.
 
 A backend reads float8 rows widened to its compute type with the scales applied, and
 attends over what the cache holds for every token, this step's included: a prompt's

@@ -22,6 +22,7 @@ from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
 from shoal.runtime.model.gguf_checkpoint import open_gguf
+from shoal.runtime.model.kv_scales import KvScaleReader, kv_scale_slots
 from shoal.runtime.model.linear import (
     linear_weights_deferred,
     pack_cpu_linear_weights,
@@ -75,12 +76,17 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
     loaded: set[tuple[str, object]] = set()
     mtp = model.config.mla.mtp_layers if model.config.mla is not None else 0
     skipped_mtp = 0
+    kv_scales = KvScaleReader(model)
     tensors = checkpoint_tensors(model_dir)
     if dequantized_at_load(model.config.quantization):
         tensors = dequantized_tensors(tensors)
     for ckpt_name, st_slice in tensors:
         if mtp and _past_the_decoder(ckpt_name, model.config.num_layers):
             skipped_mtp += 1
+            continue
+        scale_slots = kv_scale_slots(_model_name(model, ckpt_name) or "")
+        if scale_slots is not None:
+            kv_scales.read(ckpt_name, *scale_slots, st_slice)
             continue
         target = _target(model, ckpt_name, params)
         if target is None:
@@ -109,6 +115,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             loader(param, tensor.narrow(0, start, rows), part)
             loaded.add((name, part))
             start += rows
+    if kv_scales.finish():
+        logger.info("KV cache scales read for %d attention layers (used by --kv-cache-dtype "
+                    "fp8)", len(kv_scales.given))
     if mtp:
         logger.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers) are "
                     "not used (no MTP speculative decoding); %d of their tensors skipped",
@@ -192,16 +201,23 @@ def _unwrapped(ckpt_name: str, prefix: str | None) -> str | None:
 _BASE_MODEL_PARTS = ("embed_tokens.", "layers.", "norm.")
 
 
+def _model_name(model: DecoderForCausalLM, ckpt_name: str) -> str | None:
+    """A checkpoint tensor's name under the plain ``*ForCausalLM``'s module names (None: a
+    part of a wrapper the text model does not use)."""
+    unwrapped = _unwrapped(ckpt_name, model.config.weight_prefix)
+    if unwrapped is not None and unwrapped.startswith(_BASE_MODEL_PARTS):
+        return "model." + unwrapped  # saved from the base decoder (``Qwen3Model``)
+    return unwrapped
+
+
 def _target(model: DecoderForCausalLM, ckpt_name: str,
             params: dict | None = None) -> tuple[str, object] | None:
     if "rotary_emb" in ckpt_name:
         return None
-    unwrapped = _unwrapped(ckpt_name, model.config.weight_prefix)
+    unwrapped = _model_name(model, ckpt_name)
     if unwrapped is None:
         return None
     ckpt_name = unwrapped
-    if ckpt_name.startswith(_BASE_MODEL_PARTS):  # saved from the base decoder (``Qwen3Model``)
-        ckpt_name = "model." + ckpt_name
     if ckpt_name.startswith("lm_head.") and model.config.tie_word_embeddings:
         return None  # same tensor as the embedding
     moe = expert_checkpoint_target(ckpt_name)

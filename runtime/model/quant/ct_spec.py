@@ -7,7 +7,8 @@ one of three formats:
 - ``float-quantized``: FP8 weights per channel or per tensor (``FP8_DYNAMIC``, ``FP8``);
 - ``int-quantized``: int8 weights per channel (``W8A8``).
 Activations a scheme quantizes dynamically (per token or per tensor) stay in the model dtype on
-CPU, as transformers' CPU loading runs them; static activation scales are refused.
+CPU, as transformers' CPU loading runs them; static activation scales are refused. A
+``kv_cache_scheme`` of static per-tensor FP8 scales is accepted (``_kv_cache_scheme``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def _activations(name: str, fmt: str, acts: Any) -> None:
                                 "per-token or per-tensor scales)")
 
 
+def _kv_cache_scheme(kv: Any) -> None:
+    """A calibrated FP8 KV cache (static per-tensor float8 scales, one K and one V per layer)
+    is read by the loader (``model/kv_scales.py``) and used with ``--kv-cache-dtype fp8``;
+    any other KV cache scheme is refused."""
+    if kv is None:
+        return
+    if (str(kv.type) != "float" or kv.num_bits != 8 or str(kv.strategy) != "tensor"
+            or kv.dynamic or not kv.symmetric):
+        raise QuantizationError(
+            f"compressed-tensors: kv_cache_scheme {kv.type} {kv.num_bits}-bit {kv.strategy} "
+            f"(dynamic={kv.dynamic}, symmetric={kv.symmetric}) is not supported (only static "
+            "per-tensor FP8 scales, served with --kv-cache-dtype fp8)")
+
+
 def parse_compressed_tensors(qc: dict) -> QuantSpec:
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -56,8 +71,7 @@ def parse_compressed_tensors(qc: dict) -> QuantSpec:
     _activations(name, fmt, group.input_activations)
     if group.output_activations is not None:
         raise QuantizationError(f"compressed-tensors: {name} quantizes output activations")
-    if config.kv_cache_scheme is not None:
-        raise QuantizationError("compressed-tensors: kv_cache_scheme is not supported")
+    _kv_cache_scheme(config.kv_cache_scheme)
     if [t for t in group.targets if t != "Linear"]:
         raise QuantizationError(f"compressed-tensors: targets {group.targets} are not "
                                 "supported (only Linear)")
