@@ -175,9 +175,20 @@ class EngineCore:
         model_limit = self.model_config.max_position_embeddings
         kv_limit = num_blocks * self.config.block_size
         window = self.model_config.sliding_window
-        if window is not None and num_blocks >= window_peak_blocks(
-                window, self.config.max_num_batched_tokens, self.config.block_size):
-            kv_limit = model_limit
+        if window is not None:
+            peak = window_peak_blocks(window, self.config.max_num_batched_tokens,
+                                      self.config.block_size)
+            logger.info("KV cache: every layer attends to the last %d positions, so a "
+                        "request holds at most %d blocks however long it grows%s", window,
+                        peak, "" if num_blocks >= peak else
+                        f"; the cache has {num_blocks}, so max_model_len stays within it")
+            if num_blocks >= peak:
+                kv_limit = model_limit
+        elif any(self.model_config.layer_windows):
+            windowed = sum(1 for w in self.model_config.layer_windows if w)
+            logger.info("KV cache: %d of %d layers are windowed; the others attend to every "
+                        "position, so a request keeps all its blocks", windowed,
+                        len(self.model_config.layer_windows))
         asked = self.config.max_model_len
         if asked is None:
             return min(model_limit, kv_limit)

@@ -189,10 +189,12 @@ def test_preemption_with_freed_blocks_equals_hf(sliding_model, hf_greedy, assert
 
 
 def test_a_sequence_longer_than_the_whole_cache_equals_hf(sliding_model, hf_greedy,
-                                                          assert_matches_hf):
+                                                          assert_matches_hf, caplog):
     """16 blocks of 4 hold 64 tokens; a request runs to 20 + 150 tokens, since it only ever
     holds its window's blocks (max_model_len is the model's own 1024)."""
-    core = _engine(sliding_model, num_kv_blocks=16, max_num_batched_tokens=16)
+    with caplog.at_level("INFO", logger="shoal.engine.core"):
+        core = _engine(sliding_model, num_kv_blocks=16, max_num_batched_tokens=16)
+    assert "the last 16 positions, so a request holds at most 9 blocks" in caplog.text
     assert core.max_model_len == 1024
     prompt = random.Random(4).sample(range(3, 1000), 20)
     held: list[int] = []
@@ -227,7 +229,7 @@ def test_a_cache_smaller_than_the_window_keeps_the_limit(sliding_model):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "ministral", "gpt_oss"])
 def test_a_model_with_full_attention_layers_keeps_every_block_and_equals_hf(
-        name, hf_greedy, assert_matches_hf):
+        name, hf_greedy, assert_matches_hf, caplog):
     """Windowed layers alternating with full ones: the full layers read every position, so
     over a sequence many windows long nothing is freed (and the cache still bounds the
     length), and the output equals HF's."""
@@ -235,8 +237,10 @@ def test_a_model_with_full_attention_layers_keeps_every_block_and_equals_hf(
     from shoal.runtime.model.make_moe_model import cached_moe_model
 
     model_dir = cached_moe_model(name) if name == "gpt_oss" else cached_family_model(name)
-    core = _engine(model_dir, num_kv_blocks=40, max_num_batched_tokens=16)
+    with caplog.at_level("INFO", logger="shoal.engine.core"):
+        core = _engine(model_dir, num_kv_blocks=40, max_num_batched_tokens=16)
     assert set(core.model_config.layer_windows) == {WINDOW, None}
+    assert "1 of 2 layers are windowed" in caplog.text
     assert core.scheduler.kv.sliding_window is None
     assert core.max_model_len == 160  # 40 blocks of 4, not the model's 1024
     prompt = random.Random(7).sample(range(3, 1000), 20)
