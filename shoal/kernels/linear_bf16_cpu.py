@@ -1,5 +1,5 @@
-"""Linear layers over bfloat16 weights on CPU (``linear_bf16_cpu.c``, in the native library
-of ``native_cpu``), for CPUs whose oneDNN cannot pack bfloat16 weights.
+"""Linear layers over bfloat16 weights on CPU, for CPUs whose oneDNN cannot pack bfloat16
+weights.
 
 oneDNN's bfloat16 path needs bfloat16 instructions (AVX512-BF16, AMX or AVX-NE-CONVERT;
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). Without them (Zen 3, AVX2), torch's
@@ -13,22 +13,19 @@ stays in bfloat16 (half the memory and half the bytes a decode step reads) and:
 
 Measured here (Zen 3, one thread, load average 3, SmolLM2's 1536x576 gate_up / Qwen3-0.6B's
 6144x1024 / SmolLM2's 49152x576 LM head): 1 row, torch bf16 0.195 / 1.52 / 6.35 ms against
-widened GEMM 0.49 / 3.39 / 14.0 ms and the native streaming kernel (``shoal_linear_bf16``)
-0.83 / 5.26 / 31.2 ms; 16 rows, widened GEMM 0.82 / 8.3 / 25.1 ms against torch bf16
-3.1 / 20.2 / 94.4 ms and the streaming kernel 5.7 / 49.9 / 258 ms; float32 on oneDNN-packed
-weights 0.12 / 2.35 / 9.5 ms at 1 row, 0.78 / 6.9 / 29.1 ms at 16. The streaming kernel (its
-16-lane widening lowers poorly on AVX2) is therefore not dispatched; ``linear_bf16_streaming``
-keeps it callable and tested until it is fixed or removed.
+widened GEMM 0.49 / 3.39 / 14.0 ms and a native C streaming kernel 0.83 / 5.26 / 31.2 ms;
+16 rows, widened GEMM 0.82 / 8.3 / 25.1 ms against torch bf16 3.1 / 20.2 / 94.4 ms and the
+streaming kernel 5.7 / 49.9 / 258 ms; float32 on oneDNN-packed weights 0.12 / 2.35 / 9.5 ms at
+1 row, 0.78 / 6.9 / 29.1 ms at 16. The streaming kernel (its 16-lane widening lowered poorly on
+AVX2) lost at every size and was removed (git history: ``linear_bf16_cpu.c``).
 
-Both sum in float32 and round to bfloat16 once, as torch's bfloat16 matmul does.
+Both paths sum in float32 and round to bfloat16 once, as torch's bfloat16 matmul does.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from shoal.kernels.native_cpu import load
 
 # rows up to which torch's bfloat16 GEMV beats widening + float32 GEMM (measured above)
 TORCH_MAX_ROWS = 2
@@ -64,24 +61,6 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor,
     if rows2d.shape[0] <= TORCH_MAX_ROWS:
         return F.linear(rows2d, weight, bias).reshape(*lead, n)
     return _widened_gemm(rows2d, weight, bias).reshape(*lead, n)
-
-
-def linear_bf16_streaming(x: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The native streaming kernel (``shoal_linear_bf16``) for ``x [rows, in]``: measured
-    slower than both other paths (module doc), so ``linear_bf16`` does not use it."""
-    _check(x, weight, bias)
-    rows2d = x if x.stride(-1) == 1 else x.contiguous()
-    rows, k = rows2d.shape
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=torch.bfloat16)
-    if rows and n:
-        failed = load().shoal_linear_bf16(
-            rows2d.data_ptr(), rows2d.stride(0), weight.data_ptr(),
-            bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, n, k)
-        if failed:
-            raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")
-    return out
 
 
 def _widened_gemm(x: torch.Tensor, weight: torch.Tensor,

@@ -1,5 +1,5 @@
-"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``,
-``linear_bf16_cpu.c``): prebuilt at install, else built on first use, via ctypes.
+"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``):
+prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
 compiled on the machine that runs it (``-march=native``) and cached under
@@ -39,8 +39,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c",
-                             "linear_bf16_cpu.c"))
+                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # libmvec (vector expf) where glibc ships it; plain libm otherwise
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
@@ -61,7 +60,6 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
     "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),
     "shoal_write_kv": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64]),
-    "shoal_linear_bf16": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
 }
 
 

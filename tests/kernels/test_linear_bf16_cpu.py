@@ -1,7 +1,7 @@
 """The bfloat16 linear kernel (``shoal.kernels.linear_bf16_cpu``) and its choice.
 
-Its paths (torch's bfloat16 GEMV for one or two rows, widened float32 GEMM for more, and the
-native streaming kernel, not dispatched) sum in float32 and round once, so each must equal float32 math on the same bfloat16 values rounded
+Its paths (torch's bfloat16 GEMV for one or two rows, widened float32 GEMM for more) sum in
+float32 and round once, so each must equal float32 math on the same bfloat16 values rounded
 to bfloat16: within one bfloat16 rounding of the result (sums in another order may round the
 other way at a tie-breaking boundary).
 """
@@ -31,11 +31,10 @@ def test_linear_bf16_equals_float32_math_on_the_same_values(rng, rows, n, k, wit
     bias = torch.randn(n, generator=rng).bfloat16() if with_bias else None
 
     expected = _expected(x, w, bias)
-    for linear in (linear_bf16_cpu.linear_bf16, linear_bf16_cpu.linear_bf16_streaming):
-        out = linear(x, w, bias)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-        # one bfloat16 rounding (relative 2^-8) of each result, plus float32 summation noise
-        assert torch.all((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-4)
+    out = linear_bf16_cpu.linear_bf16(x, w, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # one bfloat16 rounding (relative 2^-8) of each result, plus float32 summation noise
+    assert torch.all((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-4)
 
 
 def test_linear_bf16_takes_views_and_leading_dimensions(rng):
