@@ -52,9 +52,9 @@ STARTUP_TIMEOUT_S = 1800.0  # loading a large checkpoint may take long; errors s
 STOP_GRACE_S = 5.0
 # once one rank reports that a step failed, how long the others get to report the same
 # (ranks run the same plan on the same inputs: a request's content fails them all at one
-# point, seconds apart at most on a loaded machine); a rank still silent after it is stuck
+# point, at most seconds apart on a loaded machine); a rank still silent after it is stuck
 # in a collective its failed peer left, and the engine is failed
-STEP_FAILURE_GRACE_S = 5.0
+STEP_FAILURE_GRACE_S = 10.0
 
 
 class RankFailure(RuntimeError):
