@@ -6,6 +6,12 @@ one ``grouped_experts`` call on one thread (CPU time, so other jobs on a shared 
 inflate it less than wall time; still noisy) and the max difference from a float64
 reference. Routing is a softmax top-k over random logits, so the experts' loads are uneven.
 
+Each line also gives the block's matmul rate (``6 * T * k * H * I`` flops) and, as the
+machine's reachable peak, the rate of the same two GEMMs done dense (all ``T * k`` rows
+through one expert's weights, ``torch.mm``) in the same dtype; and the bytes of the experts'
+weights the block reads (the experts its tokens chose) as a rate, next to the rate at which
+this thread reads all the experts' weights in a batched GEMV (``torch.bmm``, one row each).
+
 ``--against REF`` times REF's ``moe_grouped.py`` (``git show``) in the same process too,
 calls alternating, and reports the ratio of the medians.
 
@@ -55,6 +61,11 @@ def _float64_reference(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
+def _dense(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.mm(rows, w13.t()).chunk(2, dim=-1)
+    return torch.mm(torch.nn.functional.silu(gate) * up, w2.t())
+
+
 def _cpu_ms(fn, *args) -> float:
     start = time.process_time()
     fn(*args)
@@ -76,8 +87,14 @@ def main() -> None:
     versions = {"this": moe_grouped.grouped_experts}
     if args.against:
         versions[args.against] = _module_at(args.against).grouped_experts
+    weight_bytes = (w13.nbytes + w2.nbytes) // EXPERTS  # one expert's
+    v13, v2 = torch.ones(EXPERTS, HIDDEN, 1, dtype=dtype), torch.ones(EXPERTS, SIZE, 1,
+                                                                       dtype=dtype)
+    read_ms = statistics.median(_cpu_ms(lambda: (torch.bmm(w13, v13), torch.bmm(w2, v2)))
+                                for _ in range(args.repeats))
     print(f"{args.dtype}, E={EXPERTS} H={HIDDEN} I={SIZE} top-{TOP_K}, one thread, "
-          f"median CPU ms of {args.repeats}")
+          f"median CPU ms of {args.repeats}; every expert's weights read by a batched GEMV "
+          f"at {weight_bytes * EXPERTS / read_ms / 1e6:.1f} GB/s")
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN).to(dtype)
         weights, ids = torch.softmax(torch.randn(tokens, EXPERTS), -1).topk(TOP_K, -1)
@@ -88,10 +105,17 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, fn in versions.items():
                 times[name].append(_cpu_ms(fn, x, w13, w2, weights, ids))
-        cells = []
+        rows = x.repeat_interleave(TOP_K, 0)
+        dense_ms = statistics.median(_cpu_ms(_dense, rows, w13[0], w2[0])
+                                     for _ in range(args.repeats))
+        gflop = 6 * tokens * TOP_K * HIDDEN * SIZE / 1e9
+        read_mb = len(ids.unique()) * weight_bytes / 1e6
+        cells = [f"dense {gflop / dense_ms * 1e3:6.1f} GFLOP/s", f"weights {read_mb:5.1f} MB"]
         for name, fn in versions.items():
             error = (fn(x, w13, w2, weights, ids).double() - exact).abs().max().item()
-            cells.append(f"{name} {statistics.median(times[name]):8.2f} ms (max err {error:.2g})")
+            ms = statistics.median(times[name])
+            cells.append(f"{name} {ms:8.2f} ms {gflop / ms * 1e3:6.1f} GFLOP/s "
+                         f"{read_mb / ms:4.1f} GB/s (max err {error:.2g})")
         if args.against:
             ratio = statistics.median(times[args.against]) / statistics.median(times["this"])
             cells.append(f"{ratio:.2f}x")
