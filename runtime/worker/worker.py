@@ -15,7 +15,7 @@ import torch
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.model.parallel import ParallelContext
-from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
+from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sample.prompt_logprobs import prompt_rows, score_prompt_rows
 from shoal.runtime.sample.sampler import Sampler, SamplerOutput
 from shoal.runtime.sample.state import (
@@ -23,8 +23,12 @@ from shoal.runtime.sample.state import (
     build_sampling_metadata,
     new_request_state,
 )
-from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.worker.dummy_step import (
+    CPU_WARMUP_SEQ_TOKENS,
+    dummy_seq_lens,
+    dummy_step_plan,
+)
 from shoal.runtime.worker.lora_manager import LoraManager
 from shoal.runtime.worker.model_runner import ModelRunner
 from shoal.runtime.worker.pooler import PromptPooler
@@ -182,24 +186,15 @@ class Worker:
         return max(1, min(self.config.max_num_batched_tokens, self.max_model_len))
 
     def _run_dummy_step(self) -> None:
-        runner = self._runner()
-        num_tokens = self._max_step_tokens()
-        capacity = runner.num_blocks * self.config.block_size
-        blocks = -(-num_tokens // self.config.block_size)
-        plan = StepPlan(
-            step_id=-1, req_ids=["__warmup__"],
-            input_ids=np.zeros(num_tokens, dtype=np.int64),
-            positions=np.arange(num_tokens, dtype=np.int64),
-            query_start_loc=np.array([0, num_tokens], dtype=np.int32),
-            seq_lens=np.array([num_tokens], dtype=np.int32),
-            block_tables=(np.arange(blocks, dtype=np.int32) % runner.num_blocks)[None, :],
-            slot_mapping=np.arange(num_tokens, dtype=np.int64) % capacity,
-            sample_rows=np.array([True]),
-            new_requests=[NewRequestData("__warmup__", [0], [], SamplingParams(temperature=0.0))],
-            finished_req_ids=[],
-        )
+        """The step ``dummy_step.py`` describes: one max-size sequence on a GPU (the memory
+        profile's worst case), the same tokens in shorter sequences on a CPU."""
+        split = CPU_WARMUP_SEQ_TOKENS if self.device.type == "cpu" else None
+        seq_lens = dummy_seq_lens(self._max_step_tokens(), self.config.block_size, split,
+                                  self.config.max_num_seqs)
+        plan = dummy_step_plan(seq_lens, self.config.block_size, self._runner().num_blocks)
         self.execute(plan)
-        self.states.pop("__warmup__", None)
+        for req_id in plan.req_ids:
+            self.states.pop(req_id, None)
 
     def grammars(self) -> GrammarBackend:
         if self._grammars is None:

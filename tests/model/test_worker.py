@@ -27,9 +27,18 @@ def test_kv_sizing_follows_the_model_config(tiny_qwen3, load_worker):
         torch.float32, tp_size=2)
 
 
-def test_warmup_runs_a_full_size_step_and_leaves_no_state(tiny_llama, load_worker):
+def test_warmup_runs_a_full_size_step_and_leaves_no_state(tiny_llama, load_worker,
+                                                          monkeypatch):
+    from shoal.runtime.worker import worker as worker_module
+
     worker = load_worker(tiny_llama, num_blocks=16, block_size=16, max_num_batched_tokens=256)
+    monkeypatch.setattr(worker_module, "CPU_WARMUP_SEQ_TOKENS", 64)  # split as a 2048 step is
+    plans = []
+    real_execute = worker.execute
+    monkeypatch.setattr(worker, "execute", lambda plan: plans.append(plan) or real_execute(plan))
     worker.warmup()
+    # every token of the largest step, in sequences of at most 64 on a CPU (dummy_step.py)
+    assert [(p.num_tokens, p.seq_lens.tolist()) for p in plans] == [(256, [64] * 4)]
     assert worker.states == {}
     # the grammar compiler too: the engine reports ready only after warm-up, and built later
     # it would hold the GIL against the replica's first steps
