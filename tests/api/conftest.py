@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,38 +15,9 @@ import httpx
 import psutil
 import pytest
 
+from ..processes import free_port, kill_tree, wait_until
+
 API_KEY = "sk-shoal-test"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.05,
-               what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation of ``prompt`` (exactly ``max_tokens``, no EOS stop)
-    and the reference's top-2 logit margin at each step."""
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=None,
-                             output_logits=True, return_dict_in_generate=True)
-    margins = [float(step[0].topk(2).values[0] - step[0].topk(2).values[1])
-               for step in out.logits]
-    return out.sequences[0, len(prompt):].tolist(), margins
 
 
 def assert_equal_up_to_a_near_tie(ours: list[int], want: list[int], margins: list[float],
@@ -70,6 +38,7 @@ class Server:
     model_dir: Path
     api_key: str | None
     log_path: Path
+    stopped: bool = False
 
     @property
     def base_url(self) -> str:
@@ -128,28 +97,33 @@ class Server:
                                  f"{os.getloadavg()}; log:\n{self.log()}") from None
 
     def stop(self) -> None:
-        """Kill the server and its engine child, whatever state they are in."""
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        for proc in children:
-            try:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        """Kill the server and its engine child, whatever state they are in (once: its pid
+        may be another process's afterwards)."""
+        if not self.stopped:
+            self.stopped = True
+            kill_tree(self.proc)
+
+
+_STARTED: list[Server] = []  # every server this session, in start order
+
+
+@pytest.fixture(autouse=True)
+def stop_the_tests_own_servers() -> Iterator[None]:
+    """A server a test function starts itself is stopped when that test ends. Fixtures of a
+    wider scope are set up before this one, so what starts after it is the test's own."""
+    first = len(_STARTED)
+    yield
+    for server in _STARTED[first:]:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., Server]]:
-    """start_server(*flags, api_key=None, wait=True, env=None) -> Server; all stopped at
-    session end. ``env``: variables added to (or, as ``None`` values, removed from) the
-    server's environment."""
-    started: list[Server] = []
+def start_session_server(small_qwen3: Path,
+                         tmp_path_factory) -> Iterator[Callable[..., Server]]:
+    """start_session_server(*flags, api_key=None, wait=True, model_dir=None, new_session=False,
+    env=None) -> Server, stopped at session end: for a server that modules share
+    (``tiny_chat_server``); a module's own servers come from ``start_server``. ``env``:
+    variables added to (or, as ``None`` values, removed from) the server's environment."""
 
     def start(*flags: str, api_key: str | None = None, wait: bool = True,
               model_dir: Path | None = None, new_session: bool = False,
@@ -173,13 +147,37 @@ def start_server(small_qwen3: Path, tmp_path_factory) -> Iterator[Callable[..., 
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ,
                                     start_new_session=new_session)
         server = Server(proc, port, model, api_key, log_path)
-        started.append(server)
+        _STARTED.append(server)
         if wait:
-            server.wait_ready()
+            try:
+                server.wait_ready()
+            except BaseException:
+                server.stop()
+                raise
+        return server
+
+    yield from stopped_at_teardown(start)
+
+
+@pytest.fixture(scope="module")
+def start_server(start_session_server) -> Iterator[Callable[..., Server]]:
+    """start_server(*flags, api_key=None, wait=True, model_dir=None, new_session=False,
+    env=None) -> Server; each stopped when its module ends: an idle server holds ~600 MB and wakes every
+    100 ms, and a session's worth of them kept to the end slowed every test after them."""
+    yield from stopped_at_teardown(start_session_server)
+
+
+def stopped_at_teardown(start: Callable[..., Server]) -> Iterator[Callable[..., Server]]:
+    """For a fixture: yields ``start`` recording what it started, then stops all of it."""
+    started: list[Server] = []
+
+    def tracked(*flags: str, **kwargs) -> Server:
+        server = start(*flags, **kwargs)
+        started.append(server)
         return server
 
     try:
-        yield start
+        yield tracked
     finally:
         for server in started:
             server.stop()
@@ -204,8 +202,8 @@ def free_tcp_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_server(start_server, tiny_qwen2) -> Server:
+def tiny_chat_server(start_session_server, tiny_qwen2) -> Server:
     """One server on the tiny qwen2 checkpoint (ChatML template in tokenizer_config.json),
     no API key, shared by the third-party-client modules (structured outputs, tools,
     Responses, LangChain, LiteLLM): one start for all of them."""
-    return start_server(model_dir=tiny_qwen2)
+    return start_session_server(model_dir=tiny_qwen2)

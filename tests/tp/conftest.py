@@ -13,6 +13,8 @@ from shoal.runtime.engine.core import EngineCore
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
 
+from ..processes import free_port, kill_tree
+
 
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., EngineCore]]:
@@ -89,14 +91,6 @@ def alive_after() -> Callable[[list[int], float], list[int]]:
 
 # -- a real `shoal serve --tensor-parallel-size 2` ------------------------------------------
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class TPServer:
     """One `shoal serve` process; knows its engine core and its rank processes."""
 
@@ -108,7 +102,7 @@ class TPServer:
         import subprocess
         import sys
 
-        self.port = _free_port(self.HOST)
+        self.port = free_port(self.HOST)
         self.base_url = f"http://{self.HOST}:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -161,17 +155,7 @@ class TPServer:
         return [ranks[r] for r in sorted(ranks)]
 
     def stop(self) -> None:
-        import signal
-
-        for proc in self.descendants():
-            try:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        kill_tree(self.proc)
         self._log.close()
 
 
