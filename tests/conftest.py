@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .hf_reference import HFGreedy
+
 
 def _model(arch: str, size: str) -> Path:
     from shoal.runtime.model.make_model import cached_model
@@ -94,61 +96,23 @@ def make_lora_adapter(tmp_path_factory):
     return make
 
 
-class PeftGreedy:
-    """transformers + peft greedy (``PeftModel.from_pretrained`` on the base; the base alone
-    when ``adapter_dir`` is None), memoised, with each step's top-2 logit margin."""
-
-    def __init__(self, base_dir: Path, adapter_dir: Path | None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        if adapter_dir is not None:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, adapter_dir)
-        self.model = model.eval()
-        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
-
-    def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        import torch
-
-        key = (tuple(prompt), max_new_tokens)
-        if key not in self._memo:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=torch.tensor([prompt]), do_sample=False,
-                    max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                    pad_token_id=0, eos_token_id=None, output_logits=True,
-                    return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            margins = []
-            for logits in out.logits:
-                top2 = torch.topk(logits[0].float(), 2).values
-                margins.append(float(top2[0] - top2[1]))
-            self._memo[key] = (tokens, margins)
-        return self._memo[key]
-
-    def agrees(self, prompt: list[int], got: list[int], near_tie: float = 1e-4) -> bool:
-        """``got`` equals the reference's greedy tokens, or first differs where the
-        reference's top-2 margin is a near-tie (float rounding may flip it; later tokens
-        then follow another prefix)."""
-        want, margins = self.generate(prompt, len(got))
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            if g != w:
-                return margins[i] < near_tie
-        return True
+@pytest.fixture(scope="session")
+def peft_greedy(hf_greedy):
+    """peft_greedy(base_dir, adapter_dir or None) -> HFGreedy (transformers + peft's
+    ``PeftModel.from_pretrained`` on the base; the base alone for None), one per pair."""
+    return hf_greedy
 
 
 @pytest.fixture(scope="session")
-def peft_greedy():
-    """peft_greedy(base_dir, adapter_dir or None) -> PeftGreedy, one per pair per session."""
-    made: dict[tuple[str, str | None], PeftGreedy] = {}
+def hf_greedy():
+    """hf_greedy(model_dir, adapter_dir=None) -> HFGreedy (tests/hf_reference.py), one per
+    checkpoint and adapter for the whole session."""
+    made: dict[tuple[str, str | None], HFGreedy] = {}
 
-    def get(base_dir: Path, adapter_dir: Path | None) -> PeftGreedy:
-        key = (str(base_dir), None if adapter_dir is None else str(adapter_dir))
+    def get(model_dir: Path, adapter_dir: Path | None = None) -> HFGreedy:
+        key = (str(model_dir), None if adapter_dir is None else str(adapter_dir))
         if key not in made:
-            made[key] = PeftGreedy(base_dir, adapter_dir)
+            made[key] = HFGreedy(model_dir, adapter_dir)
         return made[key]
 
     return get

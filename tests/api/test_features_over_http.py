@@ -14,7 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+from tests.api.conftest import assert_equal_up_to_a_near_tie
+from tests.hf_reference import greedy_with_margins
 
 MAX_TOKENS = 16
 NEAR_TIE = 1e-4
@@ -67,6 +68,6 @@ def test_greedy_over_http_equals_hf(start_server, case):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
+        want, margins = greedy_with_margins(model, prompt, MAX_TOKENS)
         assert len(ours) == MAX_TOKENS
         assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 from shoal.runtime.kv.block_hash import ExtraKeys
 
+from ..hf_reference import NEAR_TIE, HFGreedy
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -167,60 +169,6 @@ def run_to_completion():
 
 
 # -- HF transformers as the reference ---------------------------------------------------------
-
-NEAR_TIE = 1e-4  # top-2 logit margin below which a greedy argmax is a coin toss (BRIEF §6)
-
-
-class HFGreedy:
-    """HF ``generate(do_sample=False)`` per prompt, memoised, with each step's top-2 margin."""
-
-    def __init__(self, model_dir) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        except ValueError:  # a multimodal wrapper transformers maps only as image-text-to-text
-            from transformers import AutoModelForImageTextToText
-
-            self.model = AutoModelForImageTextToText.from_pretrained(model_dir,
-                                                                     dtype=torch.float32)
-        self.model.eval()
-        self.model.generation_config.eos_token_id = None  # compared with ignore_eos=True
-        self._memo: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
-
-    def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        import torch
-
-        key = (tuple(prompt), max_new_tokens)
-        if key not in self._memo:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens, pad_token_id=0, output_logits=True,
-                    return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            margins = []
-            for logits in out.logits:
-                top2 = torch.topk(logits[0].float(), 2).values
-                margins.append(float(top2[0] - top2[1]))
-            self._memo[key] = (tokens, margins)
-        return self._memo[key]
-
-
-@pytest.fixture(scope="session")
-def hf_greedy():
-    """hf_greedy(model_dir) -> HFGreedy, one per checkpoint for the whole session."""
-    models: dict[str, HFGreedy] = {}
-
-    def get(model_dir) -> HFGreedy:
-        key = str(model_dir)
-        if key not in models:
-            models[key] = HFGreedy(model_dir)
-        return models[key]
-
-    return get
-
 
 @pytest.fixture
 def assert_matches_hf():
