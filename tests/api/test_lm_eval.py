@@ -5,10 +5,10 @@ log-softmax over the very ids lm-eval sent, within 1e-4."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+
+from .lm_eval_tasks import evaluate, local_completions, write_task
 
 pytest.importorskip("lm_eval")
 
@@ -18,29 +18,13 @@ QUESTIONS = [
     {"question": "import os\nimport", "choices": [" sys", " os", " re"], "answer": 0},
     {"question": "for i in range(10):\n   ", "choices": [" print(i)", " pass"], "answer": 1},
 ]
-MC_TASK = """task: shoal_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
+MC_REST = """doc_to_choice: "{{choices}}"
 doc_to_target: answer
 target_delimiter: ""
 metric_list:
   - metric: acc
 """
-GEN_TASK = """task: shoal_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{choices[0]}}}}"
+GEN_REST = """doc_to_target: "{{choices[0]}}"
 generation_kwargs:
   until: ["\\n\\n"]
   max_gen_toks: 6
@@ -53,10 +37,8 @@ metric_list:
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval_tasks")
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    (root / "shoal_mc.yaml").write_text(MC_TASK.format(data=data))
-    (root / "shoal_gen.yaml").write_text(GEN_TASK.format(data=data))
+    write_task(root, "shoal_mc", QUESTIONS, "multiple_choice", "{{question}}", MC_REST)
+    write_task(root, "shoal_gen", QUESTIONS, "generate_until", "{{question}}", GEN_REST)
     return root
 
 
@@ -70,18 +52,10 @@ def test_lm_eval_loglikelihood_and_generate_until_tasks(keyless_llama, tiny_llam
                                                        monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import lm_eval
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM
 
-    lm = LocalCompletionsAPI(
-        model="shoal-test", base_url=keyless_llama.v1 + "/completions",
-        tokenizer=str(tiny_llama), tokenizer_backend="huggingface", tokenized_requests=True,
-        num_concurrent=1, max_retries=1, batch_size=1)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=["shoal_mc", "shoal_gen"], log_samples=True,
-        task_manager=TaskManager(include_path=str(tasks_dir)), random_seed=0)
+    lm = local_completions(keyless_llama, "shoal-test", tiny_llama)
+    results = evaluate(lm, tasks_dir, ["shoal_mc", "shoal_gen"])
     assert set(results["results"]) == {"shoal_mc", "shoal_gen"}
     assert 0.0 <= results["results"]["shoal_mc"]["acc,none"] <= 1.0
     generated = [s["resps"][0][0] for s in results["samples"]["shoal_gen"]]
