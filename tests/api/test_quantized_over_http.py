@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+from tests.api.conftest import assert_equal_up_to_a_near_tie
+from tests.hf_reference import greedy_with_margins
 
 MAX_TOKENS = 12
 NEAR_TIE = 1e-3
@@ -31,7 +32,7 @@ def assert_greedy_equals_hf(server, model_dir, hf_loader=None) -> None:
         d, dtype=torch.float32)))(model_dir).eval()
     exact = 0
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
+        want, margins = greedy_with_margins(model, prompt, MAX_TOKENS)
         assert len(ours) == MAX_TOKENS
         exact += ours == want
         assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)
@@ -125,10 +126,9 @@ def _quant_dir(fmt: str):
     return cached_quant_model("qwen3", "tiny", fmt)
 
 
-# one server per format family; the other variants run the same engine offline below
+# one server per quantization method; the other variants run the same engine offline below
 @pytest.mark.parametrize("fmt, method, reference", [
     ("ct-w4-group-asym", "compressed-tensors", ct_reference),
-    ("ct-w8-channel", "compressed-tensors", ct_reference),
     ("gptq-w4-actorder", "gptq", gptq_awq_reference),
     ("awq-w4", "awq", gptq_awq_reference),
 ])
@@ -145,7 +145,8 @@ def test_int_weight_greedy_over_http_equals_reference(start_server, fmt, method,
 
 @pytest.mark.parametrize("fmt, reference", [
     ("ct-w4-group", ct_reference), ("ct-w4-channel", ct_reference),
-    ("ct-w8-group-asym", ct_reference), ("gptq-w4", gptq_awq_reference),
+    ("ct-w8-channel", ct_reference), ("ct-w8-group-asym", ct_reference),
+    ("gptq-w4", gptq_awq_reference),
     ("ct-fp8-dynamic", ct_reference), ("ct-w8a8-int", ct_reference),
 ])
 def test_int_weight_variants_offline_equal_reference(fmt, reference) -> None:
@@ -155,12 +156,14 @@ def test_int_weight_variants_offline_equal_reference(fmt, reference) -> None:
     model_dir = _quant_dir(fmt)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(3, 12))] for _ in range(3)]
-    outputs = LLM(str(model_dir), num_kv_blocks=64).generate(
+    # a 64-token step as the servers above: the warm-up step is of that size
+    outputs = LLM(str(model_dir), num_kv_blocks=64, max_model_len=64,
+                  max_num_batched_tokens=64).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     model = reference(model_dir).eval()
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids
-        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
+        want, margins = greedy_with_margins(model, prompt, MAX_TOKENS)
         assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)
 
 
