@@ -1,6 +1,6 @@
 """Peer check: Shoal's /v1/embeddings, vLLM's pooling runner and transformers agree.
 
-    .venv/bin/python bench/embeddings_vllm_check.py /work/vllm-venv [--keep DIR]
+    .venv/bin/python bench/embeddings_vllm_check.py VLLM_VENV [--keep DIR]
 
 Builds the checkpoint tests/api/test_embeddings.py serves (a tiny ``Qwen3Model`` laid out as
 Qwen3-Embedding: no LM head, sentence-transformers LAST pooling + Normalize), embeds the same
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,25 +39,10 @@ print("VECTORS " + json.dumps([o.outputs.embedding for o in outs]))
 
 
 def build_checkpoint(out: Path) -> None:
+    from shoal.runtime.model.make_embedding_model import make_embedding_model
     from shoal.runtime.model.make_model import cached_model
-    from transformers import AutoConfig, Qwen3Model
 
-    source = cached_model("qwen3", "tiny", seed=0)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, out / name)
-    config = AutoConfig.from_pretrained(source)
-    config.architectures = ["Qwen3Model"]
-    torch.manual_seed(0)
-    Qwen3Model(config).float().eval().save_pretrained(out)
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": config.hidden_size, "pooling_mode_lasttoken": True}))
+    make_embedding_model(cached_model("qwen3", "tiny", seed=0), out)
 
 
 def reference(model_dir: Path, inputs: list[list[int]]) -> np.ndarray:
@@ -134,4 +118,7 @@ def main(vllm_venv: str, keep: str | None) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     keep = args[args.index("--keep") + 1] if "--keep" in args else None
-    sys.exit(main(args[0] if args and args[0] != "--keep" else "/work/vllm-venv", keep))
+    if not args or args[0] == "--keep":
+        sys.exit("usage: embeddings_vllm_check.py VLLM_VENV [--keep DIR] (a venv with vLLM's "
+                 "CPU build)")
+    sys.exit(main(args[0], keep))

@@ -1,6 +1,6 @@
 """Peer check: Shoal's KV-event batches decode with vLLM's own classes.
 
-    .venv/bin/python bench/kv_events_vllm_check.py /work/vllm-venv
+    .venv/bin/python bench/kv_events_vllm_check.py VLLM_VENV
 
 Encodes a batch from a real block pool (stored run with parent and token ids, evictions,
 clear) here, then decodes it in the vLLM venv with ``msgspec.msgpack.decode(..., type=
@@ -48,4 +48,6 @@ def main(vllm_venv: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/work/vllm-venv"))
+    if len(sys.argv) != 2:
+        sys.exit("usage: kv_events_vllm_check.py VLLM_VENV (a venv with vLLM's CPU build)")
+    sys.exit(main(sys.argv[1]))

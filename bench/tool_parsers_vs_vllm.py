@@ -1,6 +1,6 @@
 """Peer check: Shoal's ``--tool-call-parser`` formats read the same calls as vLLM's parsers.
 
-    .venv/bin/python bench/tool_parsers_vs_vllm.py /work/vllm-venv
+    .venv/bin/python bench/tool_parsers_vs_vllm.py VLLM_VENV
 
 Every case of tests/api/test_tool_formats.py (CASES) is given, whole, to vLLM's own parser
 of the same name (mistral, qwen3_coder, pythonic, deepseek_v3, not openai; run in the vLLM venv with a
@@ -133,4 +133,6 @@ def main(vllm_venv: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "/work/vllm-venv"))
+    if len(sys.argv) != 2:
+        sys.exit("usage: tool_parsers_vs_vllm.py VLLM_VENV (a venv with vLLM's CPU build)")
+    sys.exit(main(sys.argv[1]))

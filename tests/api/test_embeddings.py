@@ -8,8 +8,6 @@ Served through the official openai client (base64 by default, float on request).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -23,30 +21,10 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def embedding_model(tiny_qwen3: Path, tmp_path_factory) -> Path:
-    from transformers import AutoConfig, Qwen3Model
+    from shoal.runtime.model.make_embedding_model import make_embedding_model
 
-    out = tmp_path_factory.mktemp("qwen3-embedding")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_qwen3 / name, out / name)
-    config = AutoConfig.from_pretrained(tiny_qwen3)
-    config.architectures = ["Qwen3Model"]
-    torch.manual_seed(0)
-    model = Qwen3Model(config).float().eval()
-    model.save_pretrained(out)
-    raw = json.loads((out / "config.json").read_text())
-    raw["is_matryoshka"] = True
-    (out / "config.json").write_text(json.dumps(raw))
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": config.hidden_size, "pooling_mode_lasttoken": True,
-        "pooling_mode_mean_tokens": False, "pooling_mode_cls_token": False}))
-    return out
+    return make_embedding_model(tiny_qwen3, tmp_path_factory.mktemp("qwen3-embedding"),
+                                matryoshka=True)
 
 
 @pytest.fixture(scope="module")
