@@ -97,13 +97,6 @@ def make_lora_adapter(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def peft_greedy(hf_greedy):
-    """peft_greedy(base_dir, adapter_dir or None) -> HFGreedy (transformers + peft's
-    ``PeftModel.from_pretrained`` on the base; the base alone for None), one per pair."""
-    return hf_greedy
-
-
-@pytest.fixture(scope="session")
 def hf_greedy():
     """hf_greedy(model_dir, adapter_dir=None) -> HFGreedy (tests/hf_reference.py), one per
     checkpoint and adapter for the whole session."""

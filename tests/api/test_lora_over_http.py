@@ -69,7 +69,7 @@ def complete(server, model: str, prompt: list[int]) -> list[int]:
 
 
 def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, adapters,
-                                                      peft_greedy):
+                                                      hf_greedy):
     server = lora_server
     response = post(server, "/v1/load_lora_adapter",
                     {"lora_name": "mlp16", "lora_path": str(adapters["mlp16"])})
@@ -89,7 +89,7 @@ def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, a
         results = list(pool.map(lambda job: complete(server, job[0], prompts[job[1]]), jobs))
     got = dict(zip(jobs, results, strict=True))
     for (model, i), tokens in got.items():
-        reference = peft_greedy(tiny_llama, None if model == "shoal-test" else adapters[model])
+        reference = hf_greedy(tiny_llama, None if model == "shoal-test" else adapters[model])
         assert reference.agrees(prompts[i], tokens), (model, i, tokens,
                                                       reference.generate(prompts[i], MAX_TOKENS))
     for name in adapters:

@@ -13,14 +13,15 @@ import re
 import openai
 from shoal.runtime.model.make_mla_model import cached_mla_model
 
-from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+from tests.api.conftest import assert_equal_up_to_a_near_tie
+from tests.hf_reference import NEAR_TIE
 
 MAX_TOKENS = 16
-NEAR_TIE = 1e-4
 BLOCK = 4
 
 
-def test_deepseek_v3_over_http_equals_hf_with_chunking_prefix_hits_and_preemption(start_server):
+def test_deepseek_v3_over_http_equals_hf_with_chunking_prefix_hits_and_preemption(
+        start_server, hf_greedy):
     model_dir = cached_mla_model("deepseek_v3")
     server = start_server("--block-size", str(BLOCK), "--num-kv-blocks", "20",
                           "--max-num-batched-tokens", "16", "--max-model-len", "64",
@@ -40,12 +41,9 @@ def test_deepseek_v3_over_http_equals_hf_with_chunking_prefix_hits_and_preemptio
     assert server.metric("shoal:num_preemptions_total") > 0
     assert server.metric("shoal:prefix_cache_hits_total") >= 16
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_greedy(model_dir)
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = hf_greedy(model, prompt, MAX_TOKENS)
+        want, margins = reference.generate(prompt, MAX_TOKENS)
         assert len(ours) == MAX_TOKENS
         assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)
 

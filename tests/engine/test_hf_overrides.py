@@ -15,7 +15,8 @@ from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.model.config import load_model_config, with_overrides
 from shoal.runtime.sampling_params import SamplingParams
 
-from tests.api.conftest import assert_equal_up_to_a_near_tie, hf_greedy
+from tests.api.conftest import assert_equal_up_to_a_near_tie
+from tests.hf_reference import greedy_with_margins
 
 OVERRIDES = {"rope_parameters": {"rope_theta": 50.0}, "rms_norm_eps": 1e-3}
 
@@ -70,9 +71,9 @@ def test_overridden_checkpoint_matches_transformers_with_the_same_override(tiny_
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     differs = False
     for i, prompt in enumerate(prompts):
-        want, margins = hf_greedy(model, prompt, 10)
+        want, margins = greedy_with_margins(model, prompt, 10)
         assert_equal_up_to_a_near_tie(outputs[str(i)], want, margins, 1e-4)
-        differs |= hf_greedy(plain, prompt, 10)[0] != want
+        differs |= greedy_with_margins(plain, prompt, 10)[0] != want
     assert differs  # the override changes the model: the test can tell it was applied
 
 

@@ -33,8 +33,7 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def test_per_prompt_adapters_and_the_base_mixed_equal_peft(llm, tiny_llama, adapters,
-                                                           peft_greedy):
+def test_per_prompt_adapters_and_the_base_mixed_equal_peft(llm, tiny_llama, adapters, hf_greedy):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 19, 9, 30)]
     qv8 = LoRARequest("qv8", 1, str(adapters["qv8"]))
@@ -42,14 +41,14 @@ def test_per_prompt_adapters_and_the_base_mixed_equal_peft(llm, tiny_llama, adap
     chosen = [qv8, None, mlp16, qv8]
     results = llm.generate(prompts, greedy(), lora_request=chosen)
     for prompt, request, result in zip(prompts, chosen, results, strict=True):
-        reference = peft_greedy(tiny_llama, adapters[request.lora_name] if request else None)
+        reference = hf_greedy(tiny_llama, adapters[request.lora_name] if request else None)
         got = result.outputs[0].token_ids
         assert reference.agrees(prompt, got), (request, got,
                                                reference.generate(prompt, MAX_TOKENS))
     # one request for every prompt; the adapter (already loaded) is reused
     together = llm.generate(prompts, greedy(), lora_request=mlp16)
     base = llm.generate(prompts, greedy())
-    reference = peft_greedy(tiny_llama, adapters["mlp16"])
+    reference = hf_greedy(tiny_llama, adapters["mlp16"])
     for prompt, result in zip(prompts, together, strict=True):
         assert reference.agrees(prompt, result.outputs[0].token_ids)
     assert sum(a.outputs[0].token_ids != b.outputs[0].token_ids

@@ -65,7 +65,7 @@ def run(core: EngineCore, requests: list[tuple[str, list[int], str | None, int]]
     return outputs
 
 
-def test_base_and_three_adapters_mixed_equal_peft(tiny_llama, adapters, peft_greedy):
+def test_base_and_three_adapters_mixed_equal_peft(tiny_llama, adapters, hf_greedy):
     """Three adapters and the base, four prompts each, all arriving together: 2 slots, so
     adapters wait for one; 2 parsed in memory, so one is read again from disk."""
     rng = random.Random(0)
@@ -78,7 +78,7 @@ def test_base_and_three_adapters_mixed_equal_peft(tiny_llama, adapters, peft_gre
     lora = core.executor.worker.lora
     assert lora.slot_loads >= 3  # every adapter went through a slot
     for req_id, prompt, name, _ in requests:
-        reference = peft_greedy(tiny_llama, adapters[name] if name else None)
+        reference = hf_greedy(tiny_llama, adapters[name] if name else None)
         assert reference.agrees(prompt, outputs[req_id]), (req_id, outputs[req_id],
                                                             reference.generate(prompt, 8))
     for name in adapters:  # each adapter really changes what the model says
