@@ -5,9 +5,10 @@ and ``[ARGS]`` special tokens, as in Mistral's tokenizers), qwen3_coder, pythoni
 deepseek_v3. Each format is served with ``--reasoning-parser qwen3`` and its
 ``--tool-call-parser``; the openai client reads the reasoning and the call, streamed and
 not (its stream helper too, which parses the arguments as partial JSON at every delta), and
-the anthropic client reads a thinking block and a tool_use block, streamed and not. The
-model only writes each text as trained; what the server makes of it is read from the
-tokens it sampled, not from a string fixture."""
+a Responses reasoning item then a function_call item; the anthropic client reads a
+thinking block and a tool_use block, streamed and not. The model only writes each text as
+trained; what the server makes of it is read from the tokens it sampled, not from a string
+fixture."""
 
 from __future__ import annotations
 
@@ -179,10 +180,19 @@ def test_trained_reasoning_then_call_read_by_openai_and_anthropic_clients(
         assert helped.function.parsed_arguments == ARGUMENTS == partial[-1]
         assert len(partial) >= calls[0]["pieces"]  # one event per delta, each one parsed
 
-        # the same output as Anthropic blocks: thinking, then tool_use with the object
+        # the same output as a Responses reasoning item, then a function_call item
+        function = TOOLS[0]["function"]  # the same tool, so the same prompt
+        response = client.responses.create(
+            model="shoal-test", input=question(parser), tools=[{"type": "function", **function}],
+            temperature=0, max_output_tokens=120)
+        reasoning_item, call_item = response.output
+        assert (reasoning_item.type, call_item.type) == ("reasoning", "function_call")
+        assert reasoning_item.content[0].text == REASONING
+        assert (call_item.name, json.loads(call_item.arguments)) == ("get_weather", ARGUMENTS)
+
+        # and as Anthropic blocks: thinking, then tool_use with the object
         messages = anthropic.Anthropic(base_url=server.base_url, api_key="unused",
                                        max_retries=0).messages
-        function = TOOLS[0]["function"]  # the same tool, so the same prompt
         tools = [{"name": function["name"], "description": function["description"],
                   "input_schema": function["parameters"]}]
         body = {"model": "shoal-test", "max_tokens": 120, "messages": question(parser),
