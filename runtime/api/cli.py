@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -277,10 +276,10 @@ def _serve(args: argparse.Namespace) -> int:
                          f"of {', '.join(TOOL_CALL_PARSERS)}")
     try:
         hf_overrides = parse_hf_overrides(args.hf_overrides)
-        pooler = _pooler_config(args, model, hf_overrides)
-        from shoal.runtime.model.config import load_model_config
+        from shoal.runtime.checkpoint_json import architecture_and_model_type
 
-        model_type = load_model_config(model, hf_overrides).model_type
+        architecture, model_type = architecture_and_model_type(model, hf_overrides)
+        pooler = _pooler_config(args, model, architecture)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"shoal serve: {exc}") from None
     if pooler is not None and args.enable_lora:
@@ -361,27 +360,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def parse_hf_overrides(text: str | None) -> dict:
-    """``--hf-overrides``: a JSON object (vLLM's flag), else a ValueError saying why."""
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-overrides is not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError("--hf-overrides must be a JSON object of config.json fields")
-    return value
+    """``--hf-overrides``: a JSON object (vLLM's flag) of config.json fields, any of them."""
+    from shoal.runtime.json_flag import json_object_flag
+
+    return {} if text is None else json_object_flag("--hf-overrides", text, None)
 
 
-def _pooler_config(args: argparse.Namespace, model: str, hf_overrides: dict | None = None):
+def _pooler_config(args: argparse.Namespace, model: str, architecture: str):
     """The pooling runner's config, or None when the model generates."""
-    from shoal.runtime.model.config import load_model_config
     from shoal.runtime.pooling_config import load_pooler_config, wants_pooling
 
     if args.runner == "generate" and args.convert == "embed":
         raise ValueError("--convert embed needs --runner pooling (or auto)")
     runner = "pooling" if args.convert == "embed" else args.runner
-    if not wants_pooling(runner, load_model_config(model, hf_overrides).architecture):
+    if not wants_pooling(runner, architecture):
         if args.pooler_config:
             raise ValueError("--pooler-config needs --runner pooling")
         return None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shoal.runtime.checkpoint_json import read_config_json, with_overrides
 from shoal.runtime.model.families import PRE_NORM, Family, NormPlacement, QKNorm, family_for
 from shoal.runtime.model.mla_config import MlaConfig, parse_mla_config
 from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
@@ -185,18 +186,6 @@ def _optional(text, name: str) -> float | None:
     return float(value) if value else None
 
 
-def with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``--hf-overrides``: config.json with the overrides merged in, as vLLM merges them (a
-    dict value updates the nested config it names, key by key; anything else replaces)."""
-    out = dict(raw)
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = with_overrides(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def load_model_config(model_dir: str | Path,
                       hf_overrides: Mapping[str, Any] | None = None) -> ModelConfig:
     gguf = gguf_file(model_dir)
@@ -206,19 +195,11 @@ def load_model_config(model_dir: str | Path,
         raw = with_overrides(open_gguf(gguf).hf_config(), hf_overrides or {})
         return model_config_from_dict(raw, {}, gguf, _hf_config(raw, raw["architectures"][0]))
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    raw = json.loads(config_path.read_text())
+    raw = read_config_json(model_dir, hf_overrides)
     gen_path = model_dir / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    if hf_overrides:
-        raw = with_overrides(raw, hf_overrides)
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise ValueError(f"{config_path}: 'architectures' is missing")
-    return model_config_from_dict(raw, generation, config_path, _hf_config(
-        raw if hf_overrides else model_dir, archs[0]))
+    return model_config_from_dict(raw, generation, model_dir / "config.json", _hf_config(
+        raw if hf_overrides else model_dir, raw["architectures"][0]))
 
 
 def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -> ModelConfig:

@@ -52,3 +52,26 @@ def test_a_bad_pooler_config_is_refused_naming_the_flag(tmp_path, text, message)
 
     with pytest.raises(ValueError, match=message):
         load_pooler_config(tmp_path, text)
+
+
+def test_the_api_process_reads_the_checkpoint_without_torch(tiny_qwen3, tmp_path):
+    """``shoal serve`` decides the runner and the chat format from config.json read as JSON
+    (overrides merged): its API process imports neither torch nor transformers for it
+    (runtime/checkpoint_json.py). The same answers as the model config's, the same
+    refusals."""
+    from shoal.runtime.checkpoint_json import architecture_and_model_type
+    from shoal.runtime.model.config import load_model_config
+
+    code = ("import sys; from shoal.runtime.checkpoint_json import architecture_and_model_type; "
+            f"print(*architecture_and_model_type({str(tiny_qwen3)!r}, {{'model_type': 'x'}})); "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    config = load_model_config(tiny_qwen3)
+    assert done.stdout.split("\n")[:2] == [f"{config.architecture} x", "[]"]
+    assert architecture_and_model_type(tiny_qwen3) == (config.architecture, config.model_type)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        architecture_and_model_type(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="'architectures' is missing"):
+        architecture_and_model_type(tmp_path)
