@@ -54,18 +54,23 @@ class _Array:
 
 
 def _item_call(raw: str) -> ToolCall | None:
+    """An array item's call, None when the item is no call (neither a name nor arguments).
+    As vLLM reads one: a name that is not a string is "", missing or null arguments are {}."""
     members = raw_members(raw) if raw.startswith("{") else {}
-    if not members.get("name", "").startswith('"'):
+    if "name" not in members and "arguments" not in members:
         return None
-    args = members.get("arguments", "{}")
-    if args.startswith('"'):  # the arguments written as a JSON string
+    name = json.loads(members.get("name", "null"))
+    args = members.get("arguments", "null")
+    if args == "null":
+        args = "{}"
+    elif args.startswith('"'):  # the arguments written as a JSON string
         args = str(json.loads(args))
-    return ToolCall(json.loads(members["name"]), args, mistral_call_id())
+    return ToolCall(name if isinstance(name, str) else "", args, mistral_call_id())
 
 
 def _array(piece: str) -> _Array:
-    """A pre-v11 ``[{"name": ..., "arguments": {...}}, ...]`` as far as it is written. An item
-    that is not a call object ends it (the calls before it stay, as the stream sent them)."""
+    """A pre-v11 ``[{"name": ..., "arguments": {...}}, ...]`` as far as it is written; an
+    item that is no call is skipped (as vLLM skips it), text that is not JSON ends it."""
     text = piece.lstrip()
     calls: list[ToolCall] = []
     at = 1
@@ -76,22 +81,19 @@ def _array(piece: str) -> _Array:
             return _Array(calls, False, None)
         if text[at] == "]":
             return _Array(calls, True, None)
-        if text[at] != "{":
-            return _Array(calls, False, None)
         try:
             _, end = _DECODER.raw_decode(text, at)
-        except json.JSONDecodeError:  # the item is being written
+        except json.JSONDecodeError:  # the item is being written (or is not JSON)
             header = _ITEM_HEADER.match(text, at)
             if header is None or header.end() == len(text) or text[header.end()] not in "{[":
                 return _Array(calls, False, None)
             args = text[header.end():]
             written = _json_prefix(args)
-            return _Array(calls, False, ToolCall(json.loads(header.group(1)), written or args,
-                                                 mistral_call_id()))
+            return _Array(calls, False, ToolCall(json.loads(header.group(1)),
+                                                 written or args.rstrip(), mistral_call_id()))
         call = _item_call(text[at:end])
-        if call is None:
-            return _Array(calls, False, None)
-        calls.append(call)
+        if call is not None:
+            calls.append(call)
         at = end
 
 
@@ -117,7 +119,8 @@ class MistralFormat(ToolFormat):
 
     def open_call(self, section: str) -> tuple[int, ToolCall] | None:
         """The call being written: v7+, its name once ``[ARGS]`` (or ``{``) follows it, and
-        its JSON text so far (whitespace before it dropped, as the finished call drops it);
+        its JSON text so far (whitespace before it dropped, as the finished call drops it,
+        and after it until more follows, as vLLM drops it from a call cut short);
         pre-v11, the array item after the complete ones once its ``"arguments": `` began an
         object or array (arguments written as a JSON string are sent when the item ends)."""
         done = 0
@@ -135,7 +138,7 @@ class MistralFormat(ToolFormat):
             name, rest = self._name_and_rest(piece)
             if not name or rest is None:
                 return None
-            return done, ToolCall(name, rest.lstrip(), mistral_call_id())
+            return done, ToolCall(name, rest.strip(), mistral_call_id())
         return None
 
     @staticmethod
