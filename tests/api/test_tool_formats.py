@@ -73,6 +73,9 @@ CASES = [
     ("mistral", '[TOOL_CALLS] [5, {"name": "ping", "arguments": null}, {"x": 1}, '
                 '{"arguments": {"a": 1}}]', None, [("ping", {}), ("", {"a": 1})]),  # skipped
     ("mistral", MISTRAL_STRING_ARGUMENTS, None, [("get_weather", {"city": "Rome"})]),
+    ("mistral", 'Ok [TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Oslo"}} {}', "Ok",
+     [("get_weather", {"city": "Oslo"})]),  # one call object written bare
+    ("mistral", '[TOOL_CALLS]{"city": "Oslo"}', '[TOOL_CALLS]{"city": "Oslo"}', []),
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", None,  # cut short: a call begun
      [("get_weather", {"<not JSON>": '{"city":'})]),  # (trailing space dropped, as vLLM)

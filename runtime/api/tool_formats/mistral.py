@@ -97,6 +97,18 @@ def _array(piece: str) -> _Array:
         at = end
 
 
+def _pre_v11(piece: str) -> _Array | None:
+    """A pre-v11 piece as far as it is written: its array of calls, or one call object
+    written bare (vLLM reads that as the one call); None when the piece is v7+."""
+    text = piece.lstrip()
+    if text.startswith("["):
+        return _array(text)
+    if text.startswith("{"):
+        array = _array("[" + text)
+        return _Array(array.calls[:1], False, None if array.calls else array.open)
+    return None
+
+
 class MistralFormat(ToolFormat):
     name = "mistral"
     marker = "[TOOL_CALLS]"
@@ -105,8 +117,8 @@ class MistralFormat(ToolFormat):
     def calls(self, section: str, final: bool) -> list[ToolCall]:
         out: list[ToolCall] = []
         for piece in section.split(self.marker)[1:]:
-            if piece.lstrip().startswith("["):  # pre-v11: the items written so far count
-                array = _array(piece)
+            array = _pre_v11(piece)
+            if array is not None:  # the items written so far count
                 out += array.calls
                 if not array.closed:
                     break
@@ -121,12 +133,13 @@ class MistralFormat(ToolFormat):
         """The call being written: v7+, its name once ``[ARGS]`` (or ``{``) follows it, and
         its JSON text so far (whitespace before it dropped, as the finished call drops it,
         and after it until more follows, as vLLM drops it from a call cut short);
-        pre-v11, the array item after the complete ones once its ``"arguments": `` began an
-        object or array (arguments written as a JSON string are sent when the item ends)."""
+        pre-v11, the array item (or bare call object) after the complete ones once its
+        ``"arguments": `` began an object or array (arguments written as a JSON string are
+        sent when the item ends)."""
         done = 0
         for piece in section.split(self.marker)[1:]:
-            if piece.lstrip().startswith("["):
-                array = _array(piece)
+            array = _pre_v11(piece)
+            if array is not None:
                 if array.closed:
                     done += len(array.calls)
                     continue
