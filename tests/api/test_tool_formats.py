@@ -167,6 +167,15 @@ def test_mistral_ids_are_nine_alphanumerics_and_markers_kept() -> None:
     assert FORMATS["mistral"].keeps_special_tokens
 
 
+def test_mistral_pre_v11_name_is_sent_before_its_arguments() -> None:
+    stream = FormatCallStream(tool_format("mistral", TOOLS))  # type: ignore[arg-type]
+    assert stream.feed('[TOOL_CALLS] [{"name": "get_wea') == ("", [])
+    _, [delta] = stream.feed('ther", ')
+    assert (delta["function"]["name"], delta["function"]["arguments"]) == ("get_weather", "")
+    _, [more] = stream.feed('"arguments": {"city"')
+    assert more["function"] == {"arguments": '{"city"'}
+
+
 @pytest.mark.parametrize("text,schema_type,value", [
     ("5", "integer", 5), ("5.0", "number", 5), ("2.5", "number", 2.5), ("x", "integer", "x"),
     ("TRUE", "boolean", True), ("0", "boolean", False), ("null", ["string", "null"], None),

@@ -43,14 +43,15 @@ def _json_prefix(text: str) -> str | None:
     return stripped[:end]
 
 
-_ITEM_HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_ITEM_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')  # its string closed
+_ITEM_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
 @dataclass
 class _Array:
     calls: list[ToolCall]  # the items written whole
     closed: bool  # its ``]`` was written
-    open: ToolCall | None  # the item being written, once its arguments began
+    open: ToolCall | None  # the item being written, once its name is
 
 
 def _item_call(raw: str) -> ToolCall | None:
@@ -84,13 +85,16 @@ def _array(piece: str) -> _Array:
         try:
             _, end = _DECODER.raw_decode(text, at)
         except json.JSONDecodeError:  # the item is being written (or is not JSON)
-            header = _ITEM_HEADER.match(text, at)
-            if header is None or header.end() == len(text) or text[header.end()] not in "{[":
+            name = _ITEM_NAME.match(text, at)
+            if name is None:
                 return _Array(calls, False, None)
-            args = text[header.end():]
-            written = _json_prefix(args)
-            return _Array(calls, False, ToolCall(json.loads(header.group(1)),
-                                                 written or args.rstrip(), mistral_call_id()))
+            header = _ITEM_ARGUMENTS.match(text, name.end())
+            args = text[header.end():] if header is not None else ""
+            if not args.startswith(("{", "[")):  # none yet, or a JSON string: at the end
+                args = ""
+            return _Array(calls, False, ToolCall(json.loads(name.group(1)),
+                                                 _json_prefix(args) or args.rstrip(),
+                                                 mistral_call_id()))
         call = _item_call(text[at:end])
         if call is not None:
             calls.append(call)
@@ -134,8 +138,8 @@ class MistralFormat(ToolFormat):
         its JSON text so far (whitespace before it dropped, as the finished call drops it,
         and after it until more follows, as vLLM drops it from a call cut short);
         pre-v11, the array item (or bare call object) after the complete ones once its
-        ``"arguments": `` began an object or array (arguments written as a JSON string are
-        sent when the item ends)."""
+        ``"name"`` is written (as vLLM sends it), its arguments once they begin an object or
+        array (arguments written as a JSON string are sent when the item ends)."""
         done = 0
         for piece in section.split(self.marker)[1:]:
             array = _pre_v11(piece)
