@@ -18,7 +18,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "shoal-operator"
 COMPONENT_ENGINE = "engine"
 COMPONENT_ROUTER = "router"
+COMPONENT_PREFILL = "prefill"  # the prefill pool's engines (P/D disaggregation)
 COMPONENT_EPP = "epp"  # `shoal route --epp`, the gateway's Endpoint Picker
+
+# Label on engine pods when a prefill pool runs: prefill or decode (the selectors stay on
+# LABEL_COMPONENT, which never changes for a pool).
+LABEL_ROLE = f"{GROUP}/role"
 
 # Annotation on engine pods: when the operator last recycled a crash-looping pod (and how often).
 ANNOTATION_RECYCLES = f"{GROUP}/recycles"
@@ -34,6 +39,7 @@ ENGINE_PORT = 8000
 ENGINE_METRICS_PORT = 8002  # /metrics (and probes) without the API key, for Prometheus
 ROUTER_PORT = 8080
 EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
+KV_TRANSFER_PORT = 14579  # prefill engines serve KV blocks here; decode engines pull
 KV_EVENTS_PORT = 5557  # engines publish KV-cache events here; the router subscribes
 ENGINE_CONTAINER = "engine"
 FETCH_CONTAINER = "fetch-weights"  # init container that downloads hf:// weights

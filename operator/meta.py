@@ -39,6 +39,10 @@ def router_name(owner: Owner) -> str:
     return f"{owner.name}-router"
 
 
+def prefill_name(owner: Owner) -> str:
+    return f"{owner.name}-prefill"
+
+
 def epp_name(owner: Owner) -> str:
     return f"{owner.name}-epp"
 

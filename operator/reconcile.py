@@ -39,11 +39,13 @@ from shoal.operator.meta import (
     engine_name,
     engine_selector,
     label_selector_string,
+    prefill_name,
 )
 from shoal.operator.prune import prune_children
 from shoal.operator.render import render_children
 from shoal.operator.render_engine import template_hash
 from shoal.operator.render_gateway import render_gateway_children
+from shoal.operator.render_pd import prefill_selector
 from shoal.operator.render_router import service_url
 from shoal.operator.replica import (
     Failure,
@@ -53,7 +55,7 @@ from shoal.operator.replica import (
     probe_target,
 )
 from shoal.operator.spec import ServiceSpec, SpecError, parse_spec
-from shoal.operator.status import build_status
+from shoal.operator.status import build_pool_status, build_status
 
 log = logging.getLogger("shoal.operator")
 
@@ -146,13 +148,32 @@ def _engine_args(pod: dict[str, Any]) -> list[str]:
 
 
 async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
-                          replicas: int) -> str:
+                          replicas: int) -> dict[str, str]:
+    """Applies every child; returns each Deployment's pod-template hash by name."""
     children = render_children(owner, spec, replicas)
     for child in children:
         await ctx.kube.apply(child)
-    engine = next(c for c in children if c["kind"] == "Deployment"
-                  and c["metadata"]["name"] == engine_name(owner))
-    return template_hash(engine["spec"]["template"]["spec"])
+    return {c["metadata"]["name"]: template_hash(c["spec"]["template"]["spec"])
+            for c in children if c["kind"] == "Deployment"}
+
+
+async def _observe_prefill(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
+                           current_hash: str, previous: dict[str, Any], now: datetime
+                           ) -> dict[str, Any] | None:
+    """The prefill pool's pods: probed and gated like the decode pool's; its status block."""
+    if spec.prefill is None:
+        return None
+    pods = await ctx.kube.list(POD, owner.namespace, prefill_selector(owner))
+    probes = await _probe_all(ctx, pods)
+    replicas = [observe_replica(p, r, now, spec.startup_timeout_seconds)
+                for p, r in zip(pods, probes, strict=True)]
+    for pod_name, patch in gate_patches(pods, replicas, now):
+        await ctx.kube.strategic_patch(POD, owner.namespace, pod_name, patch,
+                                       subresource="status")
+    before = (previous.get("prefill") or {}).get("replicaStatus") or []
+    for pod_name, failure in new_failures(before, replicas):
+        await _event(ctx, owner, "Warning", failure.reason, f"{pod_name}: {failure.message}")
+    return build_pool_status(replicas, spec.prefill.replicas, current_hash)
 
 
 @dataclass(frozen=True)
@@ -210,7 +231,8 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
         return status
 
     desired = spec.replicas
-    current_hash = await _apply_children(ctx, owner, spec, desired)
+    hashes = await _apply_children(ctx, owner, spec, desired)
+    current_hash = hashes[engine_name(owner)]
     gateway = await reconcile_gateway(ctx.kube, owner, spec, previous.get("conditions") or [],
                                       _now(), generation)
     if gateway.event is not None:
@@ -265,6 +287,10 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
         status["adapterErrors"] = adapter_errors if spec.lora is not None else None
     status["recycle"] = {"count": recycle.count, "lastAt": recycle.last_at}
 
+    prefill = await _observe_prefill(ctx, owner, spec, hashes.get(prefill_name(owner), ""),
+                                     previous, now)
+    if prefill is not None or "prefill" in previous:
+        status["prefill"] = prefill  # None: the pool is gone, the merge patch removes it
     if gateway.condition is not None:
         status["conditions"].append(gateway.condition)
         status["gateway"] = gateway.status

@@ -10,6 +10,7 @@ from shoal.operator.render_engine import (
     render_engine_headless_service,
 )
 from shoal.operator.render_extras import render_cache_pvc, render_pdb, render_service_monitor
+from shoal.operator.render_pd import ROLE_PREFILL, render_prefill_service
 from shoal.operator.render_router import (
     render_frontend_service,
     render_router_deployment,
@@ -26,6 +27,10 @@ def render_children(owner: Owner, spec: ServiceSpec, engine_replicas: int) -> li
     children.append(render_engine_headless_service(owner))
     children.append(render_engine_deployment(owner, spec, engine_replicas))
     children.append(render_pdb(owner))
+    if spec.prefill is not None:
+        children.append(render_prefill_service(owner))
+        children.append(render_engine_deployment(owner, spec, spec.prefill.replicas,
+                                                 ROLE_PREFILL))
     if spec.routing.enabled:
         children += render_router_rbac(owner, spec)
         children.append(render_router_deployment(owner, spec))

@@ -16,6 +16,8 @@ from shoal.operator.constants import (
     ENGINE_READY_CONDITION,
     FETCH_CONTAINER,
     KV_EVENTS_PORT,
+    KV_TRANSFER_PORT,
+    LABEL_ROLE,
 )
 from shoal.operator.meta import (
     Owner,
@@ -23,6 +25,8 @@ from shoal.operator.meta import (
     child_metadata,
     engine_name,
     engine_selector,
+    prefill_name,
+    selector_labels,
 )
 from shoal.operator.probes import (
     PRESTOP_SLEEP_SECONDS,
@@ -32,6 +36,14 @@ from shoal.operator.probes import (
     termination_grace_seconds,
 )
 from shoal.operator.render_auth import engine_auth_args, engine_auth_volume
+from shoal.operator.render_pd import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    kv_transfer_args,
+    pod_ip_env,
+    pool_component,
+    pool_spec,
+)
 from shoal.operator.spec import ServiceSpec
 
 CACHE_MOUNT = "/models"  # weight cache (PVC or emptyDir): the runtime image's SHOAL_CACHE_DIR
@@ -62,8 +74,8 @@ def engine_model_path(spec: ServiceSpec) -> str | None:
     return None
 
 
-def engine_args(spec: ServiceSpec) -> list[str]:
-    """`shoal serve` flags (vLLM names) for one engine replica."""
+def engine_args(spec: ServiceSpec, role: str = ROLE_DECODE) -> list[str]:
+    """`shoal serve` flags (vLLM names) for one engine replica of the given pool."""
     rt = spec.runtime
     args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
             "--metrics-port", str(ENGINE_METRICS_PORT),
@@ -97,11 +109,13 @@ def engine_args(spec: ServiceSpec) -> list[str]:
     args += ["--shutdown-timeout", str(rt.shutdown_timeout_seconds)]
     if spec.routing.gateway.inference_pool:  # the metric names inference-gateway pickers read
         args += ["--metrics-compat", "vllm"]
-    if publishes_kv_events(spec):  # the router follows the engines' real caches
+    # the router follows the decode engines' real caches (it never picks a prefill engine so)
+    if publishes_kv_events(spec) and role == ROLE_DECODE:
         args += ["--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}"]
     # without spec.auth the adapters are loaded into running engines (adapters.py) and a
     # change of spec.adapters never changes the pod template; with it they are flags here
     args += lora_engine_args(spec.lora, spec.auth is not None)
+    args += kv_transfer_args(spec, role)
     return args + list(rt.extra_args)
 
 
@@ -223,8 +237,13 @@ def template_hash(pod_spec: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> dict[str, Any]:
-    selector = engine_selector(owner)
+def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int,
+                             role: str = ROLE_DECODE) -> dict[str, Any]:
+    """One pool's engines: the decode pool (the only one without spec.prefill) or the
+    prefill pool (its own name, selector and resources; it serves KV blocks on its pod IP)."""
+    prefill = role == ROLE_PREFILL
+    spec = pool_spec(spec, role)
+    selector = selector_labels(owner, pool_component(role))
     volumes, mounts = _volumes(owner, spec)
     auth_volumes, engine_mounts = _engine_container_mounts(spec, mounts)
     container: dict[str, Any] = {
@@ -232,13 +251,15 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["shoal"],
-        "args": engine_args(spec),
+        "args": engine_args(spec, role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT,
                    "protocol": "TCP"}] + (
             [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
-            if publishes_kv_events(spec) else []),
-        "env": _env(spec),
+            if publishes_kv_events(spec) and not prefill else []) + (
+            [{"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
+            if prefill else []),
+        "env": ([pod_ip_env()] if prefill else []) + _env(spec),
         "resources": _resources(spec),
         "startupProbe": startup_probe(spec.startup_timeout_seconds),
         "livenessProbe": liveness_probe(),
@@ -272,7 +293,11 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
         pod_spec["affinity"] = sch.affinity
     if sch.priority_class_name:
         pod_spec["priorityClassName"] = sch.priority_class_name
-    metadata = child_metadata(owner, engine_name(owner), COMPONENT_ENGINE)
+    name = prefill_name(owner) if prefill else engine_name(owner)
+    metadata = child_metadata(owner, name, pool_component(role))
+    pod_labels = dict(metadata["labels"])
+    if spec.prefill is not None:
+        pod_labels[LABEL_ROLE] = role
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -285,7 +310,7 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int) -> 
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 120,
             "template": {
-                "metadata": {"labels": dict(metadata["labels"]),
+                "metadata": {"labels": pod_labels,
                              "annotations": {ANNOTATION_TEMPLATE_HASH: template_hash(pod_spec)}},
                 "spec": pod_spec,
             },

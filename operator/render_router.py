@@ -32,6 +32,7 @@ from shoal.operator.render_engine import (
     pod_security_context,
     publishes_kv_events,
 )
+from shoal.operator.render_pd import router_pd_args
 from shoal.operator.spec import ServiceSpec
 
 SERVICE_PORT = 80
@@ -55,7 +56,8 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # lines up with the blocks the engines actually cache.
         "--block-size", str(spec.runtime.block_size),
     ] + (["--model-revision", spec.model.source.revision] if spec.model.source.revision else []
-         ) + scale_from_zero_args(owner, spec) + precise + router_auth_args(spec)
+         ) + scale_from_zero_args(owner, spec) + precise + router_pd_args(owner, spec) \
+        + router_auth_args(spec)
 
 
 def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:

@@ -128,6 +128,17 @@ class AuthSpec:
     cache_sharing: str = "tenant"
 
 
+DEFAULT_PD_THRESHOLD = 256  # the router's --pd-threshold default
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """spec.prefill: a pool of prefill engines beside the decode pool (P/D disaggregation)."""
+    replicas: int = 1
+    resources: ResourcesSpec = ResourcesSpec()  # defaults to spec.resources
+    threshold: int = DEFAULT_PD_THRESHOLD  # uncached prompt tokens above which prefill runs
+
+
 @dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
@@ -142,21 +153,14 @@ class ServiceSpec:
     auth: AuthSpec | None
     service_monitor: bool
     lora: LoraSpec | None = None  # spec.adapters / spec.lora; None: LoRA off
+    prefill: PrefillSpec | None = None  # None: one pool computes prompts and decodes
 
 
 def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     root = SpecReader(spec, "spec")
     model = _parse_model(root.sub("model"))
     runtime = _parse_runtime(root.sub("runtime"))
-    res = root.sub("resources")
-    resources = ResourcesSpec(
-        gpus=res.integer("gpus", 1, minimum=0, maximum=64) or 0,
-        gpu_resource_name=res.string("gpuResourceName", "nvidia.com/gpu") or "nvidia.com/gpu",
-        cpu=_quantity(res, "cpu"),
-        memory=_quantity(res, "memory"),
-    )
-    if resources.gpus == 0 and runtime.device == "cuda":
-        raise SpecError("spec.resources.gpus", "must be >= 1 when spec.runtime.device is cuda")
+    resources = _parse_resources(root.sub("resources"), runtime)
     autoscaling = _parse_autoscaling(root.sub("autoscaling")) if root.has("autoscaling") else None
     # With autoscaling and no replicas yet, start at the minimum (the autoscaler writes it).
     default_replicas = autoscaling.min_replicas if autoscaling is not None else 1
@@ -196,13 +200,48 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     if lora is not None and resources.gpus > 1:
         raise SpecError("spec.adapters", "LoRA adapters need resources.gpus <= 1 (the engine "
                         "does not run adapters under tensor parallelism yet)")
+    prefill = _parse_prefill(root.sub("prefill"), runtime, resources, routing, lora) \
+        if root.has("prefill") else None
     return ServiceSpec(
-        model=model, runtime=runtime, resources=resources, replicas=replicas,
+        model=model, runtime=runtime, resources=resources, replicas=replicas, prefill=prefill,
         autoscaling=autoscaling, routing=routing, startup_timeout_seconds=startup or 1800,
         scheduling=scheduling, storage=storage, auth=auth,
         service_monitor=root.sub("monitoring").boolean("serviceMonitor", False),
         lora=lora,
     )
+
+
+def _parse_resources(res: SpecReader, runtime: RuntimeSpec) -> ResourcesSpec:
+    resources = ResourcesSpec(
+        gpus=res.integer("gpus", 1, minimum=0, maximum=64) or 0,
+        gpu_resource_name=res.string("gpuResourceName", "nvidia.com/gpu") or "nvidia.com/gpu",
+        cpu=_quantity(res, "cpu"),
+        memory=_quantity(res, "memory"),
+    )
+    if resources.gpus == 0 and runtime.device == "cuda":
+        raise SpecError(f"{res.path}.gpus", "must be >= 1 when spec.runtime.device is cuda")
+    return resources
+
+
+def _parse_prefill(p: SpecReader, runtime: RuntimeSpec, decode: ResourcesSpec,
+                   routing: RoutingSpec, lora: LoraSpec | None) -> PrefillSpec:
+    """The router picks the decode replica by its cached prefix, then sends long uncached
+    prompts through a prefill engine whose blocks the decode engine pulls (one rank only)."""
+    resources = _parse_resources(p.sub("resources"), runtime) if p.has("resources") else decode
+    if not routing.enabled or routing.policy != "cache-affinity":
+        raise SpecError("spec.prefill", "needs spec.routing.enabled with policy cache-affinity "
+                        "(the router decides per request whether a prefill engine runs)")
+    if routing.gateway.inference_pool:
+        raise SpecError("spec.prefill", "the endpoint picker has no P/D mode yet: remove "
+                        "spec.routing.gateway.inferencePool")
+    if decode.gpus > 1 or resources.gpus > 1:
+        raise SpecError("spec.prefill", "KV transfer runs on one rank: resources.gpus <= 1 "
+                        "in both pools")
+    if lora is not None:
+        raise SpecError("spec.prefill", "LoRA adapters with a prefill pool are not supported")
+    return PrefillSpec(
+        replicas=p.integer("replicas", 1, minimum=1) or 1, resources=resources,
+        threshold=p.integer("threshold", DEFAULT_PD_THRESHOLD, minimum=0) or 0)
 
 
 def _secret_key(ref: SpecReader, at: str, default_name: str | None,

@@ -146,3 +146,20 @@ def build_status(*, replicas: list[ReplicaState], desired: int, current_hash: st
         "conditions": build_conditions(replicas, desired, updated, phase, reason,
                                        previous.get("conditions") or [], now, generation),
     }
+
+
+def build_pool_status(replicas: list[ReplicaState], desired: int,
+                      current_hash: str) -> dict[str, Any]:
+    """status.prefill: the prefill pool's counts and phase. The service's own phase stays the
+    decode pool's: without a ready prefill engine the router lets decode compute the prompt."""
+    ready = sum(r.ready for r in replicas)
+    return {
+        "replicas": len(replicas),
+        "readyReplicas": ready,
+        "updatedReplicas": sum(r.template_hash == current_hash for r in replicas),
+        "desiredReplicas": desired,
+        "ready": f"{ready}/{desired}",
+        "phase": decide_phase(replicas, desired)[0],
+        "replicaStatus": [replica_status_entry(r)
+                          for r in sorted(replicas, key=lambda r: r.name)],
+    }

@@ -53,13 +53,16 @@ def test_names_subresources_and_short_name(crd: dict[str, Any]) -> None:
 
 def test_printer_columns(crd: dict[str, Any]) -> None:
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Ready", "KV%", "Hit%", "Queue", "Model", "Phase",
+    assert [c["name"] for c in columns] == ["Ready", "Prefill", "KV%", "Hit%", "Queue", "Model",
+                                           "Phase",
                                            "Age"]
     status_props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
         "status"]["properties"]
     for column in columns[:-1]:
-        field = column["jsonPath"].removeprefix(".status.")
-        assert field in status_props, f"{column['name']} reads an undeclared status field"
+        field, *inner = column["jsonPath"].removeprefix(".status.").split(".")
+        assert field in status_props and all(
+            key in status_props[field]["properties"] for key in inner), \
+            f"{column['name']} reads an undeclared status field"
 
 
 def _structural_problems(schema: dict[str, Any], path: str) -> list[str]:
@@ -167,6 +170,12 @@ BAD_SPECS = [
     ("scale to zero without the router",
      {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "routing": {"enabled": False}},
      "spec.autoscaling.minReplicas"),
+    ("prefill pool without the router",
+     {"prefill": {"replicas": 1}, "routing": {"enabled": False}}, "spec.prefill"),
+    ("prefill pool with a policy that ignores caches",
+     {"prefill": {}, "routing": {"policy": "least-load"}}, "spec.prefill"),
+    ("prefill pool of tensor-parallel engines", {"prefill": {"resources": {"gpus": 2}}},
+     "spec.prefill"),
     ("unknown endpoint picker", {"routing": {"gateway": {"endpointPicker": "envoy"}}},
      "spec.routing.gateway.endpointPicker"),
     ("auth without the clients' keys", {"auth": {"cacheSharing": "global"}}, "spec.auth"),
@@ -198,5 +207,5 @@ def test_every_cel_rule_is_exercised_by_a_bad_spec(cel_rule_messages: set[str],
                                                    admit: Any) -> None:
     produced = {e.split(": ", 1)[1] for _, change, _ in BAD_SPECS
                 for e in admit(with_spec(**change))}
-    assert len(cel_rule_messages) == 7
+    assert len(cel_rule_messages) == 8
     assert cel_rule_messages <= produced, cel_rule_messages - produced

@@ -114,3 +114,41 @@ async def test_an_invalid_spec_is_reported_not_acted_on() -> None:
     assert status["conditions"][0]["reason"] == "InvalidSpec"
     assert "spec.model.uri" in status["conditions"][0]["message"]
     assert [e["reason"] for e in api.events] == ["InvalidSpec"]
+
+
+def prefill_pod(name: str, template: dict[str, Any]) -> dict[str, Any]:
+    """A pod of the prefill Deployment's template, scheduled but not yet running."""
+    return {"metadata": {"name": name, "namespace": "ml", "labels": template["metadata"]["labels"],
+                         "annotations": template["metadata"]["annotations"]},
+            "spec": template["spec"], "status": {"phase": "Pending"}}
+
+
+async def test_a_prefill_pool_is_rendered_reported_and_pruned_when_removed() -> None:
+    api = MemoryApi()
+    pd = {"model": {"uri": "hf://org/m"}, "replicas": 2, "prefill": {"replicas": 1}}
+    async with httpx.AsyncClient() as http:
+        ctx = ReconcileContext(kube=api, http=http)  # type: ignore[arg-type]
+        first = await reconcile(ctx, service(pd))
+        assert {("Deployment", "m-prefill"), ("Service", "m-prefill"),
+                ("Deployment", "m-engine")} <= set(api.objects)
+        router = api.objects[("Deployment", "m-router")]["spec"]["template"]["spec"]
+        args = router["containers"][0]["args"]
+        assert args[args.index("--prefill-backend") + 1] == \
+            "http://m-prefill.ml.svc.cluster.local:8000"
+        assert (first["ready"], first["prefill"]["ready"]) == ("0/2", "0/1")
+        # a prefill pod shows up in the prefill block only, never among the decode replicas
+        template = api.objects[("Deployment", "m-prefill")]["spec"]["template"]
+        api.objects[("Pod", "m-prefill-a")] = prefill_pod("m-prefill-a", template)
+        second = await reconcile(ctx, service(pd, status=first))
+        assert [r["name"] for r in second["prefill"]["replicaStatus"]] == ["m-prefill-a"]
+        assert (second["prefill"]["replicas"], second["prefill"]["updatedReplicas"]) == (1, 1)
+        assert second["replicas"] == 0 and second["replicaStatus"] == []
+        assert second["prefill"]["phase"] == "Pending"
+
+        del pd["prefill"]
+        api.deleted.clear()
+        third = await reconcile(ctx, service(pd, status=second))
+    assert sorted(api.deleted) == [("Deployment", "m-prefill"), ("Service", "m-prefill")]
+    assert third["prefill"] is None  # the merge patch removes the block
+    engine = api.objects[("Deployment", "m-engine")]["spec"]["template"]["spec"]
+    assert "--kv-transfer-config" not in engine["containers"][0]["args"]
