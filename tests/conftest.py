@@ -97,6 +97,21 @@ def make_lora_adapter(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_adapters(tiny_llama, make_lora_adapter) -> dict[str, Path]:
+    """Three adapters on the tiny llama, for the engine, offline and HTTP LoRA tests: ranks
+    8/4/16, different target sets and alpha, one rsLoRA."""
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return {
+        "qv8": make_lora_adapter(tiny_llama, "qv8", 8, 16, ["q_proj", "v_proj"], seed=1,
+                                 gain=4.0),
+        "all4": make_lora_adapter(tiny_llama, "all4", 4, 8, every, use_rslora=True, seed=2,
+                                  gain=3.0),
+        "mlp16": make_lora_adapter(tiny_llama, "mlp16", 16, 32,
+                                   ["o_proj", "gate_proj", "down_proj"], seed=3, gain=2.0),
+    }
+
+
+@pytest.fixture(scope="session")
 def hf_greedy():
     """hf_greedy(model_dir, adapter_dir=None) -> HFGreedy (tests/hf_reference.py), one per
     checkpoint and adapter for the whole session."""

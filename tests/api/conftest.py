@@ -31,6 +31,22 @@ def assert_equal_up_to_a_near_tie(ours: list[int], want: list[int], margins: lis
             return
 
 
+def greedy_token_ids(server: Server, prompts: list[list[int]],
+                     max_tokens: int) -> list[list[int]]:
+    """One batched completions request through the openai client: each token-id prompt's
+    greedy continuation (EOS ignored, exactly ``max_tokens``), in prompt order."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.v1, api_key=server.api_key or "unused",
+                           max_retries=0)
+    batch = client.completions.create(
+        model=server.model, prompt=prompts, max_tokens=max_tokens, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    outputs = [c.model_extra["token_ids"] for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert [len(ids) for ids in outputs] == [max_tokens] * len(prompts)
+    return outputs
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

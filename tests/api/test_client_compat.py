@@ -35,22 +35,9 @@ def hf(tiny_llama):
             AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval())
 
 
-def hf_greedy_matches(model, prompt_ids: list[int], got: list[int]) -> bool:
-    """HF greedy on the same ids; a divergence counts only where HF's top-2 is not a tie."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=len(got),
-                             do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             eos_token_id=None, pad_token_id=mm.ENDOFTEXT_ID)
-    want = out.sequences[0, len(prompt_ids):].tolist()
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if g != w:
-            top2 = out.scores[i][0].topk(2).values
-            return float(top2[0] - top2[1]) < NEAR_TIE
-    return True
-
-
-def test_bos_is_added_as_hf_adds_it_and_greedy_equals_hf_generate(client, hf):
-    tokenizer, model = hf
+def test_bos_is_added_as_hf_adds_it_and_greedy_equals_hf_generate(client, hf, tiny_llama,
+                                                                   hf_greedy):
+    tokenizer, _ = hf
     prompt = "def main():\n    return"
     out = client.completions.create(model="shoal-test", prompt=prompt, max_tokens=8,
                                     temperature=0, extra_body={"return_token_ids": True,
@@ -60,7 +47,7 @@ def test_bos_is_added_as_hf_adds_it_and_greedy_equals_hf_generate(client, hf):
     assert ids[0] == mm.BOS_ID
     assert choice.model_extra["prompt_token_ids"] == ids
     assert out.usage.prompt_tokens == len(ids)
-    assert hf_greedy_matches(model, ids, choice.model_extra["token_ids"])
+    assert hf_greedy(tiny_llama).agrees(ids, choice.model_extra["token_ids"], NEAR_TIE)
     bare = client.completions.create(model="shoal-test", prompt=prompt, max_tokens=1,
                                      extra_body={"add_special_tokens": False})
     assert bare.usage.prompt_tokens == len(ids) - 1

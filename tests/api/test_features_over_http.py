@@ -11,11 +11,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import openai
 import pytest
 
-from tests.api.conftest import assert_equal_up_to_a_near_tie
-from tests.hf_reference import greedy_with_margins
+from tests.api.conftest import assert_equal_up_to_a_near_tie, greedy_token_ids
 
 MAX_TOKENS = 16
 NEAR_TIE = 1e-4
@@ -45,7 +43,7 @@ CASES = {"gemma2": (gemma2, 24, 11, 20), "qwen3_moe": (qwen3_moe, 20, 7, 16),
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_over_http_equals_hf(start_server, case):
+def test_greedy_over_http_equals_hf(start_server, hf_greedy, case):
     make, num_blocks, seed, shared = CASES[case]
     model_dir = make()
     server = start_server("--block-size", "4", "--num-kv-blocks", str(num_blocks),
@@ -55,19 +53,11 @@ def test_greedy_over_http_equals_hf(start_server, case):
     system = [rng.randrange(3, 1000) for _ in range(shared)]
     prompts = [system + [rng.randrange(3, 1000) for _ in range(rng.randint(2, 10))]
                for _ in range(5)]
-    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-    batch = client.completions.create(
-        model=server.model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
-    outputs = [c.model_extra["token_ids"] for c in sorted(batch.choices, key=lambda c: c.index)]
+    outputs = greedy_token_ids(server, prompts, MAX_TOKENS)
 
     assert server.metric("shoal:num_preemptions_total") > 0
     assert server.metric("shoal:prefix_cache_hits_total") >= 16
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_greedy(model_dir)
     for prompt, ours in zip(prompts, outputs, strict=True):
-        want, margins = greedy_with_margins(model, prompt, MAX_TOKENS)
-        assert len(ours) == MAX_TOKENS
+        want, margins = reference.generate(prompt, MAX_TOKENS)
         assert_equal_up_to_a_near_tie(ours, want, margins, NEAR_TIE)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.api.conftest import assert_equal_up_to_a_near_tie, greedy_token_ids
+
 MAX_TOKENS = 16
 NEAR_TIE = 1e-3
 
@@ -22,22 +24,9 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(small_qwen3, prompts) -> list[tuple[list[int], list[float]]]:
+def hf_reference(small_qwen3, prompts, hf_greedy) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, top-2 logit margin at each step) from transformers' generate."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(small_qwen3, dtype=torch.float32).eval()
-    results = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, len(ids):].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        results.append((tokens, margins))
-    return results
+    return [hf_greedy(small_qwen3).generate(ids, MAX_TOKENS) for ids in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +46,11 @@ def offline(llm, prompts) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-def agree(ours: list[int], reference: list[int], margins: list[float]) -> bool:
-    for pos, (a, b) in enumerate(zip(ours, reference, strict=True)):
-        if a != b:
-            return margins[pos] < NEAR_TIE
-    return True
-
-
 def test_greedy_over_http_equals_offline_engine_and_hf(server, prompts, hf_reference, offline):
-    client = openai.OpenAI(base_url=server.v1, api_key=server.api_key, max_retries=0)
-    batch = client.completions.create(
-        model=server.model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True})
-    over_http = [c.model_extra["token_ids"] for c in sorted(batch.choices, key=lambda c: c.index)]
+    over_http = greedy_token_ids(server, prompts, MAX_TOKENS)
     assert over_http == offline  # same engine, same ids: exactly equal
     for ours, (reference, margins) in zip(over_http, hf_reference, strict=True):
-        assert len(ours) == MAX_TOKENS
-        assert agree(ours, reference, margins), (ours, reference)
+        assert_equal_up_to_a_near_tie(ours, reference, margins, NEAR_TIE)
     exact = sum(ours == ref for ours, (ref, _) in zip(over_http, hf_reference, strict=True))
     assert exact >= len(prompts) - 1  # near-ties are rare: most prompts match HF exactly
 

@@ -42,26 +42,22 @@ def tasks_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def keyless_llama(start_server, tiny_llama):
-    return start_server(model_dir=tiny_llama)
-
-
 @pytest.mark.slow
-def test_lm_eval_loglikelihood_and_generate_until_tasks(keyless_llama, tiny_llama, tasks_dir,
+def test_lm_eval_loglikelihood_and_generate_until_tasks(tiny_chat_server, tiny_qwen2, tasks_dir,
                                                        monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    lm = local_completions(keyless_llama, "shoal-test", tiny_llama)
+    # the keyless server the third-party-client modules share: no start of its own
+    lm = local_completions(tiny_chat_server, "shoal-test", tiny_qwen2)
     results = evaluate(lm, tasks_dir, ["shoal_mc", "shoal_gen"])
     assert set(results["results"]) == {"shoal_mc", "shoal_gen"}
     assert 0.0 <= results["results"]["shoal_mc"]["acc,none"] <= 1.0
     generated = [s["resps"][0][0] for s in results["samples"]["shoal_gen"]]
     assert len(generated) == len(QUESTIONS) and all(isinstance(g, str) for g in generated)
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     compared = 0
     for sample in results["samples"]["shoal_mc"]:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"],

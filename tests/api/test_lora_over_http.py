@@ -23,31 +23,18 @@ from .conftest import API_KEY, free_port
 
 ALLOW = {"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": None}
 DENY = {"SHOAL_ALLOW_RUNTIME_LORA_UPDATING": None, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"}
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama, make_lora_adapter):
-    return {
-        "qv8": make_lora_adapter(tiny_llama, "qv8", 8, 16, ["q_proj", "v_proj"], seed=1,
-                                 gain=4.0),
-        "all4": make_lora_adapter(tiny_llama, "all4", 4, 8, ALL, use_rslora=True, seed=2,
-                                  gain=3.0),
-        "mlp16": make_lora_adapter(tiny_llama, "mlp16", 16, 32,
-                                   ["o_proj", "gate_proj", "down_proj"], seed=3, gain=2.0),
-    }
-
-
-@pytest.fixture(scope="module")
-def lora_server(start_server, tiny_llama, adapters):
-    json_form = json.dumps({"name": "all4", "path": str(adapters["all4"]),
+def lora_server(start_server, tiny_llama, llama_adapters):
+    json_form = json.dumps({"name": "all4", "path": str(llama_adapters["all4"]),
                             "base_model_name": "shoal-test"})
     metrics_port = free_port()
     server = start_server("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
                           "--max-lora-rank", "16", "--max-num-seqs", "16",
                           "--metrics-port", str(metrics_port),
-                          "--lora-modules", f"qv8={adapters['qv8']}", json_form,
+                          "--lora-modules", f"qv8={llama_adapters['qv8']}", json_form,
                           model_dir=tiny_llama, api_key=API_KEY, wait=False, env=ALLOW)
     server.wait_ready(timeout=240)  # parsing three adapters at startup, on a loaded machine
     server.metrics_port = metrics_port  # type: ignore[attr-defined]
@@ -68,17 +55,17 @@ def complete(server, model: str, prompt: list[int]) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
-def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, adapters,
+def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, llama_adapters,
                                                       hf_greedy):
     server = lora_server
     response = post(server, "/v1/load_lora_adapter",
-                    {"lora_name": "mlp16", "lora_path": str(adapters["mlp16"])})
+                    {"lora_name": "mlp16", "lora_path": str(llama_adapters["mlp16"])})
     assert response.status_code == 200, response.text
     assert "added successfully" in response.text
     cards = {c["id"]: c for c in httpx.get(server.v1 + "/models",
                                            headers=server.headers()).json()["data"]}
     assert cards["shoal-test"]["parent"] is None
-    for name, path in adapters.items():
+    for name, path in llama_adapters.items():
         assert cards[name]["parent"] == "shoal-test" and cards[name]["root"] == str(path)
 
     rng = random.Random(0)
@@ -89,22 +76,22 @@ def test_adapters_and_base_mixed_over_http_equal_peft(lora_server, tiny_llama, a
         results = list(pool.map(lambda job: complete(server, job[0], prompts[job[1]]), jobs))
     got = dict(zip(jobs, results, strict=True))
     for (model, i), tokens in got.items():
-        reference = hf_greedy(tiny_llama, None if model == "shoal-test" else adapters[model])
+        reference = hf_greedy(tiny_llama, None if model == "shoal-test" else llama_adapters[model])
         assert reference.agrees(prompts[i], tokens), (model, i, tokens,
                                                       reference.generate(prompts[i], MAX_TOKENS))
-    for name in adapters:
+    for name in llama_adapters:
         assert sum(got[(name, i)] != got[("shoal-test", i)] for i in range(4)) >= 2, name
 
     metrics = httpx.get(server.base_url + "/metrics", headers=server.headers()).text
     info = re.search(r'^shoal:lora_requests_info\{(.*)\} ([0-9.e+]+)$', metrics, re.M)
     assert info and 'max_lora="2"' in info.group(1) and float(info.group(2)) > 1e9
-    for name in adapters:
+    for name in llama_adapters:
         assert re.search(rf'^shoal:lora_requests_total\{{.*lora_name="{name}".*\}} 4\.0$',
                          metrics, re.M), name
         assert f'shoal:lora_adapter_info{{lora_name="{name}"}} 1.0' in metrics, name
 
 
-def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, adapters,
+def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, llama_adapters,
                                                                   tmp_path):
     server = lora_server
     unknown = post(server, "/v1/completions", {"model": "nope", "prompt": [5, 6],
@@ -115,7 +102,8 @@ def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, a
         ({"lora_name": "x", "lora_path": str(tmp_path / "empty")}, 400,
          "no adapter_config.json"),
         ({"lora_name": "x", "lora_path": str(tmp_path / "absent")}, 400, "not a directory"),
-        ({"lora_name": "qv8", "lora_path": str(adapters["qv8"])}, 400, "already been loaded"),
+        ({"lora_name": "qv8", "lora_path": str(llama_adapters["qv8"])}, 400,
+         "already been loaded"),
         ({"lora_name": "x"}, 400, "lora_path"),
     ):
         response = post(server, "/v1/load_lora_adapter", body)
@@ -125,7 +113,7 @@ def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, a
     assert len(complete(server, "qv8", [5, 6, 7])) == MAX_TOKENS  # still serving
 
     temporary = post(server, "/v1/load_lora_adapter",
-                     {"lora_name": "temp", "lora_path": str(adapters["qv8"])})
+                     {"lora_name": "temp", "lora_path": str(llama_adapters["qv8"])})
     assert temporary.status_code == 200, temporary.text
     assert len(complete(server, "temp", [5, 6, 7])) == MAX_TOKENS
     unloaded = post(server, "/v1/unload_lora_adapter", {"lora_name": "temp"})
@@ -136,16 +124,16 @@ def test_lora_errors_are_404_and_400_and_the_server_keeps_serving(lora_server, a
                                                      headers=server.headers()).json()["data"]}
     assert post(server, "/v1/load_lora_adapter", {}).status_code == 400
     no_key = httpx.post(server.base_url + "/v1/load_lora_adapter", timeout=10,
-                        json={"lora_name": "k", "lora_path": str(adapters["qv8"])})
+                        json={"lora_name": "k", "lora_path": str(llama_adapters["qv8"])})
     assert no_key.status_code == 401
 
 
-def test_metrics_port_serves_the_adapter_endpoints_behind_the_key(lora_server, adapters):
+def test_metrics_port_serves_the_adapter_endpoints_behind_the_key(lora_server, llama_adapters):
     """The operator's channel: /v1/models and load/unload on --metrics-port, with the same
     API key as the main port (401 without it), nothing else of /v1 there."""
     admin = f"http://127.0.0.1:{lora_server.metrics_port}"
     key = lora_server.headers()
-    body = {"lora_name": "via-admin", "lora_path": str(adapters["qv8"])}
+    body = {"lora_name": "via-admin", "lora_path": str(llama_adapters["qv8"])}
     for path, sent in (("/v1/load_lora_adapter", body),
                        ("/v1/unload_lora_adapter", {"lora_name": "qv8"})):
         refused = httpx.post(admin + path, json=sent, timeout=10)
@@ -167,17 +155,17 @@ def test_metrics_port_serves_the_adapter_endpoints_behind_the_key(lora_server, a
 
 
 def test_runtime_updating_not_allowed_is_a_404_behind_the_key(start_server, tiny_llama,
-                                                              adapters):
+                                                              llama_adapters):
     """Without SHOAL_/VLLM_ALLOW_RUNTIME_LORA_UPDATING (here the vLLM one set to 0) adapters
     come from --lora-modules only: load and unload are refused on both ports (an OpenAI
     error naming the variable), after the API key is checked, and serving goes on."""
     metrics_port = free_port()
     server = start_server("--enable-lora", "--max-lora-rank", "16", "--max-num-seqs", "4",
                           "--metrics-port", str(metrics_port),
-                          "--lora-modules", f"qv8={adapters['qv8']}",
+                          "--lora-modules", f"qv8={llama_adapters['qv8']}",
                           model_dir=tiny_llama, api_key=API_KEY, wait=False, env=DENY)
     server.wait_ready(timeout=240)
-    load = {"lora_name": "new", "lora_path": str(adapters["mlp16"])}
+    load = {"lora_name": "new", "lora_path": str(llama_adapters["mlp16"])}
     for base in (server.base_url, f"http://127.0.0.1:{metrics_port}"):
         for path, body in (("/v1/load_lora_adapter", load),
                            ("/v1/unload_lora_adapter", {"lora_name": "qv8"})):

@@ -14,16 +14,6 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama, make_lora_adapter):
-    return {
-        "qv8": make_lora_adapter(tiny_llama, "qv8", 8, 16, ["q_proj", "v_proj"], seed=1,
-                                 gain=4.0),
-        "mlp16": make_lora_adapter(tiny_llama, "mlp16", 16, 32,
-                                   ["o_proj", "gate_proj", "down_proj"], seed=3, gain=2.0),
-    }
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_llama):
     return LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128,
                num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=16)
@@ -33,37 +23,38 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def test_per_prompt_adapters_and_the_base_mixed_equal_peft(llm, tiny_llama, adapters, hf_greedy):
+def test_per_prompt_adapters_and_the_base_mixed_equal_peft(llm, tiny_llama, llama_adapters,
+                                                           hf_greedy):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 19, 9, 30)]
-    qv8 = LoRARequest("qv8", 1, str(adapters["qv8"]))
-    mlp16 = LoRARequest("mlp16", 2, str(adapters["mlp16"]))
+    qv8 = LoRARequest("qv8", 1, str(llama_adapters["qv8"]))
+    mlp16 = LoRARequest("mlp16", 2, str(llama_adapters["mlp16"]))
     chosen = [qv8, None, mlp16, qv8]
     results = llm.generate(prompts, greedy(), lora_request=chosen)
     for prompt, request, result in zip(prompts, chosen, results, strict=True):
-        reference = hf_greedy(tiny_llama, adapters[request.lora_name] if request else None)
+        reference = hf_greedy(tiny_llama, llama_adapters[request.lora_name] if request else None)
         got = result.outputs[0].token_ids
         assert reference.agrees(prompt, got), (request, got,
                                                reference.generate(prompt, MAX_TOKENS))
     # one request for every prompt; the adapter (already loaded) is reused
     together = llm.generate(prompts, greedy(), lora_request=mlp16)
     base = llm.generate(prompts, greedy())
-    reference = hf_greedy(tiny_llama, adapters["mlp16"])
+    reference = hf_greedy(tiny_llama, llama_adapters["mlp16"])
     for prompt, result in zip(prompts, together, strict=True):
         assert reference.agrees(prompt, result.outputs[0].token_ids)
     assert sum(a.outputs[0].token_ids != b.outputs[0].token_ids
                for a, b in zip(together, base, strict=True)) >= 2  # the adapter acts
 
 
-def test_misuse_is_refused_before_anything_runs(llm, tiny_llama, adapters, tmp_path):
-    qv8 = LoRARequest("qv8", 1, str(adapters["qv8"]))
+def test_misuse_is_refused_before_anything_runs(llm, tiny_llama, llama_adapters, tmp_path):
+    qv8 = LoRARequest("qv8", 1, str(llama_adapters["qv8"]))
     llm.generate([[5, 6, 7]], greedy(), lora_request=qv8)
     with pytest.raises(ValueError, match="already loaded as id 1"):
         llm.generate([[5, 6]], greedy(), lora_request=LoRARequest("qv8", 9,
-                                                                 str(adapters["qv8"])))
+                                                                 str(llama_adapters["qv8"])))
     with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'qv8'"):
         llm.generate([[5, 6]], greedy(), lora_request=LoRARequest("other", 1,
-                                                                 str(adapters["mlp16"])))
+                                                                 str(llama_adapters["mlp16"])))
     with pytest.raises(ValueError, match="2 lora requests for 1 prompts"):
         llm.generate([[5, 6]], greedy(), lora_request=[qv8, None])
     with pytest.raises(ValueError, match="not a directory"):
@@ -76,8 +67,8 @@ def test_misuse_is_refused_before_anything_runs(llm, tiny_llama, adapters, tmp_p
         == MAX_TOKENS  # still serving
 
 
-def test_lora_request_without_enable_lora_is_refused(tiny_llama, adapters):
+def test_lora_request_without_enable_lora_is_refused(tiny_llama, llama_adapters):
     plain = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate([[5, 6]], greedy(),
-                       lora_request=LoRARequest("qv8", 1, str(adapters["qv8"])))
+                       lora_request=LoRARequest("qv8", 1, str(llama_adapters["qv8"])))

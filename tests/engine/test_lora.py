@@ -19,21 +19,6 @@ from shoal.runtime.kv.events import BlockStored
 from shoal.runtime.lora_modules import LoraModule
 from shoal.runtime.sampling_params import SamplingParams
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_llama, make_lora_adapter):
-    """Three adapters: different ranks, target sets, alpha, one rsLoRA."""
-    return {
-        "qv8": make_lora_adapter(tiny_llama, "qv8", 8, 16, ["q_proj", "v_proj"], seed=1,
-                                 gain=4.0),
-        "all4": make_lora_adapter(tiny_llama, "all4", 4, 8, ALL, use_rslora=True, seed=2,
-                                  gain=3.0),
-        "mlp16": make_lora_adapter(tiny_llama, "mlp16", 16, 32,
-                                   ["o_proj", "gate_proj", "down_proj"], seed=3, gain=2.0),
-    }
-
 
 def engine(model_dir, adapters: dict, **kwargs) -> EngineCore:
     kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "num_kv_blocks": 128,
@@ -65,34 +50,34 @@ def run(core: EngineCore, requests: list[tuple[str, list[int], str | None, int]]
     return outputs
 
 
-def test_base_and_three_adapters_mixed_equal_peft(tiny_llama, adapters, hf_greedy):
+def test_base_and_three_adapters_mixed_equal_peft(tiny_llama, llama_adapters, hf_greedy):
     """Three adapters and the base, four prompts each, all arriving together: 2 slots, so
     adapters wait for one; 2 parsed in memory, so one is read again from disk."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 33, 50)]
-    names: list[str | None] = [None, *adapters]
+    names: list[str | None] = [None, *llama_adapters]
     requests = [(f"{name or 'base'}-{i}", prompt, name, 8)
                 for i, prompt in enumerate(prompts) for name in names]
-    core = engine(tiny_llama, adapters, max_cpu_loras=2)
+    core = engine(tiny_llama, llama_adapters, max_cpu_loras=2)
     outputs = run(core, requests)
     lora = core.executor.worker.lora
     assert lora.slot_loads >= 3  # every adapter went through a slot
     for req_id, prompt, name, _ in requests:
-        reference = hf_greedy(tiny_llama, adapters[name] if name else None)
+        reference = hf_greedy(tiny_llama, llama_adapters[name] if name else None)
         assert reference.agrees(prompt, outputs[req_id]), (req_id, outputs[req_id],
                                                             reference.generate(prompt, 8))
-    for name in adapters:  # each adapter really changes what the model says
+    for name in llama_adapters:  # each adapter really changes what the model says
         moved = sum(outputs[f"{name}-{i}"] != outputs[f"base-{i}"] for i in range(4))
         assert moved >= 2, name
 
 
-def test_fused_qkv_adapter_equals_the_split_one(tiny_llama, adapters, tmp_path):
+def test_fused_qkv_adapter_equals_the_split_one(tiny_llama, llama_adapters, tmp_path):
     """Phi-3-style fused ``qkv_proj`` LoRA: the split q/v adapter rewritten as one fused
     module (A stacked, B block-diagonal, alpha kept per rank) gives the same tokens."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    split = adapters["qv8"]
+    split = llama_adapters["qv8"]
     config = json.loads((split / "adapter_config.json").read_text())
     tensors = load_file(str(split / "adapter_model.safetensors"))
     q_out, kv_out = 64, 16  # tiny llama: 4 heads x 16, one KV head
@@ -126,14 +111,14 @@ def _copy(adapter, tmp_path, name):
 
 
 def test_bad_adapters_are_refused_naming_why_and_the_engine_keeps_serving(
-        tiny_llama, tiny_qwen3, adapters, make_lora_adapter, tmp_path):
-    core = engine(tiny_llama, {"qv8": adapters["qv8"]}, max_lora_rank=8)
-    missing = _copy(adapters["all4"], tmp_path, "missing")
+        tiny_llama, tiny_qwen3, llama_adapters, make_lora_adapter, tmp_path):
+    core = engine(tiny_llama, {"qv8": llama_adapters["qv8"]}, max_lora_rank=8)
+    missing = _copy(llama_adapters["all4"], tmp_path, "missing")
     (missing / "adapter_model.safetensors").unlink()
     other_base = make_lora_adapter(tiny_qwen3, "qwen", 4, 8, ["q_proj"], seed=4)
     lm_head = make_lora_adapter(tiny_llama, "head", 4, 8, ["lm_head"], seed=5)
     cases = {
-        "rank": (adapters["mlp16"], "rank 16, above --max-lora-rank 8"),
+        "rank": (llama_adapters["mlp16"], "rank 16, above --max-lora-rank 8"),
         "missing": (missing, "has no adapter_model.safetensors"),
         "nowhere": (tmp_path / "nowhere", "is not a directory"),
         "shape": (other_base, "do not match the base model's q_proj"),
@@ -144,14 +129,14 @@ def test_bad_adapters_are_refused_naming_why_and_the_engine_keeps_serving(
             core.add_lora(name, str(path))
         assert not core.adapters.serves(name)
     with pytest.raises(ValueError, match="already been loaded"):
-        core.add_lora("qv8", str(adapters["qv8"]))
-    core.add_lora("all4", str(adapters["all4"]))  # a good one still loads
+        core.add_lora("qv8", str(llama_adapters["qv8"]))
+    core.add_lora("all4", str(llama_adapters["all4"]))  # a good one still loads
     outputs = run(core, [("a", [4, 5, 6], "all4", 4), ("b", [4, 5, 6], None, 4)])
     assert len(outputs["a"]) == len(outputs["b"]) == 4
 
 
-def test_adapter_is_part_of_prefix_cache_identity_and_kv_events(tiny_llama, adapters):
-    core = engine(tiny_llama, adapters)
+def test_adapter_is_part_of_prefix_cache_identity_and_kv_events(tiny_llama, llama_adapters):
+    core = engine(tiny_llama, llama_adapters)
     core.scheduler.kv.pool.record_events = True
     prompt = list(range(10, 10 + 40))  # two full blocks of 16
     run(core, [("first", prompt, "qv8", 2)])
@@ -170,8 +155,8 @@ def test_adapter_is_part_of_prefix_cache_identity_and_kv_events(tiny_llama, adap
     assert {e.lora_name for e in stored} == {"all4", None}
 
 
-def test_unloading_waits_for_the_requests_holding_the_adapter(tiny_llama, adapters):
-    core = engine(tiny_llama, {"qv8": adapters["qv8"]})
+def test_unloading_waits_for_the_requests_holding_the_adapter(tiny_llama, llama_adapters):
+    core = engine(tiny_llama, {"qv8": llama_adapters["qv8"]})
     core.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=[3, 4, 5],
                                        sampling_params=greedy(6), adapter_id="qv8"))
     outputs = [t for out in core.step() for t in out.new_token_ids]
