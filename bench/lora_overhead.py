@@ -8,7 +8,10 @@ change in the shared machine's load hits both: ``base`` (every request on the ba
 engine has --enable-lora, so this is what a LoRA-enabled server pays for base traffic) and
 ``mixed`` (request i on adapter i % adapters, --max-loras = adapters). Also ``no-lora``: an
 engine without --enable-lora on the same requests. Reports output tokens/s per mode and
-mixed / base; the issue's target is at most 25% overhead at 16 concurrent.
+mixed / base; the issue's target is at most 25% overhead at 16 concurrent. Prefix caching is
+off, so every round computes every prompt. On a shared machine run it with ``--threads 1``
+too: with more torch threads than free cores, each parallel op waits for descheduled threads,
+and the ratio then measures op counts more than work.
 
     .venv/bin/python bench/lora_overhead.py [--rounds 2] [--threads 2] [--json out.json]
 """
@@ -84,7 +87,10 @@ def main() -> None:
     prompts = [[rng.randrange(3, 8000) for _ in range(args.prompt)] for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(base, Path(tmp), args.adapters, args.rank)
+        # no prefix caching: every run computes its prompts (else a mode's later rounds hit
+        # the blocks of its earlier ones, and base and mixed evict each other's in one engine)
         common = {"dtype": "float32", "device": "cpu", "max_num_seqs": args.requests,
+                  "enable_prefix_caching": False,
                   "num_kv_blocks": args.requests * (args.prompt + args.output) // 16 + 64}
         lora_core = EngineCore(EngineConfig.from_kwargs(
             str(base), enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
