@@ -18,6 +18,7 @@ import yaml
 from shoal.operator.constants import ENGINE_PORT
 from shoal.operator.meta import Owner
 from shoal.operator.render_engine import render_engine_deployment
+from shoal.operator.render_pd import ROLE_PREFILL
 from shoal.operator.render_router import render_router_deployment
 from shoal.operator.spec import parse_spec
 
@@ -84,26 +85,39 @@ def operator_rendered_pods() -> dict[str, dict[str, Any]]:
     """Pod templates of an engine and a router exactly as the operator renders them."""
     owner = Owner(name="demo", namespace="serving", uid="u-1")
     spec = parse_spec(yaml.safe_load((ROOT / "examples" / "cpu-demo.yaml").read_text())["spec"])
+    pd = parse_spec(yaml.safe_load((ROOT / "examples" / "pd-disaggregation.yaml").read_text())[
+        "spec"])
     return {
         "engine": render_engine_deployment(owner, spec, 2)["spec"]["template"],
         "router": render_router_deployment(owner, spec)["spec"]["template"],
+        "prefill": render_engine_deployment(owner, pd, 1, ROLE_PREFILL)["spec"]["template"],
+        "decode": render_engine_deployment(owner, pd, 2)["spec"]["template"],
     }
 
 
+def engine_policies(objects: list[dict[str, Any]], suffix: str = "-engines"
+                    ) -> list[dict[str, Any]]:
+    """The chart's NetworkPolicies named ...-engines (decode) or ...-prefill-engines."""
+    other = "-prefill-engines" if suffix == "-engines" else None
+    return [p for p in of_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith(suffix)
+            and not (other and p["metadata"]["name"].endswith(other))]
+
+
 def test_network_policy_one_per_engine_namespace(render_chart) -> None:
-    watched = of_kind(render_chart(EVERYTHING_ON), "NetworkPolicy")
-    assert sorted(p["metadata"]["namespace"] for p in watched) == ["serving", "team-b"]
-    cluster_wide = of_kind(render_chart({"networkPolicy.enabled": "true"}), "NetworkPolicy")
-    assert [p["metadata"]["namespace"] for p in cluster_wide] == ["shoal-system"]
-    explicit = of_kind(render_chart({**EVERYTHING_ON, "networkPolicy.namespaces": "{ml}"}),
-                       "NetworkPolicy")
-    assert [p["metadata"]["namespace"] for p in explicit] == ["ml"]
+    for suffix in ("-engines", "-prefill-engines"):
+        watched = engine_policies(render_chart(EVERYTHING_ON), suffix)
+        assert sorted(p["metadata"]["namespace"] for p in watched) == ["serving", "team-b"]
+        cluster_wide = engine_policies(render_chart({"networkPolicy.enabled": "true"}), suffix)
+        assert [p["metadata"]["namespace"] for p in cluster_wide] == ["shoal-system"]
+        explicit = engine_policies(
+            render_chart({**EVERYTHING_ON, "networkPolicy.namespaces": "{ml}"}), suffix)
+        assert [p["metadata"]["namespace"] for p in explicit] == ["ml"]
 
 
 def test_network_policy_selects_engines_and_admits_routers_and_operator(
         render_chart, operator_rendered_pods) -> None:
     objects = render_chart(EVERYTHING_ON)
-    policy = of_kind(objects, "NetworkPolicy")[0]["spec"]
+    policy = engine_policies(objects)[0]["spec"]
     engine_labels = operator_rendered_pods["engine"]["metadata"]["labels"]
     router_labels = operator_rendered_pods["router"]["metadata"]["labels"]
     assert matches(policy["podSelector"]["matchLabels"], engine_labels)
@@ -133,10 +147,35 @@ def test_network_policy_selects_engines_and_admits_routers_and_operator(
 def test_network_policy_extra_sources_are_appended(render_chart) -> None:
     values = {**EVERYTHING_ON,
               "networkPolicy.extraIngressFrom[0].namespaceSelector.matchLabels.team": "obs"}
-    policy = of_kind(render_chart(values), "NetworkPolicy")[0]["spec"]
-    peers = policy["ingress"][0]["from"]
-    assert peers[-1] == {"namespaceSelector": {"matchLabels": {"team": "obs"}}}
-    assert len(peers) == 3
+    for suffix in ("-engines", "-prefill-engines"):
+        policy = engine_policies(render_chart(values), suffix)[0]["spec"]
+        peers = policy["ingress"][0]["from"]
+        assert peers[-1] == {"namespaceSelector": {"matchLabels": {"team": "obs"}}}
+        assert len(peers) == 3
+
+
+def test_prefill_pods_admit_routers_and_operator_and_decode_engines_on_kv_transfer(
+        render_chart, operator_rendered_pods) -> None:
+    objects = render_chart(EVERYTHING_ON)
+    (engine_policy,) = [p for p in engine_policies(objects)
+                        if p["metadata"]["namespace"] == "serving"]
+    (policy,) = [p["spec"] for p in engine_policies(objects, "-prefill-engines")
+                 if p["metadata"]["namespace"] == "serving"]
+    prefill, decode = operator_rendered_pods["prefill"], operator_rendered_pods["decode"]
+    assert matches(policy["podSelector"]["matchLabels"], prefill["metadata"]["labels"])
+    assert not matches(policy["podSelector"]["matchLabels"], decode["metadata"]["labels"])
+    # the decode pool stays under the engines' policy
+    assert matches(engine_policy["spec"]["podSelector"]["matchLabels"],
+                   decode["metadata"]["labels"])
+    serving, pulls = policy["ingress"]
+    assert serving == engine_policy["spec"]["ingress"][0]  # routers, operator, extras
+    (kv_port,) = [p["containerPort"] for p in prefill["spec"]["containers"][0]["ports"]
+                  if p["name"] == "kv-transfer"]
+    assert pulls["ports"] == [{"protocol": "TCP", "port": kv_port}]
+    (peer,) = pulls["from"]
+    assert matches(peer["podSelector"]["matchLabels"], decode["metadata"]["labels"])
+    assert not matches(peer["podSelector"]["matchLabels"],
+                       operator_rendered_pods["router"]["metadata"]["labels"])
 
 
 # --- Grafana dashboard ----------------------------------------------------------------------
