@@ -2,26 +2,17 @@
 
 ``attach_lora`` gives each targetable projection (the packed qkv, o, the packed gate/up, up,
 down) a ``LoraLayer``, registered as a forward hook, so the linear layers themselves never
-change. A layer has one *block* per output segment (qkv: q, k, v; gate/up: gate, up). Per
-slot, its blocks' A are stacked in one ``[blocks * max_rank, in]`` and their B in one
-``[blocks * max_rank, out]`` (scaled, transposed, each block's rows zero outside its segment's
-columns); the slots are stacked on a leading axis, so the active slots are a prefix. A fused
-adapter module (Phi-3's ``qkv_proj``) fills every block of its layer: the same A, its B cut
-at the segment boundaries.
+change. A layer has one *block* per output segment (qkv: q, k, v; gate/up: gate, up); a block
+stacks the A (``[slots * max_rank, in]``) and B (``[slots * max_rank, segment]``, scaled and
+transposed) of all ``max_loras`` slots. A fused adapter module (Phi-3's ``qkv_proj``) fills
+every block of the layer: the same A, its B cut at the segment boundaries.
 
-The step, per layer that some active slot uses, in a fixed number of ops whatever the mix of
-adapters (never a loop over adapters or tokens); base-model tokens get nothing added:
-
-- a small step (decode): ``out += ((x @ A.T) * mask) @ B`` with all active slots' A and B
-  flattened, ``mask[t, c]`` keeping only the columns of token t's slot. Three ops: at decode
-  sizes the op count costs more than computing the other slots' columns (on a shared CPU each
-  parallel op can also wait for a descheduled thread).
-- a large step (a prefill): the adapter tokens grouped by slot (``SlotGroups``, padded to the
-  largest group), two ``torch.bmm`` per segment and an ``index_add_`` back: each token meets
-  only its own adapter, and B's zero columns cost no FLOPs.
-
-The mask or the groups are built once per step, not once per layer. A step with no adapter
-token skips the hooks' work entirely.
+The step: ``LoraStepState`` holds each token's slot (-1: the base model). Per block that some
+active slot uses: ``out[:, segment] += ((x @ A.T) * mask) @ B`` over the whole flat batch,
+with A and B cut to the active slots and ``mask[t, c]`` (one per step) keeping only the
+columns of token t's slot: two dense matmuls per block whatever the mix of adapters (a loop
+over a layer's 1-3 segments, never over adapters or tokens). A step with no adapter token
+skips the hooks' work entirely.
 """
 
 from __future__ import annotations
@@ -30,42 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
     from shoal.runtime.model.decoder import DecoderForCausalLM
-
-# steps up to this many tokens take the masked path, larger ones the grouped path
-MASKED_MAX_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class SlotGroups:
-    """The step's adapter tokens grouped by slot, each group padded to the largest one, so
-    that one batched matmul per weight serves every slot with its own tokens only."""
-
-    gather: torch.Tensor  # long [num_active * width]: the token at each padded position
-    tokens: torch.Tensor  # long [n]: the adapter tokens, grouped by slot
-    positions: torch.Tensor  # long [n]: each one's padded position
-    width: int  # the largest group
-
-
-def group_by_slot(token_slots: torch.Tensor, num_active: int) -> SlotGroups | None:
-    on_adapter = (token_slots >= 0).nonzero().squeeze(1)
-    if on_adapter.numel() == 0:
-        return None
-    slots, order = torch.sort(token_slots[on_adapter], stable=True)
-    tokens = on_adapter[order]
-    counts = torch.bincount(slots, minlength=num_active)
-    width = int(counts.max())
-    starts = torch.cumsum(counts, 0) - counts
-    rank_in_group = torch.arange(slots.numel(), device=slots.device) - starts[slots]
-    positions = slots * width + rank_in_group
-    # padding reads token 0; what it computes is never added anywhere
-    gather = torch.zeros(num_active * width, dtype=torch.long, device=slots.device)
-    gather[positions] = tokens
-    return SlotGroups(gather, tokens, positions, width)
 
 
 @dataclass
@@ -75,17 +34,15 @@ class LoraStepState:
     token_slots: torch.Tensor | None = None  # long [T]; None: no adapter token this step
     num_active: int = 0  # slots 0..num_active-1 may appear in token_slots
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    _groups: SlotGroups | None = None
 
     def set_step(self, token_slots: torch.Tensor | None, num_active: int) -> None:
         self.token_slots = token_slots
         self.num_active = num_active if token_slots is not None else 0
         self._masks = {}
-        self._groups = None
 
     def mask(self, rows_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[T, num_active * rows_per_slot]``: 1 where the column belongs to the token's slot
-        (one per step per row count: a few distinct ones)."""
+        """``[T, num_active * rows_per_slot]``: 1 where the column belongs to the token's slot.
+        Built once per step per row count (a few distinct ones), not once per layer."""
         found = self._masks.get(rows_per_slot)
         if found is None:
             assert self.token_slots is not None
@@ -95,16 +52,9 @@ class LoraStepState:
             self._masks[rows_per_slot] = found
         return found
 
-    def groups(self) -> SlotGroups | None:
-        if self._groups is None:
-            assert self.token_slots is not None
-            self._groups = group_by_slot(self.token_slots, self.num_active)
-        return self._groups
-
 
 class LoraLayer:
-    """The stacked adapters of one projection: A ``[slot, block*rank, in]``, B ``[slot,
-    block*rank, out]``."""
+    """The stacked adapters of one projection, one block per output segment."""
 
     def __init__(self, in_features: int, segments: list[tuple[int, int]], max_loras: int,
                  max_rank: int, state: LoraStepState, dtype: torch.dtype,
@@ -113,65 +63,51 @@ class LoraLayer:
         self.segments = segments  # (out_offset, size) of each block
         self.max_rank = max_rank
         self.state = state
-        self.rows_per_slot = len(segments) * max_rank
-        self.out_features = max(offset + size for offset, size in segments)
-        self.a = torch.zeros(max_loras, self.rows_per_slot, in_features, dtype=dtype,
-                             device=device)
-        self.b = torch.zeros(max_loras, self.rows_per_slot, self.out_features, dtype=dtype,
-                             device=device)
-        self.used = [False] * max_loras  # slots holding something here: others are skipped
+        rows = max_loras * max_rank
+        self.a = [torch.zeros(rows, in_features, dtype=dtype, device=device) for _ in segments]
+        self.b = [torch.zeros(rows, size, dtype=dtype, device=device) for _, size in segments]
+        # which slots hold something in each block: blocks no active slot uses are skipped
+        self.used = [[False] * max_loras for _ in segments]
 
     def clear_slot(self, slot: int) -> None:
-        if self.used[slot]:
-            self.a[slot].zero_()
-            self.b[slot].zero_()
-            self.used[slot] = False
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for a, b, used in zip(self.a, self.b, self.used, strict=True):
+            if used[slot]:
+                a[rows].zero_()
+                b[rows].zero_()
+                used[slot] = False
 
     def set_target(self, slot: int, blocks: tuple[int, ...], lora_a: torch.Tensor,
                    scaled_b_t: torch.Tensor) -> None:
         """``lora_a [r, in]``, ``scaled_b_t [r, sum of the blocks' sizes]`` (B transposed,
         times the scale): the same A in each block, B cut at the segment boundaries."""
         rank = lora_a.shape[0]
+        start = slot * self.max_rank
         column = 0
         for block in blocks:
-            offset, size = self.segments[block]
-            start = block * self.max_rank
-            self.a[slot, start:start + rank].copy_(lora_a)
-            self.b[slot, start:start + rank, offset:offset + size].copy_(
-                scaled_b_t[:, column:column + size])
+            size = self.segments[block][1]
+            self.a[block][start:start + rank].copy_(lora_a)
+            self.b[block][start:start + rank].copy_(scaled_b_t[:, column:column + size])
+            self.used[block][slot] = True
             column += size
-        self.used[slot] = True
 
     def hook(self, _module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         state = self.state
-        if state.token_slots is None or not any(self.used[:state.num_active]):
+        if state.token_slots is None:
             return out
         x = args[0]
-        if x.shape[0] <= MASKED_MAX_TOKENS:
-            self._masked(x, out)
-        else:
-            self._grouped(x, out)
+        active = state.num_active
+        rows = active * self.max_rank
+        mask: torch.Tensor | None = None
+        for (offset, size), a, b, used in zip(self.segments, self.a, self.b, self.used,
+                                              strict=True):
+            if not any(used[:active]):
+                continue
+            if mask is None:
+                mask = state.mask(self.max_rank, x.dtype)
+            shrunk = torch.mm(x, a[:rows].T).mul_(mask)  # [T, rows]: every active slot's A
+            out[:, offset:offset + size].addmm_(shrunk, b[:rows])
         return out
-
-    def _masked(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        rows = self.state.num_active * self.rows_per_slot
-        a = self.a[:self.state.num_active].view(rows, self.in_features)
-        shrunk = F.linear(x, a).mul_(self.state.mask(self.rows_per_slot, x.dtype))
-        out.addmm_(shrunk, self.b[:self.state.num_active].view(rows, self.out_features))
-
-    def _grouped(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        groups = self.state.groups()
-        if groups is None:
-            return
-        active = self.state.num_active
-        grouped = x.index_select(0, groups.gather).view(active, groups.width, -1)
-        shrunk = torch.bmm(grouped, self.a[:active].transpose(1, 2))  # [slots, width, rows]
-        rank = self.max_rank
-        for block, (offset, size) in enumerate(self.segments):
-            rows = slice(block * rank, (block + 1) * rank)
-            grown = torch.bmm(shrunk[:, :, rows], self.b[:active, rows, offset:offset + size])
-            added = grown.view(-1, size).index_select(0, groups.positions)
-            out[:, offset:offset + size].index_add_(0, groups.tokens, added)
 
 
 @dataclass(frozen=True)
