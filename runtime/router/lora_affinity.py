@@ -38,10 +38,11 @@ _decoder = msgspec.json.Decoder(_ModelField)
 
 
 def model_of(body: bytes) -> str | None:
-    """The body's ``model``; None when it has none or is not a JSON object."""
+    """The body's ``model``; None when it has none or is not a JSON object (or is nested
+    too deep to skip: msgspec raises RecursionError skipping a 100k-deep field)."""
     try:
         return _decoder.decode(body).model
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 

@@ -31,7 +31,7 @@ def test_the_executor_checks_before_starting_ranks(monkeypatch, tmp_path):
     from shoal.runtime.config import EngineConfig
 
     started = []
-    monkeypatch.setattr(multiproc, "load_model_config", lambda model: None)
+    monkeypatch.setattr(multiproc, "load_model_config", lambda model, hf_overrides=None: None)
     monkeypatch.setattr(multiproc, "check_shardable", lambda config, world: None)
     monkeypatch.setattr(multiproc, "_resolved_device", lambda name: "cuda")
     monkeypatch.setattr(multiproc, "_visible_gpus", lambda: 1)
