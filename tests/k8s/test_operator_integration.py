@@ -207,7 +207,8 @@ async def test_lifecycle_gate_status_failure_recovery_and_spec_change(
         assert {r["phase"] for r in status["replicaStatus"]} == {"ready"}
         columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
         shown = {c["name"]: json_path(isvc, c["jsonPath"]) for c in columns}
-        assert shown == {"Ready": "2/2", "KV%": round(kv * 100),
+        # Prefill (-o wide) is empty without spec.prefill: kubectl prints <none>
+        assert shown == {"Ready": "2/2", "Prefill": None, "KV%": round(kv * 100),
                          "Hit%": round(hits / queries * 100), "Queue": 0, "Model": "demo",
                          "Phase": "Ready", "Age": isvc["metadata"]["creationTimestamp"]}
         assert condition(status, "Ready")["status"] == "True"
