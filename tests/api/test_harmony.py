@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from shoal.runtime.api.harmony import harmony_format, parse_header
 
+from tests.api.train_tiny import train_until_greedy
+
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
                   "<|call|>", "<|constrain|>"]
 TEMPLATE = Path(__file__).with_name("harmony_template.jinja")
@@ -154,25 +156,7 @@ def _train_harmony_model(out: Path) -> None:
                                                    add_generation_prompt=True)
             data.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
                          tokenizer(answer, add_special_tokens=False)["input_ids"]))
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model.train()
-        for _ in range(300):
-            optimizer.zero_grad()
-            margins = []
-            for prompt_ids, answer_ids in data:
-                logits = model(torch.tensor([prompt_ids + answer_ids])).logits[
-                    0, len(prompt_ids) - 1:-1]
-                target = torch.tensor(answer_ids)
-                torch.nn.functional.cross_entropy(logits, target).backward()
-                top = logits.detach().topk(2)
-                right = top.indices[:, 0] == target
-                margins.append(float(torch.where(
-                    right, top.values[:, 0] - top.values[:, 1], -1.0).min()))
-            if min(margins) > 2.0:
-                break
-            optimizer.step()
-        assert min(margins) > 2.0, f"training did not converge: margins {margins}"
-        model.eval()
+        train_until_greedy(model, data, max_steps=300)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")}

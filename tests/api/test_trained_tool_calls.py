@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.api.train_tiny import train_until_greedy
+
 REASONING = "Check the weather."
 ARGUMENTS = {"city": "Paris", "days": 3}
 TOOLS = [{"type": "function", "function": {
@@ -76,25 +78,7 @@ def _train(out: Path) -> None:
             answer = f"<think>{REASONING}</think>\n\n{call}{tokenizer.eos_token}"
             data.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
                          tokenizer(answer, add_special_tokens=False)["input_ids"]))
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model.train()
-        for _ in range(400):
-            optimizer.zero_grad()
-            margins = []
-            for prompt_ids, answer_ids in data:
-                logits = model(torch.tensor([prompt_ids + answer_ids])).logits[
-                    0, len(prompt_ids) - 1:-1]
-                target = torch.tensor(answer_ids)
-                torch.nn.functional.cross_entropy(logits, target).backward()
-                top = logits.detach().topk(2)
-                right = top.indices[:, 0] == target
-                margins.append(float(torch.where(
-                    right, top.values[:, 0] - top.values[:, 1], -1.0).min()))
-            if min(margins) > 2.0:
-                break
-            optimizer.step()
-        assert min(margins) > 2.0, f"training did not converge: margins {margins}"
-        model.eval()
+        train_until_greedy(model, data, max_steps=400)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
     finally:

@@ -53,7 +53,7 @@ def _bf16_engine(model_dir) -> EngineCore:
         max_num_batched_tokens=64))  # chunks: prefill steps mix with decodes
 
 
-def _generate(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int):
+def greedy_with_logprobs(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     for req_id, prompt in prompts.items():
         core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
@@ -156,7 +156,7 @@ def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
     assert model.kernels.choice.linear in ("native_bf16", "onednn")
     assert core.executor.worker.runner.kv_caches[0][0].dtype == torch.bfloat16
     routing = EngineRouting(core)
-    tokens, logprobs = _generate(core, prompts, 16)
+    tokens, logprobs = greedy_with_logprobs(core, prompts, 16)
     moe = bool(routing.chosen)
     assert moe == (arch == "gpt_oss")
 

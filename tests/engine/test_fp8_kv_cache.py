@@ -31,8 +31,8 @@ from shoal.runtime.attention.kv_cache_dtype import (
 )
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
-from shoal.runtime.sampling_params import SamplingParams
+
+from tests.engine.test_bf16_equivalence import greedy_with_logprobs
 
 # top-2 logit margin under which an fp8 cache may rank two tokens either way (the misses
 # measured were all under 0.14)
@@ -49,23 +49,6 @@ def _engine(model_dir, backend: str, kv_cache_dtype: str, dtype: str = "float32"
                     attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
     settings.update(kwargs)
     return EngineCore(EngineConfig.from_kwargs(str(model_dir), **settings))
-
-
-def _generate(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-    for req_id, prompt in prompts.items():
-        core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
-                                           sampling_params=params))
-    tokens: dict[str, list[int]] = {r: [] for r in prompts}
-    logprobs: dict[str, list[float]] = {r: [] for r in prompts}
-    steps = 0
-    while core.has_unfinished_requests():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            logprobs[out.request_id].extend(lp.logprob for lp in out.new_logprobs or [])
-        steps += 1
-        assert steps < 1000
-    return tokens, logprobs
 
 
 def test_e4m3_and_e5m2_round_trip_within_their_precision_and_saturate() -> None:
@@ -91,7 +74,7 @@ def test_fp8_greedy_agrees_with_hf_teacher_forced(backend, tiny_qwen3):
     runner = core.executor.worker.runner
     assert runner.backend.name == backend
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    tokens, logprobs = _generate(core, prompts, 16)
+    tokens, logprobs = greedy_with_logprobs(core, prompts, 16)
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     agree = steps = 0
