@@ -13,12 +13,13 @@ streamed calls assemble to the whole-message ones (``stream.py``, ``final_calls`
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from ..tool_calls import ToolCall
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     name = ""
     marker = ""  # where the calls begin; "" when a format says otherwise (section_start)
     keeps_special_tokens = False  # its markers are special tokens: detokenize them
@@ -35,10 +36,10 @@ class ToolFormat:
         """How many trailing characters could begin the marker (not content yet)."""
         return held_suffix(text, self.marker)
 
+    @abstractmethod
     def calls(self, section: str, final: bool) -> list[ToolCall]:
         """The complete calls in ``section`` (the text from ``section_start`` on); with
         ``final`` the text has ended and a call cut short there may count."""
-        raise NotImplementedError
 
     def open_call(self, section: str) -> tuple[int, ToolCall] | None:
         """(its index among the calls, the call so far) for a call begun after the complete
