@@ -71,6 +71,8 @@ class EngineStatsCollector(Collector):
         # (block_size, cache_dtype, num_gpu_blocks)
         self.cache_config: tuple[int, str, int] | None = None
         self.quantization: str | None = None  # "none" or the method, once the engine is ready
+        # (kv_connector, kv_role, engine_id) of --kv-transfer-config: the engine's P/D role
+        self.kv_transfer: tuple[str, str, str] | None = None
         self.max_loras = 0  # LoRA slots (--max-loras); 0: LoRA off, no lora_requests_info
         self.stats_time = 0.0  # time.time() of the latest stats: lora_requests_info's value
         self.adapters: list[str] = []  # LoRA adapters this server serves (lora_adapter_info)
@@ -159,6 +161,14 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             counter.add_metric([model], value)
             yield counter
+        # joined on, it splits queue and KV usage by role; no sample without P/D
+        info = GaugeMetricFamily(f"{p}:kv_transfer_config_info", "P/D: the engine's "
+                                 "--kv-transfer-config (value 1); kv_role kv_producer is a "
+                                 "prefill engine, kv_consumer a decode engine",
+                                 labels=["model_name", "kv_connector", "kv_role", "engine_id"])
+        if self.kv_transfer is not None:
+            info.add_metric([model, *self.kv_transfer], 1.0)
+        yield info
 
     def _lora_info(self, prefix: str) -> GaugeMetricFamily:
         """As vLLM exports it: one sample, the adapters as comma lists in the labels, the
@@ -247,6 +257,10 @@ class ServerMetrics:
         """Known once the engine has sized its KV cache (after profiling)."""
         self._rendered = None
         self.engine.cache_config = (block_size, cache_dtype, num_gpu_blocks)
+
+    def set_kv_transfer_config(self, kv_connector: str, kv_role: str, engine_id: str) -> None:
+        self._rendered = None
+        self.engine.kv_transfer = (kv_connector, kv_role, engine_id)
 
     def set_model_config(self, quantization: str) -> None:
         self._rendered = None

@@ -137,6 +137,9 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
     tokenizer = Tokenizer.from_dir(engine_config.model)
     renderer = PromptRenderer(tokenizer)
     metrics = ServerMetrics(settings.model_name, metrics_compat)
+    if (transfer := engine_config.kv_transfer_config) is not None:
+        metrics.set_kv_transfer_config(transfer.kv_connector, transfer.kv_role,
+                                       transfer.engine_id)
     if engine_config.enable_lora:
         metrics.enable_lora(engine_config.max_loras)
     client = AsyncEngineClient(engine_config, on_stats=metrics.update_stats)

@@ -38,3 +38,15 @@ def test_render_is_reused_until_something_changes() -> None:
     assert count.value == 1
     metrics.update_stats(SchedulerStats(num_waiting=7))
     assert samples(metrics.render())["vllm:num_requests_waiting"][0].value == 7
+
+
+def test_a_p_d_engine_says_its_kv_role_and_an_ordinary_one_says_nothing() -> None:
+    metrics = ServerMetrics("m", ["vllm"])
+    assert samples(metrics.render())["shoal:kv_transfer_config_info"] == []
+    metrics.set_kv_transfer_config("TcpConnector", "kv_producer", "e1")
+    parsed = samples(metrics.render())
+    for prefix in ("shoal", "vllm"):
+        (info,) = parsed[f"{prefix}:kv_transfer_config_info"]
+        assert info.labels == {"model_name": "m", "kv_connector": "TcpConnector",
+                               "kv_role": "kv_producer", "engine_id": "e1"}
+        assert info.value == 1.0

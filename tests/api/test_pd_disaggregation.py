@@ -98,6 +98,11 @@ def test_a_request_through_prefill_then_decode_equals_one_engine(pd):
     assert delta('source="local_compute"') == 90 - 5 * 16  # none of the transferred tokens
     assert delta('direction="received"', "shoal:kv_transfer_bytes_total") > 0
     assert sample(after, "shoal:kv_transfer_failures_total") == 0
+    # each engine's role, and the id the decode engine was told to pull from
+    assert sample(after, "shoal:kv_transfer_config_info", 'kv_role="kv_consumer"') == 1
+    assert sample(metrics(prefill), "shoal:kv_transfer_config_info",
+                  f'engine_id="{params["remote_engine_id"]}",kv_connector="TcpConnector",'
+                  'kv_role="kv_producer"') == 1
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * 16
     wait_until(lambda: idle(prefill) and idle(decode), 20, 0.2, "both KV caches idle")
     assert sample(metrics(prefill), "shoal:kv_transfer_bytes_total", 'direction="sent"') > 0
