@@ -11,8 +11,11 @@ The step: ``LoraStepState`` holds each token's slot (-1: the base model). Per bl
 active slot uses: ``out[:, segment] += ((x @ A.T) * mask) @ B`` over the whole flat batch,
 with A and B cut to the active slots and ``mask[t, c]`` (one per step) keeping only the
 columns of token t's slot: two dense matmuls per block whatever the mix of adapters (a loop
-over a layer's 1-3 segments, never over adapters or tokens). A step with no adapter token
-skips the hooks' work entirely.
+over a layer's 1-3 segments, never over adapters or tokens). Where ``ops.choose_kernels``
+picks Triton (the triton attention backend on CUDA) the same sum is two launches per block
+(shoal/kernels/lora_batched.py) over the rows grouped by slot once per step, so each row
+multiplies only its own slot's A and B. A step with no adapter token skips the hooks' work
+entirely.
 """
 
 from __future__ import annotations
@@ -34,11 +37,22 @@ class LoraStepState:
     token_slots: torch.Tensor | None = None  # long [T]; None: no adapter token this step
     num_active: int = 0  # slots 0..num_active-1 may appear in token_slots
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _grouped: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_step(self, token_slots: torch.Tensor | None, num_active: int) -> None:
         self.token_slots = token_slots
         self.num_active = num_active if token_slots is not None else 0
         self._masks = {}
+        self._grouped = None
+
+    def grouped_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' (row ids grouped by slot, each block's slot), once per step."""
+        if self._grouped is None:
+            from shoal.kernels.lora_batched import group_rows_by_slot
+
+            assert self.token_slots is not None
+            self._grouped = group_rows_by_slot(self.token_slots, self.num_active)
+        return self._grouped
 
     def mask(self, rows_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
         """``[T, num_active * rows_per_slot]``: 1 where the column belongs to the token's slot.
@@ -58,11 +72,12 @@ class LoraLayer:
 
     def __init__(self, in_features: int, segments: list[tuple[int, int]], max_loras: int,
                  max_rank: int, state: LoraStepState, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kernels: bool = False) -> None:
         self.in_features = in_features
         self.segments = segments  # (out_offset, size) of each block
         self.max_rank = max_rank
         self.state = state
+        self.kernels = kernels  # the Triton kernels, else the masked torch matmuls
         rows = max_loras * max_rank
         self.a = [torch.zeros(rows, in_features, dtype=dtype, device=device) for _ in segments]
         self.b = [torch.zeros(rows, size, dtype=dtype, device=device) for _, size in segments]
@@ -92,22 +107,42 @@ class LoraLayer:
             column += size
 
     def hook(self, _module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        state = self.state
-        if state.token_slots is None:
+        if self.state.token_slots is None:
             return out
-        x = args[0]
-        active = state.num_active
-        rows = active * self.max_rank
-        mask: torch.Tensor | None = None
-        for (offset, size), a, b, used in zip(self.segments, self.a, self.b, self.used,
-                                              strict=True):
-            if not any(used[:active]):
-                continue
-            if mask is None:
-                mask = state.mask(self.max_rank, x.dtype)
-            shrunk = torch.mm(x, a[:rows].T).mul_(mask)  # [T, rows]: every active slot's A
-            out[:, offset:offset + size].addmm_(shrunk, b[:rows])
+        if self.kernels:
+            self.add_with_kernels(args[0], out)
+        else:
+            self.add_with_torch(args[0], out)
         return out
+
+    def _used_blocks(self) -> list[int]:
+        """Blocks that some active slot fills."""
+        active = self.state.num_active
+        return [i for i, used in enumerate(self.used) if any(used[:active])]
+
+    def add_with_torch(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out += `` each token's adapter delta: masked dense matmuls over all rows."""
+        rows = self.state.num_active * self.max_rank
+        mask: torch.Tensor | None = None
+        for block in self._used_blocks():
+            offset, size = self.segments[block]
+            if mask is None:
+                mask = self.state.mask(self.max_rank, x.dtype)
+            shrunk = torch.mm(x, self.a[block][:rows].T).mul_(mask)  # [T, rows]: every slot's A
+            out[:, offset:offset + size].addmm_(shrunk, self.b[block][:rows])
+
+    def add_with_kernels(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The same sum with the Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)."""
+        from shoal.kernels.lora_batched import lora_shrink_expand
+
+        blocks = self._used_blocks()
+        if not blocks:
+            return
+        sorted_ids, block_slot = self.state.grouped_rows()
+        for block in blocks:
+            offset, size = self.segments[block]
+            lora_shrink_expand(x, self.a[block], self.b[block], out[:, offset:offset + size],
+                               self.max_rank, sorted_ids, block_slot)
 
 
 @dataclass(frozen=True)
@@ -135,6 +170,7 @@ class LoraModel:
     targets: dict[tuple[int, str], LoraTarget]
     max_loras: int
     max_rank: int
+    kernels: bool = False  # the layers run the Triton kernels
 
     @property
     def target_names(self) -> set[str]:
@@ -146,7 +182,7 @@ def _register(module: nn.Module, segments: list[tuple[int, int]],
               made: LoraModel, dtype: torch.dtype, device: torch.device | str) -> None:
     """``segments``: (out_offset, size) per block; ``targets``: PEFT name -> its blocks."""
     layer = LoraLayer(in_features, segments, made.max_loras, made.max_rank, made.state, dtype,
-                      device)
+                      device, kernels=made.kernels)
     module.register_forward_hook(layer.hook)
     made.layers.append(layer)
     for name, blocks in targets.items():
@@ -165,7 +201,8 @@ def attach_lora(model: DecoderForCausalLM, max_loras: int, max_rank: int, dtype:
         RowParallelLinear,
     )
 
-    made = LoraModel(LoraStepState(), [], {}, max_loras, max_rank)
+    made = LoraModel(LoraStepState(), [], {}, max_loras, max_rank,
+                     kernels=model.kernels.choice.lora == "triton")
     hidden = model.config.hidden_size
     for index, decoder_layer in enumerate(model.model.layers):
         assert isinstance(decoder_layer, DecoderLayer)

@@ -56,6 +56,7 @@ class KernelChoice:
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
     moe: str = "grouped"  # "triton" (shoal/kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
+    lora: str = "masked"  # "triton" (shoal/kernels/lora_batched.py) | "masked" (torch matmuls)
 
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
@@ -79,7 +80,8 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         norm=fast, silu_and_mul=fast,
         rotary="native_cpu" if native_ops else "torch",
         qk_norm_rotary="triton" if triton else "torch",
-        linear=linear, attention=attention, moe="triton" if triton else "grouped")
+        linear=linear, attention=attention, moe="triton" if triton else "grouped",
+        lora="triton" if triton else "masked")
 
 
 def onednn_packs_bf16() -> bool:

@@ -146,3 +146,15 @@ def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
         out.index_add_(0, token, (hidden @ w2[expert].float().T)
                        * topk_weights[token, slot].float().unsqueeze(1))
     return out.to(x.dtype)
+
+
+def lora_shrink_expand_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                           max_rank: int, token_slots: torch.Tensor) -> torch.Tensor:
+    """``out`` plus each adapter row's ``(x[t] @ A[slot].T) @ B[slot]``, a loop over rows in
+    float32; ``a [slots * max_rank, K]``, ``b [slots * max_rank, N]``; slot -1: the base."""
+    result = out.float().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            rows = slice(slot * max_rank, (slot + 1) * max_rank)
+            result[t] += (x[t].float() @ a[rows].float().T) @ b[rows].float()
+    return result

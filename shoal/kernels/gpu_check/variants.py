@@ -24,6 +24,7 @@ REGISTERED = (
     "shoal.kernels.rms_norm",
     "shoal.kernels.qk_norm_rotary",
     "shoal.kernels.silu_and_mul",
+    "shoal.kernels.lora_batched",
     "shoal.kernels.gpu_check.fused_moe_variants",
 )
 
