@@ -152,7 +152,7 @@ def assistant_message(text: str, policy: ToolPolicy, finish: str | None,
     if policy.constrained:
         content, calls = None, calls_from_constrained(text, policy)
         if not calls:
-            content = text  # cut short by max_tokens: what there is
+            content = text or None  # cut short by max_tokens: what there is
     else:
         content, calls = parse_whole(policy.format, text) if policy.format \
             else parse_tool_calls(text)

@@ -95,10 +95,11 @@ def parameters_schema(tool: ChatTool) -> dict[str, Any]:
 
 
 def calls_from_constrained(text: str, policy: ToolPolicy) -> list[ToolCall]:
-    """The calls in a grammar-constrained output (empty if it was cut short)."""
+    """The calls in a grammar-constrained output (empty if it was cut short before the
+    call began, e.g. while the model was still reasoning: as vLLM, no call then)."""
     if policy.mode == "named":
         assert policy.named is not None
-        return [ToolCall(policy.named, text)]
+        return [ToolCall(policy.named, text)] if text.strip() else []
     try:
         items = json.loads(text)
     except json.JSONDecodeError:

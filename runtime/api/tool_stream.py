@@ -36,13 +36,16 @@ class ToolDeltaStream:
             calls = self._required.feed(text)
             self.num_calls = len([c for c in self._required.calls if c.started])
             return _fields("", calls)
-        # named: the text is the arguments: stream it as it comes
+        # named: the text is the arguments: stream it as it comes, once it has begun (not
+        # while a reasoning model is still thinking: its call comes after the reasoning)
         assert self.policy.named is not None
         if self._named is None:
+            if not self.text.strip():
+                return {}
             self._named = ToolCall(self.policy.named, "")
             self.num_calls = 1
             first = self._named.to_json()
-            first["function"]["arguments"] = text
+            first["function"]["arguments"] = self.text
             return {"tool_calls": [{"index": 0, **first}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 

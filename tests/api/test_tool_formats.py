@@ -33,6 +33,10 @@ DS_BEGIN, DS_CALL, DS_SEP, DS_END, DS_ALL_END = (
 
 MISTRAL_CUT_ARRAY = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lima"}}, '
                      '{"name": "ping", "arguments": {"a')
+# cut off by max_tokens right after the call's name: arguments "{}" (vLLM's reading of
+# "name[ARGS]" at the end), never "" (clients json.loads the arguments)
+MISTRAL_CUT_ITEM = '[TOOL_CALLS] [{"name": "get_weather", "arguments": '
+DS_CUT_FENCE = f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
 MISTRAL_STRING_ARGUMENTS = ('[TOOL_CALLS] [{"name": "get_weather", '
                             '"arguments": "{\\"city\\": \\"Rome\\"}"}]')
 # where Shoal reads a text differently from vLLM, on purpose (the bench reports them apart)
@@ -45,6 +49,8 @@ DEPARTS_FROM_VLLM = {
     f"{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n" '{"city": "Tok':
         "vLLM's whole-text reading needs the closing fence (its stream has sent the call "
         "by then); Shoal counts a call begun, so its stream and whole reading agree",
+    MISTRAL_CUT_ITEM: "as the cut array above, its item cut before the arguments: {}",
+    DS_CUT_FENCE: "as the cut call above, cut before the arguments: {}",
 }
 
 
@@ -79,6 +85,11 @@ CASES = [
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", None,  # cut short: a call begun
      [("get_weather", {"<not JSON>": '{"city":'})]),  # (trailing space dropped, as vLLM)
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]", None, [("get_weather", {})]),
+    ("mistral", MISTRAL_CUT_ITEM, None, [("get_weather", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n", None, [("get_weather", {})]),
+    ("deepseek_v3", DS_CUT_FENCE, None, [("get_weather", {})]),
+    ("openai", f"{OA_START}get_weather<|message|>", None, [("get_weather", {})]),
     ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
                     "New York\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
                     "<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[1, 2]\n"

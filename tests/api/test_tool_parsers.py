@@ -95,3 +95,24 @@ def test_a_streamed_required_array_assembles_to_the_batch_calls() -> None:
         assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
             (c.name, c.arguments) for c in whole] == [
             ("get_weather", '{"city":"Paris","days":3}'), ("get_time", '{"zone":"CET"}')]
+
+
+def test_a_forced_call_cut_off_before_it_began_is_no_call_streamed_or_not() -> None:
+    """max_tokens spent while a reasoning model was still thinking: no call (as vLLM), not one
+    with arguments "" (which clients cannot json.loads); the named call's first delta waits
+    for its first argument text."""
+    from shoal.runtime.api.serving_chat import assistant_message
+
+    named = ToolPolicy("named", "get_weather")
+    for text in ("", "  "):
+        message, finish = assistant_message(text, named, "length")
+        assert "tool_calls" not in message and finish == "length"
+        tools = ToolDeltaStream(named)
+        assert tools.feed(text) == {} and tools.finish() == {} and tools.num_calls == 0
+    tools = ToolDeltaStream(named)
+    assert tools.feed("") == {}
+    first = tools.feed(' {"ci')["tool_calls"][0]
+    assert (first["function"]["name"], first["function"]["arguments"]) == ("get_weather",
+                                                                          ' {"ci')
+    message, _ = assistant_message("", ToolPolicy("required"), "length")
+    assert message == {"role": "assistant", "content": None}

@@ -8,12 +8,15 @@ of the finished text. ``open_call`` is the call being written after them, once i
 known: its arguments so far, only the part that is sure to stay (a prefix of what they will
 be), so the stream sends them piece by piece as vLLM does. A call begun is a call: when the
 output ends inside one, it counts with the arguments written (as vLLM returns it), so the
-streamed calls assemble to the whole-message ones (``stream.py``, ``final_calls``).
+streamed calls assemble to the whole-message ones (``stream.py``, ``final_calls``); a call cut
+off before any argument has ``{}``, as vLLM reads Mistral's ``name[ARGS]`` at the end (clients
+json.loads the arguments: ``""`` breaks them).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 from ..tool_calls import ToolCall
@@ -65,11 +68,13 @@ def held_suffix(text: str, marker: str) -> int:
 
 
 def final_calls(fmt: ToolFormat, section: str) -> list[ToolCall]:
-    """The calls of a finished text: the complete ones, and one cut short by the end."""
+    """The calls of a finished text: the complete ones, and one cut short by the end (``{}``
+    when it ended before its arguments began)."""
     calls = fmt.calls(section, final=True)
     begun = fmt.open_call(section)
     if begun is not None and begun[0] == len(calls):
-        calls.append(begun[1])
+        cut = begun[1]
+        calls.append(cut if cut.arguments.strip() else replace(cut, arguments="{}"))
     return calls
 
 
