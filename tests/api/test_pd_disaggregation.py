@@ -5,17 +5,22 @@ and ``max_tokens`` 1, the decode leg with the ``kv_transfer_params`` the prefill
 
 The decode engine's greedy tokens equal one engine's computing the whole request; its
 metrics say it computed none of the transferred prompt tokens; every KV block is back in both
-pools afterwards. Then the prefill engine is killed: the decode engine computes the prompt
-itself (a failed pull, counted) and the request still completes with the same tokens.
+pools afterwards. A decode engine killed mid-stream behind the router ends its stream and
+leaves no block held on the prefill engine. Then the prefill engine is killed: the decode
+engine computes the prompt itself (a failed pull, counted) and the request still completes
+with the same tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -132,13 +137,12 @@ def test_bad_kv_transfer_params_are_a_400_naming_them(pd):
         assert response.json()["error"]["param"] == "kv_transfer_params"
 
 
-@pytest.fixture
-def router(pd, tmp_path):
-    """``shoal route`` in P/D mode over the two engines: decode first, prefill when more
-    than 40 of the prompt's tokens are not cached on the decode engine."""
-    prefill, decode = pd
+@contextlib.contextmanager
+def router_over(decode: Server, prefill: Server, log_path: Path) -> Iterator[str]:
+    """``shoal route`` in P/D mode over two engines: decode first, prefill when more than 40
+    of the prompt's tokens are not cached on the decode engine."""
     port = free_port()
-    log = open(tmp_path / "router.log", "wb")
+    log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shoal.runtime.router.cli", "--host", "127.0.0.1", "--port",
          str(port), "--backend", decode.base_url, "--prefill-backend", prefill.base_url,
@@ -153,6 +157,13 @@ def router(pd, tmp_path):
         proc.kill()
         proc.wait(10)
         log.close()
+
+
+@pytest.fixture
+def router(pd, tmp_path):
+    prefill, decode = pd
+    with router_over(decode, prefill, tmp_path / "router.log") as url:
+        yield url
 
 
 def _ok(url: str) -> bool:
@@ -204,6 +215,32 @@ def test_the_router_sends_long_uncached_prompts_through_a_prefill_engine(pd, rou
     decisions = httpx.get(router + "/metrics", timeout=5).text
     assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="remote"') == 2
     wait_until(lambda: idle(prefill) and idle(decode), 20, 0.2, "both KV caches idle")
+
+
+def test_a_decode_engine_killed_mid_stream_ends_the_stream_and_frees_the_prefill_side(
+        pd, start_server, tmp_path):
+    """The decode engine (a second one, this test's own) dies while it streams a request
+    the prefill engine computed: the client's stream ends without [DONE], the router counts
+    a broken upstream, and the prefill engine holds no block afterwards."""
+    prefill, _ = pd
+    victim = start_server("--kv-transfer-config", transfer_config("kv_consumer"))
+    sent_before = sample(metrics(prefill), "shoal:kv_transfer_bytes_total", 'direction="sent"')
+    with router_over(victim, prefill, tmp_path / "router.log") as url:
+        body = {"model": "shoal-test", "prompt": list(range(800, 900)), "max_tokens": 1500,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as events:
+            assert events.status_code == 200
+            lines = events.iter_lines()
+            # a token streamed: the prompt's blocks were pulled and the engine decodes
+            next(line for line in lines if line.startswith("data: {"))
+            victim.stop()  # kill -9, the engine core with it
+            rest = list(lines)
+        assert "data: [DONE]" not in rest
+        assert sample(httpx.get(url + "/metrics", timeout=5).text,
+                      "shoal:router_upstream_failures_total", 'reason="broken"') == 1
+    assert sample(metrics(prefill), "shoal:kv_transfer_bytes_total",
+                  'direction="sent"') > sent_before
+    wait_until(lambda: idle(prefill), 20, 0.2, "the prefill KV cache idle")
 
 
 def test_a_killed_prefill_engine_makes_the_decode_engine_compute_the_prompt(pd):
