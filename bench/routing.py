@@ -1,5 +1,5 @@
 """Routing benchmark: round-robin vs cache affinity, each router started with exactly the
-flags the operator renders (``operator/render_router.py``), on one loopback fleet.
+flags the operator renders (``operator/render/router.py``), on one loopback fleet.
 
 N engines (`shoal serve`, small model, KV events on as the operator deploys them) and two
 routers over the same engines: round-robin and cache-affinity (the operator's default
@@ -66,10 +66,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from shoal.operator.meta import Owner
-from shoal.operator.render_router import router_args
-from shoal.operator.spec import parse_spec
-from shoal.runtime.router.local_fleet import (
+from shoal.operator.names import Owner
+from shoal.operator.render.router import router_args
+from shoal.operator.spec.service import parse_spec
+from shoal.runtime.router.local.fleet import (
     FleetConfig,
     LocalFleet,
     engine_host,

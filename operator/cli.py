@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from shoal.operator.constants import ENGINE_METRICS_PORT
+from shoal.operator.names import ENGINE_METRICS_PORT
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,8 +45,8 @@ def run_operator(args: argparse.Namespace) -> int:
     import asyncio
 
     import kopf
-    from shoal.operator.credentials import CredentialsError, load_credentials
-    from shoal.operator.handlers import OperatorOptions, build_registry
+    from shoal.operator.kube.credentials import CredentialsError, load_credentials
+    from shoal.operator.loop.handlers import OperatorOptions, build_registry
 
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("shoal.runtime.api.cli", "serve a model over the OpenAI API"),
     "route": ("shoal.runtime.router.cli",
               "cache-affinity router (OpenAI-compatible reverse proxy)"),
-    "fleet": ("shoal.runtime.router.fleet",
+    "fleet": ("shoal.runtime.router.local.cli",
               "N engines + one router on loopback (demos, benchmarks)"),
     "operator": ("shoal.operator.cli", "run the Kubernetes operator for InferenceService objects"),
     "make-model": ("shoal.runtime.model.make_model",

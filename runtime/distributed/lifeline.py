@@ -1,4 +1,6 @@
-"""A worker rank never outlives the process that started it.
+"""A child process never outlives the process that started it: the one parent-death mechanism
+of every spawner (the engine core under the API, the worker ranks under the executor, the
+engines and routers of ``shoal fleet``).
 
 Two independent guards, because either alone has a gap: the kernel's parent-death signal
 (PR_SET_PDEATHSIG, Linux) fires even while the rank is stuck inside a collective, and a
@@ -9,7 +11,6 @@ before prctl ran.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -17,14 +18,16 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+# resolved at import, so set_parent_death_signal is safe as a Popen preexec_fn (between fork
+# and exec nothing is loaded); dlopen(NULL) sees the libc the interpreter runs on
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` when the parent dies. False where unsupported."""
-    if not sys.platform.startswith("linux"):
+    if _LIBC is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    return _LIBC.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
 def parent_is_gone(parent_pid: int) -> bool:

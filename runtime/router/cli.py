@@ -179,7 +179,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):  # -> RouterConfig
-    from shoal.runtime.router.router_app import RouterConfig
+    from shoal.runtime.router.config import RouterConfig
 
     return RouterConfig(
         policy=args.policy, backends=list(args.backend), discovery=args.discovery,
@@ -213,7 +213,7 @@ def _main(args: argparse.Namespace) -> int:
 
     import uvicorn
     from shoal.runtime.http_listener import ListenerLimits, uvicorn_config
-    from shoal.runtime.router.router_app import build_router
+    from shoal.runtime.router.proxy.wiring import build_router
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -236,8 +236,8 @@ def _main(args: argparse.Namespace) -> int:
 def _serve_epp(args: argparse.Namespace) -> int:
     import asyncio
 
-    from shoal.runtime.router.epp_app import serve_epp
-    from shoal.runtime.router.epp_server import EppLimits
+    from shoal.runtime.router.epp.app import serve_epp
+    from shoal.runtime.router.epp.server import EppLimits
 
     if args.epp_shed_limit is not None and args.epp_shed_limit < 1:
         raise SystemExit("shoal route: --epp-shed-limit must be >= 1")

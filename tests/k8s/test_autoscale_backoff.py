@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from shoal.operator.autoscale import Recommendation, decide_scale, recommend
-from shoal.operator.backoff import (
+from shoal.operator.decide.autoscale import Recommendation, decide_scale, recommend
+from shoal.operator.decide.backoff import (
     BASE_DELAY_SECONDS,
     MAX_DELAY_SECONDS,
     RecycleState,
@@ -13,7 +13,7 @@ from shoal.operator.backoff import (
     may_recycle,
     next_recycle_at,
 )
-from shoal.operator.spec import AutoscalingSpec
+from shoal.operator.spec.service import AutoscalingSpec
 
 POLICY = AutoscalingSpec(min_replicas=1, max_replicas=8, target_kv_cache_usage=0.5,
                          target_waiting_requests=4, scale_down_delay_seconds=300)

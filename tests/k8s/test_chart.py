@@ -72,10 +72,10 @@ def test_rbac_is_least_privilege(k8s_tools: SimpleNamespace) -> None:
 def test_the_operator_may_write_every_kind_it_renders(k8s_tools: SimpleNamespace) -> None:
     """Including the gateway children, and what it grants its routers (RBAC lets it grant
     only what it holds: EndpointSlice reads, the capacity-request patch)."""
-    from shoal.operator.meta import Owner
-    from shoal.operator.render import render_children
-    from shoal.operator.render_gateway import render_gateway_children
-    from shoal.operator.spec import parse_spec
+    from shoal.operator.names import Owner
+    from shoal.operator.render.children import render_children
+    from shoal.operator.render.gateway import render_gateway_children
+    from shoal.operator.spec.service import parse_spec
 
     spec = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
                        "autoscaling": {"minReplicas": 0, "maxReplicas": 2},

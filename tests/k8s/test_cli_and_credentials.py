@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 import yaml
 from shoal.operator.cli import register
-from shoal.operator.credentials import (
+from shoal.operator.kube.credentials import (
     CredentialsError,
     ExecPlugin,
     TokenFile,
+    connection_info,
     jwt_expiry,
     load_credentials,
+    split_authorization,
 )
-from shoal.operator.login import connection_info, split_authorization
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -41,7 +42,7 @@ def test_flags() -> None:
 
 
 def test_operator_entry_point_does_not_import_torch() -> None:
-    code = ("import sys, shoal.operator.cli, shoal.operator.handlers, shoal.operator.reconcile;"
+    code = ("import sys, shoal.operator.cli, shoal.operator.loop.handlers, shoal.operator.loop.reconcile;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

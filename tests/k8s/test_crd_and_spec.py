@@ -10,8 +10,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from shoal.operator.model_uri import URI_PATTERN, parse_model_uri
-from shoal.operator.spec import SpecError, parse_spec
+from shoal.operator.spec.model_uri import URI_PATTERN, parse_model_uri
+from shoal.operator.spec.service import SpecError, parse_spec
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

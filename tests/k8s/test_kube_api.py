@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio.client import ApiException
-from shoal.operator.credentials import load_credentials
-from shoal.operator.kube_api import ISVC, POD, KubeApi, Resource, _api_class_name, _snake
-from shoal.operator.meta import Owner
-from shoal.operator.render import render_children
-from shoal.operator.spec import parse_spec
+from shoal.operator.kube.api import ISVC, POD, KubeApi, Resource, _api_class_name, _snake
+from shoal.operator.kube.credentials import load_credentials
+from shoal.operator.names import Owner
+from shoal.operator.render.children import render_children
+from shoal.operator.spec.service import parse_spec
 
 NS = "serving"
 

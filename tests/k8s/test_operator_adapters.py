@@ -9,10 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
-from shoal.operator.adapters import ADAPTER_MOUNT, adapters_in_args, plan_sync
-from shoal.operator.render_engine import engine_args, render_engine_deployment
-from shoal.operator.spec import parse_spec
-from shoal.operator.spec_reader import SpecError
+from shoal.operator.loop.engine_calls import plan_sync
+from shoal.operator.render.engine import engine_args, render_engine_deployment
+from shoal.operator.spec.adapters import ADAPTER_MOUNT, adapters_in_args
+from shoal.operator.spec.reader import SpecError
+from shoal.operator.spec.service import parse_spec
 
 
 def spec_with(adapters: Any = None, lora: Any = None, **extra: Any):
@@ -25,7 +26,7 @@ def spec_with(adapters: Any = None, lora: Any = None, **extra: Any):
 
 
 def test_adapters_render_lora_flags_and_claim_mounts_but_never_the_list():
-    from shoal.operator.meta import Owner
+    from shoal.operator.names import Owner
 
     one = spec_with([{"name": "a", "source": "pvc://adapters/a"}])
     two = spec_with([{"name": "a", "source": "pvc://adapters/a"},
@@ -53,7 +54,7 @@ def test_with_auth_adapters_are_startup_flags_and_runtime_loading_stays_off():
     """The engines then need a key the operator does not hold (it reads no Secrets), so it
     cannot load at run time: the adapters are --lora-modules and the engine is not allowed
     to load or unload (no SHOAL_ALLOW_RUNTIME_LORA_UPDATING)."""
-    from shoal.operator.meta import Owner
+    from shoal.operator.names import Owner
 
     auth = {"apiKeySecretRef": {"name": "keys"}}
     two = spec_with([{"name": "a", "source": "pvc://adapters/a"},

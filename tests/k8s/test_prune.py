@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from shoal.operator.kube_api import Resource
-from shoal.operator.meta import Owner
-from shoal.operator.prune import is_owned, served_prunable, stale_children
-from shoal.operator.render import render_children
-from shoal.operator.render_gateway import render_gateway_children
-from shoal.operator.spec import parse_spec
+from shoal.operator.kube.api import Resource
+from shoal.operator.loop.prune import is_owned, served_prunable, stale_children
+from shoal.operator.names import Owner
+from shoal.operator.render.children import render_children
+from shoal.operator.render.gateway import render_gateway_children
+from shoal.operator.spec.service import parse_spec
 
 OWNER = Owner(name="chat", namespace="ml", uid="uid-1")
 POOL = Resource("inference.networking.k8s.io/v1", "InferencePool")

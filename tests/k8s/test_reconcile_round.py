@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from shoal.operator.kube_api import Resource, resource_of
-from shoal.operator.reconcile import ReconcileContext, reconcile
+from shoal.operator.kube.api import Resource, resource_of
+from shoal.operator.loop.reconcile import ReconcileContext, reconcile
 
 
 class MemoryApi:

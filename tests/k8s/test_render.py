@@ -11,13 +11,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from shoal.operator.constants import ENGINE_READY_CONDITION
-from shoal.operator.meta import Owner
-from shoal.operator.probes import STARTUP_PERIOD_SECONDS
-from shoal.operator.render import render_children
-from shoal.operator.render_engine import render_engine_deployment
-from shoal.operator.render_router import router_args
-from shoal.operator.spec import parse_spec
+from shoal.operator.names import ENGINE_READY_CONDITION, Owner
+from shoal.operator.render.children import render_children
+from shoal.operator.render.engine import render_engine_deployment
+from shoal.operator.render.probes import STARTUP_PERIOD_SECONDS
+from shoal.operator.render.router import router_args
+from shoal.operator.spec.service import parse_spec
 
 ROOT = Path(__file__).parents[2]
 OWNER = Owner(name="qwen", namespace="ml", uid="0d7c5e1c-uid")
@@ -260,7 +259,7 @@ def test_scheduling() -> None:
 
 def test_engine_metrics_are_scraped_on_their_own_port() -> None:
     """Prometheus needs no API key: it scrapes the engines' --metrics-port, named metrics."""
-    from shoal.operator.render_extras import render_service_monitor
+    from shoal.operator.render.extras import render_service_monitor
 
     container = engine_container(engine({"model": {"uri": "hf://org/m"}}))
     port = flag(container["args"], "--metrics-port")

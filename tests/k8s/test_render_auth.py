@@ -7,16 +7,15 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from shoal.operator.constants import ENGINE_METRICS_PORT
-from shoal.operator.meta import Owner
-from shoal.operator.render import render_children
-from shoal.operator.render_auth import API_KEYS_FILE, AUTH_MOUNT, UPSTREAM_KEY_FILE
-from shoal.operator.render_engine import render_engine_deployment
-from shoal.operator.render_router import render_router_deployment, router_args
-from shoal.operator.spec import parse_spec
+from shoal.operator.names import ENGINE_METRICS_PORT, Owner
+from shoal.operator.render.auth import API_KEYS_FILE, AUTH_MOUNT, UPSTREAM_KEY_FILE
+from shoal.operator.render.children import render_children
+from shoal.operator.render.engine import render_engine_deployment
+from shoal.operator.render.router import render_router_deployment, router_args
+from shoal.operator.spec.service import parse_spec
 from shoal.runtime.api import cli as serve_cli
 from shoal.runtime.router import cli as route_cli
-from shoal.runtime.router.router_app import RouterConfig
+from shoal.runtime.router.config import RouterConfig
 
 OWNER = Owner(name="qwen", namespace="ml", uid="0d7c5e1c-uid")
 AUTH = {"apiKeySecretRef": {"name": "keys"}, "cacheSharing": "global"}

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-from shoal.operator.meta import Owner
-from shoal.operator.render import render_children
-from shoal.operator.render_engine import engine_args
-from shoal.operator.render_gateway import render_gateway_children
-from shoal.operator.spec import SpecError, parse_spec
+from shoal.operator.names import Owner
+from shoal.operator.render.children import render_children
+from shoal.operator.render.engine import engine_args
+from shoal.operator.render.gateway import render_gateway_children
+from shoal.operator.spec.service import SpecError, parse_spec
 
 DATA = Path(__file__).parent / "data"
 OWNER = Owner("chat", "serving", "uid-1")
@@ -130,7 +130,7 @@ def test_shoal_picker_runs_the_router_as_an_epp_with_its_own_account() -> None:
     assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
     # the picker builds from exactly these flags (precise mode, the engine's tokenizer ...)
     from shoal.runtime.router.cli import config_from_args
-    from shoal.runtime.router.epp_app import build_picker
+    from shoal.runtime.router.epp.app import build_picker
 
     local = build_parser().parse_args([*container["args"], "--kube-api", "http://127.0.0.1:9"])
     picker, _ = build_picker(config_from_args(local), None)

@@ -7,11 +7,10 @@ import json
 from typing import Any
 
 import kubernetes_validate
-from shoal.operator.constants import LABEL_COMPONENT, LABEL_ROLE
-from shoal.operator.meta import Owner
-from shoal.operator.render import render_children
-from shoal.operator.render_router import router_args
-from shoal.operator.spec import parse_spec
+from shoal.operator.names import LABEL_COMPONENT, LABEL_ROLE, Owner
+from shoal.operator.render.children import render_children
+from shoal.operator.render.router import router_args
+from shoal.operator.spec.service import parse_spec
 
 OWNER = Owner(name="chat", namespace="ml", uid="uid-1")
 BASE = {"model": {"uri": "hf://org/m"}, "replicas": 2, "resources": {"gpus": 1, "cpu": "8"}}

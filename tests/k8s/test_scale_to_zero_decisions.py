@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from shoal.operator.autoscale import (
+from shoal.operator.decide.autoscale import (
     Activity,
     decide_replicas,
     decide_zero,
     observe_activity,
     parse_stamp,
 )
-from shoal.operator.meta import Owner
-from shoal.operator.render_router import render_router_rbac, router_args
-from shoal.operator.spec import AutoscalingSpec, parse_spec
+from shoal.operator.names import Owner
+from shoal.operator.render.router import render_router_rbac, router_args
+from shoal.operator.spec.service import AutoscalingSpec, parse_spec
 
 ZERO = AutoscalingSpec(min_replicas=0, max_replicas=3, scale_to_zero_after_seconds=60)
 
@@ -74,7 +74,7 @@ def test_router_annotation_stamps_parse() -> None:
 
 
 def test_router_and_operator_agree_on_the_capacity_annotation() -> None:
-    from shoal.operator.constants import ANNOTATION_CAPACITY_REQUEST
-    from shoal.runtime.router.capacity_request import CAPACITY_ANNOTATION
+    from shoal.operator.names import ANNOTATION_CAPACITY_REQUEST
+    from shoal.runtime.router.replicas.capacity_request import CAPACITY_ANNOTATION
 
     assert CAPACITY_ANNOTATION == ANNOTATION_CAPACITY_REQUEST

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from shoal.operator.reconcile import gate_patches, new_failures
-from shoal.operator.replica import ProbeResult, observe_replica, probe_target
-from shoal.operator.status import aggregate_metrics, build_status, decide_phase
+from shoal.operator.decide.replica import ProbeResult, observe_replica, probe_target
+from shoal.operator.decide.status import aggregate_metrics, build_status, decide_phase
+from shoal.operator.loop.reconcile import gate_patches, new_failures
 
 from shoal.contract.metrics import EngineMetrics, parse_engine_metrics
 
@@ -193,8 +193,8 @@ def test_gate_patches_follow_ready_and_skip_unchanged_pods() -> None:
 
 def test_events_are_valid_core_v1_events() -> None:
     import kubernetes_validate
-    from shoal.operator.events import render_event
-    from shoal.operator.meta import Owner
+    from shoal.operator.names import Owner
+    from shoal.operator.render.event import render_event
 
     event = render_event(Owner("m", "ml", "uid-1"), "Warning", "RankFailure", "p0: exited", NOW)
     kubernetes_validate.validate(event, "1.30.0", strict=True)

@@ -58,16 +58,68 @@ def test_kernels_import_nothing_of_the_runtime_or_operator() -> None:
 
 
 def test_operator_knows_the_runtime_only_through_flags_and_http() -> None:
-    # also no torch: the operator image does not have it
-    assert violations(ROOT / "operator", r"(shoal\.(runtime|kernels)|torch|triton)\b") == []
+    # of shoal, only the contract (no torch either: the operator image does not have it)
+    assert violations(ROOT / "operator", r"(shoal\.|torch|triton)",
+                      allowed=r"shoal\.(contract|operator)\b") == []
 
 
 def test_router_shares_only_the_block_hash_and_tokenization_with_the_engine() -> None:
+    """The router is its own deployable: never the engine, worker, model or scheduler."""
     found = violations(ROOT / "runtime" / "router", r"shoal\.",
                        allowed=r"shoal\.contract\b|"
                                r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|"
-                               r"log_limits$|frontend\.(tokenizer|chat_template|prompts)$)")
+                               r"log_limits$|frontend\.(tokenizer|chat_template|prompts)$|"
+                               r"distributed\.lifeline$)")
     assert found == []
+    # the one exception beyond the tokenizer: `shoal fleet` gives its children the same
+    # parent-death guard as every other spawner
+    lifeline = violations(ROOT / "runtime" / "router", r"shoal\.runtime\.distributed\b")
+    assert lifeline and all(v.startswith("runtime/router/local/") for v in lifeline)
+
+
+# I/O a pure subpackage never does: network, processes, Kubernetes, metrics servers
+IO = r"(asyncio|aiohttp|httpx|zmq|grpc|socket|subprocess|uvicorn|starlette|kopf|" \
+     r"kubernetes_asyncio|prometheus_client)\b"
+
+# subpackage -> the parts of its own deployable it may import (itself always)
+ROUTER_LAYERS = {
+    "policies": r"$^",  # pure decisions over snapshots
+    "replicas": r"policies\b",  # the fleet as the router sees it: discovery, health, load
+    "proxy": r"(policies|replicas|config|edge_auth)\b",  # the HTTP face
+    "epp": r"(policies|replicas|config|edge_auth)\b",  # the gateway's Endpoint Picker
+    "local": r"cli$",  # `shoal fleet`: launches `shoal route`, knows only its flags
+}
+OPERATOR_LAYERS = {
+    "spec": r"names$",  # what the user asked, parsed (pure)
+    "render": r"(names|spec)\b",  # the children's manifests (pure)
+    "decide": r"(names|spec)\b",  # replica state, status, autoscaling, backoff (pure)
+    "kube": r"names$",  # the API server: credentials and calls
+}
+
+
+@pytest.mark.parametrize("sub", sorted(ROUTER_LAYERS))
+def test_router_subpackages_import_only_the_layers_below(sub: str) -> None:
+    allowed = rf"shoal\.runtime\.router\.({sub}\b|{ROUTER_LAYERS[sub]})"
+    assert violations(ROOT / "runtime" / "router" / sub, r"shoal\.runtime\.router\b",
+                      allowed) == []
+
+
+@pytest.mark.parametrize("sub", sorted(OPERATOR_LAYERS))
+def test_operator_subpackages_import_only_the_layers_below(sub: str) -> None:
+    allowed = rf"shoal\.operator\.({sub}\b|{OPERATOR_LAYERS[sub]})"
+    assert violations(ROOT / "operator" / sub, r"shoal\.operator\b", allowed) == []
+
+
+@pytest.mark.parametrize("folder", ["runtime/router/policies", "operator/spec",
+                                    "operator/render", "operator/decide"])
+def test_pure_subpackages_do_no_io(folder: str) -> None:
+    assert violations(ROOT / folder, IO) == []
+    assert list((ROOT / folder).glob("*.py")), folder  # the folder is there to be checked
+
+
+def test_operator_names_import_nothing_of_the_operator() -> None:
+    assert imports_of(ROOT / "operator")["operator/names.py"] <= {"__future__", "dataclasses",
+                                                                  "typing"}
 
 
 def test_the_contract_imports_nothing_of_shoal_and_only_what_the_operator_image_has() -> None:

@@ -15,12 +15,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from shoal.operator.constants import ENGINE_PORT
-from shoal.operator.meta import Owner
-from shoal.operator.render_engine import render_engine_deployment
-from shoal.operator.render_pd import ROLE_PREFILL
-from shoal.operator.render_router import render_router_deployment
-from shoal.operator.spec import parse_spec
+from shoal.operator.names import ENGINE_PORT, Owner
+from shoal.operator.render.engine import render_engine_deployment
+from shoal.operator.render.pd import ROLE_PREFILL
+from shoal.operator.render.router import render_router_deployment
+from shoal.operator.spec.service import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "shoal"

@@ -167,8 +167,8 @@ def test_flags_named_in_the_docs_exist(relative: str) -> None:
 
 def _exported_metric_types() -> dict[str, str]:
     from shoal.runtime.api.metrics import ServerMetrics
-    from shoal.runtime.router.replica_pool import ReplicaPool
-    from shoal.runtime.router.router_metrics import RouterMetrics
+    from shoal.runtime.router.proxy.metrics import RouterMetrics
+    from shoal.runtime.router.replicas.pool import ReplicaPool
 
     text = ServerMetrics("m").render().decode() + \
         RouterMetrics(ReplicaPool()).render().decode()

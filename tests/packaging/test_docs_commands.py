@@ -180,7 +180,7 @@ def test_curl_requests_are_valid_against_the_api(command: DocCommand) -> None:
 
 
 def test_router_forwards_the_documented_generation_paths() -> None:
-    from shoal.runtime.router.proxy import FORWARDED_PATHS
+    from shoal.runtime.router.proxy.app import FORWARDED_PATHS
 
     for command in of_program("curl"):
         path = urlparse(next(a for a in command.argv if a.startswith("http"))).path

@@ -107,7 +107,7 @@ def engine_fleet_factory(tiny_qwen3, tmp_path_factory):
     """engine_fleet_factory(replicas, engine_args, kv_events, router_flags=None, model=None)
     -> a started LocalFleet of real `shoal serve` engines (tiny qwen3, or ``model``) and a
     router (``router_flags`` verbatim when given); all stopped when the module ends."""
-    from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet
+    from shoal.runtime.router.local.fleet import FleetConfig, LocalFleet
 
     fleets: list[LocalFleet] = []
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 from shoal.runtime.router.cli import config_from_args, register
-from shoal.runtime.router.router_app import RouterConfig, build_router
+from shoal.runtime.router.config import RouterConfig
+from shoal.runtime.router.proxy.wiring import build_router
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from shoal.runtime.router.discovery import KubernetesDiscovery, slice_urls
+from shoal.runtime.router.replicas.discovery import KubernetesDiscovery, slice_urls
 
 SERVICE = "chat-engine"
 

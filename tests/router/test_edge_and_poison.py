@@ -7,7 +7,7 @@ import logging
 
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.router.edge_auth import EdgeAuth, read_key_file
-from shoal.runtime.router.poison import FailedRequests, fingerprint
+from shoal.runtime.router.proxy.poison import FailedRequests, fingerprint
 
 from shoal.contract.headers import TENANT_HEADER
 from shoal.contract.tenant import tenant_of_key

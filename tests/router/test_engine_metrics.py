@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.runtime.router.router_metrics import imbalance
+from shoal.runtime.router.proxy.metrics import imbalance
 
 from shoal.contract.metrics import parse_engine_metrics
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from shoal.runtime.router.local_fleet import FleetConfig, LocalFleet, engine_argv, router_argv
+from shoal.runtime.router.local.fleet import FleetConfig, LocalFleet, engine_argv, router_argv
 
 FAKE_ENGINE = [sys.executable, str(Path(__file__).parent / "fake_engine.py")]
 
@@ -40,7 +40,7 @@ def test_local_fleet_routes_and_stops_everything(free_port):
 
 def test_shoal_fleet_stops_all_children_on_ctrl_c(free_port, wait_for, spawn):
     port, engine_port = free_port("127.0.0.1"), free_port("127.0.0.2")
-    proc = spawn([sys.executable, "-m", "shoal.runtime.router.fleet", "--replicas", "2",
+    proc = spawn([sys.executable, "-m", "shoal.runtime.router.local.cli", "--replicas", "2",
                   "--port", str(port), "--engine-port", str(engine_port),
                   "--engine-command", " ".join(FAKE_ENGINE), "--health-interval", "0.2"],
                  stdout=subprocess.PIPE, text=True)
@@ -56,7 +56,7 @@ def test_shoal_fleet_stops_all_children_on_ctrl_c(free_port, wait_for, spawn):
 
 def test_children_die_with_a_killed_fleet(free_port, wait_for, spawn):
     port, engine_port = free_port("127.0.0.1"), free_port("127.0.0.2")
-    proc = spawn([sys.executable, "-m", "shoal.runtime.router.fleet", "--replicas", "1",
+    proc = spawn([sys.executable, "-m", "shoal.runtime.router.local.cli", "--replicas", "1",
                   "--port", str(port), "--engine-port", str(engine_port),
                   "--engine-command", " ".join(FAKE_ENGINE), "--health-interval", "0.2"],
                  stdout=subprocess.PIPE, text=True)

@@ -33,10 +33,10 @@ def engine_metrics(url: str):
 
 def operator_router_flags() -> tuple[list[str], bool]:
     """Exactly the routing flags the operator deploys, over this loopback fleet."""
-    from shoal.operator.meta import Owner
-    from shoal.operator.render_router import router_args
-    from shoal.operator.spec import parse_spec
-    from shoal.runtime.router.local_fleet import loopback_router_args
+    from shoal.operator.names import Owner
+    from shoal.operator.render.router import router_args
+    from shoal.operator.spec.service import parse_spec
+    from shoal.runtime.router.local.fleet import loopback_router_args
 
     spec = parse_spec({"model": {"uri": "/opt/model"}, "runtime": {"blockSize": BLOCK}})
     return loopback_router_args(router_args(Owner("demo", "ml", "uid-1"), spec))

@@ -12,8 +12,8 @@ import time
 
 import httpx
 import pytest
-from shoal.runtime.router.capacity_request import CAPACITY_ANNOTATION, CapacityRequester
-from shoal.runtime.router.discovery import KubernetesDiscovery
+from shoal.runtime.router.replicas.capacity_request import CAPACITY_ANNOTATION, CapacityRequester
+from shoal.runtime.router.replicas.discovery import KubernetesDiscovery
 
 from shoal.contract.metrics import parse_samples
 from tests.router.conftest import http_ok, wait_until

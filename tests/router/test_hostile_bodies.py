@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from shoal.runtime.router.request_keys import (
+from shoal.runtime.router.policies.request_keys import (
     MAX_JSON_DEPTH,
     KeyConfig,
     MalformedBody,

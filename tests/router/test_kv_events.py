@@ -10,8 +10,8 @@ import pytest
 from shoal.runtime.engine.kv_events_publisher import KVEventsPublisher
 from shoal.runtime.kv.block_pool import BlockPool
 from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from shoal.runtime.router.block_index import BlockIndex
-from shoal.runtime.router.kv_events_subscriber import (
+from shoal.runtime.router.policies.block_index import BlockIndex
+from shoal.runtime.router.replicas.kv_events import (
     EventStreamState,
     KVEventsSubscriber,
     KVWireError,

@@ -7,8 +7,8 @@ import json
 
 from shoal.runtime.api.metrics import ServerMetrics
 from shoal.runtime.engine.messages import SchedulerStats
-from shoal.runtime.router.lora_affinity import model_of, prefer_adapter
-from shoal.runtime.router.policy import ReplicaSnapshot
+from shoal.runtime.router.policies.base import ReplicaSnapshot
+from shoal.runtime.router.policies.lora_affinity import model_of, prefer_adapter
 
 from shoal.contract.metrics import LoraInfo, parse_lora_info
 
@@ -84,7 +84,7 @@ def test_model_of_reads_the_body_model_field_only():
 
 
 def test_the_adapter_salts_prefix_keys_only_when_the_model_is_not_the_base():
-    from shoal.runtime.router.lora_affinity import adapter_for_keys
+    from shoal.runtime.router.policies.lora_affinity import adapter_for_keys
 
     info = LoraInfo(2, frozenset(), frozenset(), frozenset({"base"}), frozenset({"a"}))
     assert adapter_for_keys("a", [None, info]) == "a"
@@ -100,11 +100,11 @@ async def test_router_and_picker_keys_equal_the_engines_block_hashes_per_adapter
     adapter), so the base's and each adapter's prefixes never match each other."""
     from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.kv.block_hash import hash_prefix_blocks
-    from shoal.runtime.router.epp_picker import EndpointPicker
-    from shoal.runtime.router.policy import make_policy
-    from shoal.runtime.router.proxy import ProxySettings, RouterApp
-    from shoal.runtime.router.replica_pool import ReplicaPool
-    from shoal.runtime.router.request_keys import KeyConfig, RequestKeys
+    from shoal.runtime.router.epp.picker import EndpointPicker
+    from shoal.runtime.router.policies.base import make_policy
+    from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
+    from shoal.runtime.router.proxy.app import ProxySettings, RouterApp
+    from shoal.runtime.router.replicas.pool import ReplicaPool
     from shoal.runtime.sampling_params import SamplingParams
     from shoal.runtime.scheduler.request import Request
 
@@ -143,10 +143,10 @@ async def test_router_and_picker_keys_equal_the_engines_block_hashes_per_adapter
 async def test_an_adapter_request_does_not_follow_the_bases_cached_prefix():
     """The picker sent a long base prompt to one endpoint; the same prompt for an adapter
     matches nothing there (different KV), while the base's repeat follows it."""
-    from shoal.runtime.router.epp_picker import EndpointPicker
-    from shoal.runtime.router.policy import make_policy
-    from shoal.runtime.router.replica_pool import ReplicaPool
-    from shoal.runtime.router.request_keys import KeyConfig
+    from shoal.runtime.router.epp.picker import EndpointPicker
+    from shoal.runtime.router.policies.base import make_policy
+    from shoal.runtime.router.policies.request_keys import KeyConfig
+    from shoal.runtime.router.replicas.pool import ReplicaPool
 
     pool = ReplicaPool()
     pool.sync(["http://127.0.0.1:1", "http://127.0.0.1:2"])

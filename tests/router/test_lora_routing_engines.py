@@ -61,10 +61,10 @@ def two_engines(tiny_llama, make_lora_adapter, tmp_path_factory):
 
 
 async def test_picker_sends_each_adapter_to_the_engine_that_serves_it(two_engines):
-    from shoal.runtime.router.epp_picker import EndpointPicker
-    from shoal.runtime.router.policy import make_policy
-    from shoal.runtime.router.replica_pool import ReplicaPool
-    from shoal.runtime.router.request_keys import KeyConfig
+    from shoal.runtime.router.epp.picker import EndpointPicker
+    from shoal.runtime.router.policies.base import make_policy
+    from shoal.runtime.router.policies.request_keys import KeyConfig
+    from shoal.runtime.router.replicas.pool import ReplicaPool
 
     pool = ReplicaPool()
     pool.sync(two_engines.values())

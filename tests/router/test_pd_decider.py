@@ -1,13 +1,13 @@
-"""The router's P/D decisions (runtime/router/pd.py): which prompts a prefill replica
+"""The router's P/D decisions (runtime/router/proxy/pd.py): which prompts a prefill replica
 computes, and the prefill leg's body (vLLM's proxy flow)."""
 
 from __future__ import annotations
 
 import pytest
-from shoal.runtime.router.pd import prefill_request, uncached_tokens, wants_remote_prefill
-from shoal.runtime.router.policy import Decision
-from shoal.runtime.router.request_keys import KeyConfig, RequestKeys
-from shoal.runtime.router.router_app import RouterConfig
+from shoal.runtime.router.config import RouterConfig
+from shoal.runtime.router.policies.base import Decision
+from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
+from shoal.runtime.router.proxy.pd import prefill_request, uncached_tokens, wants_remote_prefill
 
 CONFIG = KeyConfig(block_size=16, chars_per_block=64)
 

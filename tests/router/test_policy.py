@@ -7,23 +7,23 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shoal.runtime.router.bounded_load import load_cap, within_bound
-from shoal.runtime.router.cache_affinity import (
-    CacheAffinityPolicy,
-    follow_threshold,
-    pick_by_affinity,
-)
-from shoal.runtime.router.cache_demand import DecayedDemand
-from shoal.runtime.router.hash_ring import HashRing, hash_key
-from shoal.runtime.router.least_load import LeastLoadPolicy
-from shoal.runtime.router.policy import (
+from shoal.runtime.router.policies.base import (
     SPILL_ENGINE_QUEUE,
     SPILL_LOAD_CAP,
     ReplicaSnapshot,
     make_policy,
 )
-from shoal.runtime.router.request_keys import KeyConfig, request_keys
-from shoal.runtime.router.round_robin import RoundRobinPolicy
+from shoal.runtime.router.policies.bounded_load import load_cap, within_bound
+from shoal.runtime.router.policies.cache_affinity import (
+    CacheAffinityPolicy,
+    follow_threshold,
+    pick_by_affinity,
+)
+from shoal.runtime.router.policies.cache_demand import DecayedDemand
+from shoal.runtime.router.policies.hash_ring import HashRing, hash_key
+from shoal.runtime.router.policies.least_load import LeastLoadPolicy
+from shoal.runtime.router.policies.request_keys import KeyConfig, request_keys
+from shoal.runtime.router.policies.round_robin import RoundRobinPolicy
 
 URLS = [f"http://127.0.0.{i}:8000" for i in range(2, 6)]
 SYSTEM_PROMPTS = [f"You are assistant number {i}. " * 12 for i in range(16)]
@@ -273,7 +273,7 @@ def test_affinity_never_picks_a_replica_over_the_bound(loads, matched):
 def test_a_replica_whose_engine_queues_takes_no_more_while_another_admits():
     """A scraped waiting queue means the engine's KV cache or batch is full: one more
     request there waits or preempts, so it goes elsewhere even on a prefix match."""
-    from shoal.runtime.router.policy import ReplicaSnapshot
+    from shoal.runtime.router.policies.base import ReplicaSnapshot
 
     policy = CacheAffinityPolicy(precise=True)
     policy.sync(URLS[:2])

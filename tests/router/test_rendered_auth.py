@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from shoal.operator.render_auth import AUTH_MOUNT, engine_auth_args, router_auth_args
-from shoal.operator.spec import parse_spec
+from shoal.operator.render.auth import AUTH_MOUNT, engine_auth_args, router_auth_args
+from shoal.operator.spec.service import parse_spec
 
 CLIENT_KEYS = ("sk-tenant-a", "sk-tenant-b")
 ROUTER_KEY = "sk-router-only"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
-from shoal.runtime.router.block_index import BlockIndex
-from shoal.runtime.router.request_keys import (
+from shoal.runtime.router.policies.block_index import BlockIndex
+from shoal.runtime.router.policies.request_keys import (
     KeyConfig,
     PromptTokenizer,
     RequestKeyError,

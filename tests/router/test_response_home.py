@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from shoal.runtime.router.replica_pool import Replica
-from shoal.runtime.router.response_home import HomeGone, response_home
+from shoal.runtime.router.replicas.pool import Replica
+from shoal.runtime.router.replicas.response_home import HomeGone, response_home
 
 from shoal.contract.response_ids import instance_of
 from tests.router.conftest import wait_until

@@ -1,0 +1,93 @@
+"""Pure rendering of P/D disaggregation (spec.prefill): the engines' KV-transfer roles, the
+prefill pool's Service and the router's P/D flags.
+
+Prefill engines serve the blocks of each prompt they computed on their own pod IP (the
+downward API's status.podIP, expanded by the kubelet in the container's args), and name that
+address in the kv_transfer_params they answer with; the router hands those to the decode
+engine, which pulls from that very pod. So decode engines need only the consumer role, and the
+router needs only a Service in front of the prefill pool (which prefill pod computes a prompt
+does not matter: the answer says where its blocks wait).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from shoal.operator.names import (
+    COMPONENT_ENGINE,
+    COMPONENT_PREFILL,
+    ENGINE_METRICS_PORT,
+    ENGINE_PORT,
+    KV_TRANSFER_PORT,
+    Owner,
+    child_metadata,
+    prefill_name,
+    selector_labels,
+)
+from shoal.operator.spec.service import ServiceSpec
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+POD_IP_ENV = "POD_IP"
+
+
+def pool_component(role: str) -> str:
+    return COMPONENT_PREFILL if role == ROLE_PREFILL else COMPONENT_ENGINE
+
+
+def pool_spec(spec: ServiceSpec, role: str) -> ServiceSpec:
+    """The spec one pool's engines are rendered from: the prefill pool has its own resources."""
+    if role == ROLE_PREFILL and spec.prefill is not None:
+        return replace(spec, resources=spec.prefill.resources)
+    return spec
+
+
+def kv_transfer_args(spec: ServiceSpec, role: str) -> list[str]:
+    """`--kv-transfer-config` for one pool's engines (nothing without spec.prefill)."""
+    if spec.prefill is None:
+        return []
+    config: dict[str, Any] = {"kv_connector": "TcpConnector"}
+    if role == ROLE_PREFILL:
+        config.update(kv_role="kv_producer", kv_ip=f"$({POD_IP_ENV})", kv_port=KV_TRANSFER_PORT)
+    else:
+        config.update(kv_role="kv_consumer")
+    return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+def pod_ip_env() -> dict[str, Any]:
+    return {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def prefill_selector(owner: Owner) -> dict[str, str]:
+    return selector_labels(owner, COMPONENT_PREFILL)
+
+
+def render_prefill_service(owner: Owner) -> dict[str, Any]:
+    """The router's --prefill-backend: one address for the pool (kube-proxy spreads the
+    prompts; the metrics port is what the router scrapes for load)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, prefill_name(owner), COMPONENT_PREFILL),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": prefill_selector(owner),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http",
+                       "protocol": "TCP"},
+                      {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def prefill_url(owner: Owner) -> str:
+    return f"http://{prefill_name(owner)}.{owner.namespace}.svc.cluster.local:{ENGINE_PORT}"
+
+
+def router_pd_args(owner: Owner, spec: ServiceSpec) -> list[str]:
+    if spec.prefill is None:
+        return []
+    return ["--prefill-backend", prefill_url(owner),
+            "--pd-threshold", str(spec.prefill.threshold)]
