@@ -78,6 +78,25 @@ def test_raw_stream_events_are_named_as_anthropic_sends_them(keyed_server) -> No
     assert not any("[DONE]" in line for line in lines)
 
 
+def test_sampling_fields_in_the_body_apply(client) -> None:
+    """temperature, top_p and top_k as the Messages API spells them, sent in the body: at
+    temperature 1, top_k 1 or a tiny top_p leave only the greedy token, so the text is the
+    greedy one; and a repeated prompt reads its blocks from the prefix cache."""
+    kwargs = {"model": "shoal-test", "max_tokens": 24, "messages": USER}
+    greedy = client.messages.create(**kwargs, extra_body=GREEDY)
+    for fields in ({"temperature": 1.0, "top_k": 1}, {"temperature": 1.0, "top_p": 1e-9}):
+        message = client.messages.create(**kwargs, extra_body=fields)
+        assert message.content[0].text == greedy.content[0].text, fields
+    sampled = {client.messages.create(**kwargs, extra_body={"temperature": 1.0, "top_k": 0,
+                                                            "seed": seed}).content[0].text
+               for seed in (1, 2, 3)}
+    assert sampled != {greedy.content[0].text}  # the fields above, not the defaults, chose
+    usage = message.usage  # the same prompt again: its full blocks come from the cache
+    assert usage.cache_read_input_tokens > 0
+    assert usage.input_tokens + usage.cache_read_input_tokens == greedy.usage.input_tokens + \
+        greedy.usage.cache_read_input_tokens
+
+
 def test_stop_sequence_ends_the_message_before_it(client) -> None:
     kwargs = {"model": "shoal-test", "max_tokens": 30, "messages": USER, "extra_body": GREEDY}
     text = client.messages.create(**kwargs).content[0].text

@@ -130,3 +130,25 @@ def test_a_chat_model_asked_for_embeddings_is_a_400(tiny_chat_server) -> None:
                           json={"model": "shoal-test", "input": "hello"})
     assert response.status_code == 400
     assert "--runner pooling" in response.json()["error"]["message"]
+
+
+def test_dimensions_only_where_the_checkpoint_allows_them() -> None:
+    """Without is_matryoshka a request may not cut the vector (vLLM's 400); with
+    matryoshka_dimensions only those lengths; else any length up to the hidden size."""
+    from shoal.runtime.api.errors import APIError
+    from shoal.runtime.api.serving_embeddings import check_dimensions
+    from shoal.runtime.pooling_config import PoolerConfig
+
+    plain = PoolerConfig(hidden_size=64)
+    listed = PoolerConfig(matryoshka=True, matryoshka_dimensions=(16, 32), hidden_size=64)
+    free = PoolerConfig(matryoshka=True, hidden_size=64)
+    check_dimensions(None, plain, "m")
+    check_dimensions(32, listed, "m")
+    check_dimensions(64, free, "m")
+    for dimensions, pooler, message in ((8, plain, "does not support matryoshka"),
+                                        (24, listed, "only supports dimensions [16, 32]"),
+                                        (65, free, "dimensions must be in [1, 64]")):
+        with pytest.raises(APIError) as refused:
+            check_dimensions(dimensions, pooler, "m")
+        assert message in refused.value.message and refused.value.status == 400
+        assert refused.value.param == "dimensions"

@@ -213,3 +213,57 @@ def test_responses_stream_sends_reasoning_text_events_that_add_up_to_the_item(se
     assert [(i.type, i.content[0].text) for i in final.output if i.type == "reasoning"] == \
         [("reasoning", reasoning[0])]
     assert len(final.output) == len(whole.output)
+
+
+QWEN3_SWITCH = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                "{%- if enable_thinking is defined and enable_thinking is false %}"
+                "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def switch_server(start_server, thinking_model, tmp_path_factory):
+    """``--reasoning-parser qwen3`` on the thinking checkpoint, its template given Qwen3's
+    ``enable_thinking`` switch: false closes an empty span in the prompt."""
+    out = tmp_path_factory.mktemp("thinking-switch-qwen2")
+    for path in thinking_model.iterdir():
+        shutil.copy(path, out / path.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    generation_prompt = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    assert generation_prompt in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(generation_prompt, QWEN3_SWITCH)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return start_server("--reasoning-parser", "qwen3", model_dir=out)
+
+
+def test_enable_thinking_reaches_the_template_and_decides_where_the_grammar_starts(
+        switch_server) -> None:
+    """chat_template_kwargs ``enable_thinking: false`` (Anthropic: ``thinking`` disabled)
+    closes the span in the prompt, so a grammar holds from the first token: ``</think>``,
+    pushed by logit_bias, is masked there. With thinking on, the grammar waits for it."""
+    end = THINK_IDS["</think>"]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+
+    def prompt_ids(**fields) -> list[int]:
+        response = httpx.post(switch_server.base_url + "/tokenize", timeout=60, json={
+            "model": "shoal-test", "messages": USER, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    assert end in prompt_ids(**off)[-3:] and end not in prompt_ids()
+    format_ = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+    body = {"max_tokens": 40, "response_format": format_, "logit_bias": {str(end): 100},
+            "return_token_ids": True}
+    thinking = chat(switch_server, **body)["choices"][0]
+    assert thinking["token_ids"][0] == end  # the grammar waited for the span's end
+    plain = chat(switch_server, **body, **off)
+    choice = plain["choices"][0]
+    assert end not in choice["token_ids"]  # constrained from the first token
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert not choice["message"].get("reasoning_content")
+    assert plain["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=switch_server.base_url, api_key="unused",
+                                 max_retries=0)
+    counted = client.messages.count_tokens(model="shoal-test", messages=USER,
+                                           thinking={"type": "disabled"})
+    assert counted.input_tokens == len(prompt_ids(**off))

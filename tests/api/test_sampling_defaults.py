@@ -39,7 +39,7 @@ def server(start_server, tiny_qwen2, tmp_path_factory):
     config = json.loads((tiny_qwen2 / "generation_config.json").read_text())
     config.update({"top_k": 1, "temperature": 0.9, "max_new_tokens": 7})
     (model / "generation_config.json").write_text(json.dumps(config))
-    return start_server(model_dir=model)
+    return start_server("--log-level", "info", model_dir=model)  # (the startup log line)
 
 
 def chat(server, **fields) -> dict:
@@ -56,6 +56,9 @@ def test_checkpoint_defaults_apply_and_request_fields_override(server) -> None:
                for s in (1, 2)]
     assert any(text != greedy for text in sampled)  # top_k 0 sent: the default is gone
     assert chat(server)["usage"]["completion_tokens"] == 7  # max_new_tokens
+    # the startup log says what applies (only the fields the file sets)
+    line = next(x for x in server.log().splitlines() if "sampling defaults from" in x)
+    assert line.endswith("max_tokens=7, temperature=0.9, top_k=1")
 
 
 def test_version(server) -> None:

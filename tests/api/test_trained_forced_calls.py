@@ -6,7 +6,9 @@ named function (openai client), ``{"type": "any"}`` or ``{"type": "tool"}`` (ant
 client) and a ``response_format`` json_schema, the answer must keep the whole trained
 reasoning (a grammar from the first token would forbid ``<think>``) and give a call or
 content that is a valid object (the model's own call text after it would not be).
-Streamed and not; the stream's reasoning all comes before the call."""
+Streamed and not; the stream's reasoning all comes before the call. And Anthropic's
+``auto`` (the model's call read by ``--tool-call-parser deepseek_v3``) and ``none`` (the same
+output left as text)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import jsonschema
 import pytest
 
 from tests.api.test_trained_tool_calls import (  # noqa: F401 (trained_model: a fixture)
+    ARGUMENTS,
+    CALLS,
     REASONING,
     TOOLS,
     question,
@@ -30,7 +34,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server(start_server, trained_model):  # noqa: F811 (the imported fixture)
-    return start_server("--reasoning-parser", "qwen3", model_dir=trained_model)
+    return start_server("--reasoning-parser", "qwen3", "--tool-call-parser", "deepseek_v3",
+                        model_dir=trained_model)
 
 
 def streamed(client, **kwargs) -> tuple[str, str, list[tuple[str, str]], str | None, list[str]]:
@@ -96,17 +101,22 @@ def test_json_schema_output_follows_unconstrained_reasoning(server) -> None:
     assert kinds.index("content") > max(i for i, k in enumerate(kinds) if k == "reasoning")
 
 
-@pytest.mark.parametrize("tool_choice", [{"type": "any", "disable_parallel_tool_use": True},
-                                         {"type": "tool", "name": "get_weather"}])
-def test_forced_tool_use_follows_thinking_anthropic(server, tool_choice) -> None:
+def anthropic_messages(server, tool_choice: dict) -> tuple[object, dict]:
+    """(the anthropic client's messages resource, a request body with the tool)."""
     anthropic = pytest.importorskip("anthropic")
     messages = anthropic.Anthropic(base_url=server.base_url, api_key="unused",
                                    max_retries=0).messages
     function = TOOLS[0]["function"]
-    body = {"model": "shoal-test", "max_tokens": 120, "messages": MESSAGES,
-            "tools": [{"name": function["name"], "description": function["description"],
-                       "input_schema": function["parameters"]}],
-            "tool_choice": tool_choice, "extra_body": {"temperature": 0}}
+    return messages, {"model": "shoal-test", "max_tokens": 120, "messages": MESSAGES,
+                      "tools": [{"name": function["name"], "description": function["description"],
+                                 "input_schema": function["parameters"]}],
+                      "tool_choice": tool_choice, "extra_body": {"temperature": 0}}
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                         {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_follows_thinking_anthropic(server, tool_choice) -> None:
+    messages, body = anthropic_messages(server, tool_choice)
     message = messages.create(**body)
     assert message.stop_reason == "tool_use", message
     assert [b.type for b in message.content] == ["thinking", "tool_use"]
@@ -121,3 +131,19 @@ def test_forced_tool_use_follows_thinking_anthropic(server, tool_choice) -> None
     assert final.stop_reason == "tool_use"
     # the thinking block (0) is whole before the tool_use block (1) opens
     assert events.index(("content_block_stop", 0)) < events.index(("content_block_start", 1))
+
+
+def test_anthropic_tool_choice_auto_reads_the_call_and_none_leaves_it_text(server) -> None:
+    """auto: the model's own call (read by --tool-call-parser) is a tool_use block; none:
+    the same output stays text, after the thinking."""
+    messages, auto = anthropic_messages(server, {"type": "auto"})
+    message = messages.create(**auto)
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in message.content] == [
+        ("thinking", None), ("tool_use", ARGUMENTS)]
+    _, none = anthropic_messages(server, {"type": "none"})
+    message = messages.create(**none)
+    assert message.stop_reason == "end_turn"
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[1].text) == (
+        REASONING, CALLS["deepseek_v3"])

@@ -54,6 +54,37 @@ def test_a_bad_pooler_config_is_refused_naming_the_flag(tmp_path, text, message)
         load_pooler_config(tmp_path, text)
 
 
+@pytest.mark.parametrize("mode,normalize,expected", [
+    ("pooling_mode_mean_tokens", False, ("MEAN", False)),
+    ("pooling_mode_lasttoken", True, ("LAST", True)),
+    ("pooling_mode_cls_token", True, ("CLS", True)),
+])
+def test_pooling_is_what_the_sentence_transformers_modules_say(tmp_path, mode, normalize,
+                                                               expected):
+    """modules.json's Pooling module (its config's pooling_mode_*) and whether a Normalize
+    module follows decide the pooling, as sentence-transformers applies them."""
+    import json
+
+    from shoal.runtime.pooling_config import load_pooler_config
+
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 16, **dict.fromkeys(
+            ("pooling_mode_mean_tokens", "pooling_mode_lasttoken", "pooling_mode_cls_token"),
+            False), mode: True}))
+    config = load_pooler_config(tmp_path, None)
+    assert (config.pooling_type, config.normalize) == expected
+    assert not config.matryoshka  # no is_matryoshka: a request may not ask for dimensions
+
+
 def test_the_api_process_reads_the_checkpoint_without_torch(tiny_qwen3, tmp_path):
     """``shoal serve`` decides the runner and the chat format from config.json read as JSON
     (overrides merged): its API process imports neither torch nor transformers for it
