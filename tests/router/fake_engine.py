@@ -37,6 +37,17 @@ async def responses(request: Request) -> Response:
                          "replica": request.app.state.name})
 
 
+async def messages(request: Request) -> Response:
+    """An Anthropic Messages stand-in: the path and the Anthropic headers it was sent (a
+    stream is served as /v1/completions streams)."""
+    body = json.loads(await request.body())
+    if body.get("stream"):
+        return await completions(request)
+    return JSONResponse({"replica": request.app.state.name, "path": request.url.path,
+                         **{h: request.headers.get(h)
+                            for h in ("x-api-key", "anthropic-version")}})
+
+
 async def health(_: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -114,6 +125,8 @@ def main() -> None:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages, methods=["POST"]),
     ])
     app.state.name = f"{args.host}:{args.port}"
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

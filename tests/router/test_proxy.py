@@ -176,3 +176,20 @@ def test_router_endpoints_and_errors(fake_fleet):
     assert httpx.get(f"{fleet.router}/ready").status_code == 503
     r = httpx.post(f"{fleet.router}/v1/completions", json={"prompt": "x"}, timeout=10)
     assert r.status_code == 503 and "no replica" in r.json()["error"]["message"]
+
+
+def test_anthropic_messages_and_count_tokens_are_forwarded_with_their_headers(fake_fleet):
+    """The router forwards /v1/messages (streamed too) and /v1/messages/count_tokens; without
+    router keys the client's x-api-key and anthropic-version pass through."""
+    fleet = fake_fleet(1)
+    headers = {"x-api-key": "sk-a", "anthropic-version": "2023-06-01"}
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(f"{fleet.router}{path}", json=body, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"replica": fleet.engines[0].removeprefix("http://"), "path": path,
+                            **headers}
+    with httpx.stream("POST", f"{fleet.router}/v1/messages", json={**body, "stream": True},
+                      headers=headers, timeout=10) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and len(events) == 3
