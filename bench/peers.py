@@ -91,13 +91,14 @@ def free_port() -> int:
 
 def run_vllm_offline(peer: VllmPeer, model_dir: Path, prompts: list[list[int]],
                      output_lens: list[int], max_num_batched_tokens: int,
-                     work_path: Path, dtype: str = "float32") -> dict:
+                     work_path: Path, dtype: str = "float32", lora: dict | None = None) -> dict:
     """Runs the workload in the peer's interpreter (cwd: the scratch directory, not the
     checkout, whose operator/ would shadow the stdlib module in vLLM's subprocesses); returns
-    its JSON result (seconds, tokens, startup seconds)."""
+    its JSON result (seconds, tokens, startup seconds). ``lora``: serve with ``enable_lora``
+    and time each of its runs (see ``_offline_lora``); the result then has ``run_seconds``."""
     work_path.write_text(json.dumps({
         "prompts": prompts, "output_lens": output_lens,
-        "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}))
+        "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype, "lora": lora}))
     cmd = [str(peer.python), str(Path(__file__).resolve()), "offline", "--model",
            str(model_dir), "--work", str(work_path)]
     done = subprocess.run(cmd, env=peer.env(), capture_output=True, text=True, timeout=3600,
@@ -115,14 +116,20 @@ def _offline_main(model: str, work_file: str) -> int:
 
     work = json.loads(Path(work_file).read_text())
     prompts, lens = work["prompts"], work["output_lens"]
+    lora = work.get("lora")
+    lora_args = {} if lora is None else dict(
+        enable_lora=True, max_loras=lora["max_loras"], max_lora_rank=lora["max_lora_rank"],
+        max_cpu_loras=len(lora["adapters"]), enable_prefix_caching=False)
     started = time.perf_counter()
     llm = LLM(model, dtype=work.get("dtype", "float32"), max_num_seqs=len(prompts),
               skip_tokenizer_init=not (Path(model) / "tokenizer.json").exists(),
               max_num_batched_tokens=work["max_num_batched_tokens"],
-              max_model_len=max(map(len, prompts)) + max(lens) + 16, seed=0)
+              max_model_len=max(map(len, prompts)) + max(lens) + 16, seed=0, **lora_args)
     startup = time.perf_counter() - started
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
     token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    if lora is not None:
+        return _offline_lora(llm, lora, token_prompts, params, startup)
     llm.generate(token_prompts[:2], params[:2], use_tqdm=False)  # warm-up, like ours
     start = time.perf_counter()
     results = llm.generate(token_prompts, params, use_tqdm=False)
@@ -130,6 +137,38 @@ def _offline_main(model: str, work_file: str) -> int:
     produced = sum(len(r.outputs[0].token_ids) for r in results)
     print(json.dumps({"seconds": seconds, "output_tokens": produced,
                       "startup_seconds": startup}), flush=True)
+    return 0
+
+
+def _offline_lora(llm, lora: dict, token_prompts: list, params: list, startup: float) -> int:
+    """``lora``: ``adapters`` (name -> PEFT directory), ``runs`` (run name -> each request's
+    adapter name or None), timed in order on the same prompts after a warm-up that loads every
+    adapter (prefix caching is off: no run finds another's blocks)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    ids = {name: i + 1 for i, name in enumerate(lora["adapters"])}
+    requests = {name: LoRARequest(name, ids[name], path)
+                for name, path in lora["adapters"].items()}
+    warm = [None, *requests.values()]
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([token_prompts[i % len(token_prompts)] for i in range(len(warm))],
+                 [short] * len(warm), use_tqdm=False, lora_request=warm)
+    run_seconds, tokens = {}, {}
+    for run, adapters in lora["runs"].items():
+        chosen = [requests[a] if a is not None else None for a in adapters]
+        start = time.perf_counter()
+        results = llm.generate(token_prompts, params, use_tqdm=False, lora_request=chosen)
+        run_seconds[run] = time.perf_counter() - start
+        tokens[run] = [list(r.outputs[0].token_ids) for r in results]
+        produced = sum(map(len, tokens[run]))
+        if produced != sum(p.max_tokens for p in params):
+            raise RuntimeError(f"run {run}: {produced} tokens")
+    # evidence that the adapters were applied: requests whose tokens differ between runs
+    first, *others = tokens.values()
+    differing = [sum(a != b for a, b in zip(first, other, strict=True)) for other in others]
+    print(json.dumps({"run_seconds": run_seconds, "startup_seconds": startup,
+                      "requests_differing_from_first_run": differing}), flush=True)
     return 0
 
 
