@@ -22,6 +22,7 @@ uvicorn with the limits a port exposed to many clients needs, enforced while rea
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import resource
@@ -80,6 +81,16 @@ class ListenerLimits:
     @property
     def connection_cap(self) -> int:
         return self.max_connections or default_max_connections()
+
+
+def add_listener_flags(parser: argparse.ArgumentParser) -> None:
+    """The connection limits, the same flags and defaults in front of both servers."""
+    parser.add_argument("--max-connections", type=int, default=ListenerLimits.max_connections,
+                        help="open connections past which new ones get a 503 (the probes "
+                             "still answer); 0: 80%% of the open-file limit")
+    parser.add_argument("--max-header-bytes", type=int, default=ListenerLimits.max_header_bytes,
+                        help="largest request head (line + headers); larger ones are refused "
+                             "while reading")
 
 
 async def send_json(send: Send, status: int, body: bytes,

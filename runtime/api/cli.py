@@ -12,6 +12,7 @@ from shoal.runtime.config import (
     KV_CACHE_DTYPES,
     ConfigRangeError,
 )
+from shoal.runtime.http_listener import add_listener_flags
 
 from shoal.contract.kv import DEFAULT_BLOCK_SIZE
 
@@ -101,12 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the longest stop string, in characters")
     p.add_argument("--max-stop-token-ids", type=int, default=1024,
                    help="the most stop_token_ids per request")
-    p.add_argument("--max-connections", type=int, default=0,
-                   help="open connections past which new ones get a 503 (the probes still "
-                        "answer); 0: 80%% of the open-file limit")
-    p.add_argument("--max-header-bytes", type=int, default=64 * 1024,
-                   help="largest request head (line + headers); larger ones are refused "
-                        "while reading")
+    add_listener_flags(p)
     p.add_argument("--stream-stall-timeout", type=float, default=30.0,
                    help="seconds a stream's client may read nothing (its writes blocked) "
                         "before the request is aborted and its KV blocks freed; 0: never")

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from shoal.runtime.http_listener import add_listener_flags
+
 from shoal.contract.kv import DEFAULT_BLOCK_SIZE
 from shoal.contract.policies import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
@@ -100,11 +102,7 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quarantine-window", type=float, default=60.0,
                         help="seconds a request that failed on a replica is held to that "
                              "replica (never replayed on another); 0: off")
-    parser.add_argument("--max-connections", type=int, default=0,
-                        help="open connections past which new ones get a 503 (the probes "
-                             "still answer); 0: 80%% of the open-file limit")
-    parser.add_argument("--max-header-bytes", type=int, default=64 * 1024,
-                        help="largest request head; larger ones are refused while reading")
+    add_listener_flags(parser)
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                         help="larger bodies get 413 before they are read")
 

@@ -85,8 +85,9 @@ IO = r"(asyncio|aiohttp|httpx|zmq|grpc|socket|subprocess|uvicorn|starlette|kopf|
 ROUTER_LAYERS = {
     "policies": r"$^",  # pure decisions over snapshots
     "replicas": r"policies\b",  # the fleet as the router sees it: discovery, health, load
-    "proxy": r"(policies|replicas|config|edge_auth)\b",  # the HTTP face
-    "epp": r"(policies|replicas|config|edge_auth)\b",  # the gateway's Endpoint Picker
+    # the HTTP face, and the gateway's Endpoint Picker: never each other
+    "proxy": r"(policies|replicas|config|edge_auth|fleet_view)\b",
+    "epp": r"(policies|replicas|config|edge_auth|fleet_view)\b",
     "local": r"cli$",  # `shoal fleet`: launches `shoal route`, knows only its flags
 }
 OPERATOR_LAYERS = {
