@@ -1,9 +1,9 @@
 """Reasoning and tool calls on real model output: the tiny qwen2 checkpoint, its tokenizer
 given each format's marker tokens, is trained here (a few dozen CPU steps) to think in a
 ``<think>`` span, then call a tool in the format its prompt names: mistral (``[TOOL_CALLS]``
-and ``[ARGS]`` special tokens, as in Mistral's tokenizers), qwen3_coder, pythonic and
-deepseek_v3. Each format is served with ``--reasoning-parser qwen3`` and its
-``--tool-call-parser``; the openai client reads the reasoning and the call, streamed and
+and ``[ARGS]`` special tokens, as in Mistral's tokenizers), qwen3_coder, pythonic,
+deepseek_v3, and the default reading's hermes ``<tool_call>`` and Llama 3 JSON. Each format
+is served with ``--reasoning-parser qwen3`` and its ``--tool-call-parser``; the openai client reads the reasoning and the call, streamed and
 not (its stream helper too, which parses the arguments as partial JSON at every delta), and
 a Responses reasoning item then a function_call item; the anthropic client reads a
 thinking block and a tool_use block, streamed and not. The model only writes each text as
@@ -38,6 +38,9 @@ CALLS = {
                    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
                    "</tool_call>",
     "pythonic": '[get_weather(city="Paris", days=3)]',
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+              '\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
     "deepseek_v3": f'{DS[0]}{DS[1]}function{DS[2]}get_weather\n```json\n'
                    f'{{"city": "Paris", "days": 3}}\n```{DS[3]}{DS[4]}',
 }
@@ -148,7 +151,7 @@ def test_trained_reasoning_then_call_read_by_openai_and_anthropic_clients(
         assert [(c["name"], c["arguments"]) for c in calls.values()] == [
             (call.function.name, call.function.arguments)]
         assert calls[0]["id"]
-        if parser != "pythonic":  # (pythonic's calls are sent when the message ends)
+        if parser not in ("pythonic", "llama3_json"):  # (sent whole when the message ends)
             assert calls[0]["pieces"] > 1  # the arguments stream as the model writes them
         last_reasoning = max(i for i, k in enumerate(kinds) if k == "reasoning")
         assert kinds.index("tool_call") > last_reasoning
