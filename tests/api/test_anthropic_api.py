@@ -191,3 +191,20 @@ def test_bearer_auth_works_too(keyed_server) -> None:
                           headers={"Authorization": f"Bearer {KEY}"},
                           json={"model": "shoal-test", "messages": USER})
     assert response.status_code == 200 and response.json()["input_tokens"] > 0
+
+
+def test_body_limits_answer_in_anthropic_shape(keyed_server) -> None:
+    """A body over --max-request-body-bytes (8 MiB by default) is a 413 request_too_large,
+    one nested past --max-json-depth a 400, both as Anthropic shapes its errors."""
+    headers = {"x-api-key": KEY, "content-type": "application/json"}
+    big = b'{"model": "shoal-test", "max_tokens": 4, "messages": [{"role": "user", ' \
+          b'"content": "' + b"a" * (9 * 1024 * 1024) + b'"}]}'
+    for body, status, kind in ((big, 413, "request_too_large"),
+                               (b'{"model": "shoal-test", "max_tokens": 4, "metadata": '
+                                + b"[" * 100 + b"]" * 100 + b"}", 400,
+                                "invalid_request_error")):
+        response = httpx.post(keyed_server.base_url + "/v1/messages", content=body,
+                              headers=headers, timeout=60)
+        assert response.status_code == status, response.text[:300]
+        assert response.json()["type"] == "error", response.text[:300]
+        assert response.json()["error"]["type"] == kind
