@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from shoal.runtime.engine.client import AsyncEngineClient, RequestStream
 from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from shoal.runtime.frontend.engine_client import AsyncEngineClient, RequestStream
 from shoal.runtime.frontend.output_processor import (
     Choice,
     ChoiceDelta,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.client import AsyncEngineClient, EngineStartupError
+from shoal.runtime.frontend.engine_client import AsyncEngineClient, EngineStartupError
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.http_listener import (

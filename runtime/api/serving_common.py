@@ -20,8 +20,12 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from shoal.runtime.engine.client import EngineDeadError, EngineRequestError, EngineRequestFailed
 from shoal.runtime.engine.validation import validate_request
+from shoal.runtime.frontend.engine_client import (
+    EngineDeadError,
+    EngineRequestError,
+    EngineRequestFailed,
+)
 from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.kv.block_hash import effective_cache_salt
 from shoal.runtime.kv_transfer.params import KVTransferParams, parse_request_params

@@ -13,7 +13,7 @@ from typing import Any
 
 from msgspec.structs import replace
 from shoal.runtime.config import DEFAULT_MAX_NUM_SEQS
-from shoal.runtime.engine.client import AsyncEngineClient
+from shoal.runtime.frontend.engine_client import AsyncEngineClient
 from shoal.runtime.frontend.prompts import PromptRenderer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.http_listener import RETRY_SAFE_HEADER

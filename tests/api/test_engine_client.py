@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.client import AsyncEngineClient, EngineDeadError
 from shoal.runtime.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -15,6 +14,7 @@ from shoal.runtime.engine.messages import (
     FinishReason,
     SchedulerStats,
 )
+from shoal.runtime.frontend.engine_client import AsyncEngineClient, EngineDeadError
 from shoal.runtime.sampling_params import SamplingParams
 
 
