@@ -4,7 +4,10 @@ the same formats as they arrive.
 Two formats, tried in this order: hermes-style ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` blocks (Qwen 2/2.5/3, Hermes), and Llama 3's bare JSON
 ``{"name": ..., "parameters": {...}}`` (several separated by ``;``) as the whole message.
-Text that does not parse stays content: a model that half-writes a call loses nothing.
+Text that does not parse stays content: a model that half-writes a call loses nothing;
+except a last block cut short (max_tokens) once its arguments began: that is the call with
+the arguments written, as the stream has sent it (vLLM's stream too), so the streamed calls
+still assemble to the whole-message ones.
 A call's ``arguments`` is the model's own JSON text for them (as OpenAI sends it), not a
 re-serialisation: the streamed deltas are that text piece by piece, so both agree.
 """
@@ -26,6 +29,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls). Content is None when the message is only calls."""
     if TOOL_CALL_START in text:
         calls = [c for block in _HERMES.findall(text) if (c := call_from_json(block))]
+        cut = cut_short_call(text)
+        if cut is not None:
+            calls.append(cut)
         if calls:
             content = text[:text.index(TOOL_CALL_START)].strip()
             return content or None, calls
@@ -37,6 +43,20 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if found and all(found):
             return None, [c for c in found if c]
     return text, []
+
+
+def cut_short_call(text: str) -> ToolCall | None:
+    """The last block, if the text ended inside it (no ``</tool_call>``, its JSON unfinished)
+    after its name and the start of its arguments: the call as ``CallObjectStream`` streams
+    it."""
+    body = text[text.rindex(TOOL_CALL_START) + len(TOOL_CALL_START):]
+    if TOOL_CALL_END in body or call_from_json(body.strip()) is not None:
+        return None
+    from .tool_call_stream import CallObjectStream  # (it imports this module)
+
+    block = CallObjectStream(0)
+    block.deltas(body)
+    return block.call
 
 
 def call_from_json(block: str) -> ToolCall | None:

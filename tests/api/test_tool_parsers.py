@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from shoal.runtime.api.tool_calls import ToolPolicy, calls_from_constrained
 from shoal.runtime.api.tool_parsers import parse_tool_calls
 from shoal.runtime.api.tool_stream import ToolDeltaStream
@@ -116,3 +117,25 @@ def test_a_forced_call_cut_off_before_it_began_is_no_call_streamed_or_not() -> N
                                                                           ' {"ci')
     message, _ = assistant_message("", ToolPolicy("required"), "length")
     assert message == {"role": "assistant", "content": None}
+
+
+@pytest.mark.parametrize("text,arguments", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', '{"ci'),
+    ('Hi <tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "get_weather"'
+     ', "arguments": {"city": ', '{"city": '),
+    ('<tool_call>{"name": "get_weather", "arguments": ', None),  # arguments not begun
+])
+def test_a_hermes_call_cut_short_reads_the_same_streamed_or_not(text, arguments) -> None:
+    """max_tokens inside a block's arguments: the stream has sent the call (as vLLM's does),
+    so the whole message has it too, with the arguments written; before they began there is
+    no call in either."""
+    content, calls = parse_tool_calls(text)
+    if arguments is None:
+        assert (content, calls) == (text, [])
+    else:
+        assert (calls[-1].name, calls[-1].arguments) == ("get_weather", arguments)
+    for step in (1, 3, len(text)):
+        streamed_content, streamed, _ = stream(text, step=step)
+        assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in sorted(streamed)] == [
+            (c.name, c.arguments) for c in calls]
+        assert streamed_content.strip() == (content or "").strip()
