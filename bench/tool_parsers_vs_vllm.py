@@ -4,7 +4,9 @@
 
 Every case of tests/api/test_tool_formats.py (CASES) is given, whole, to vLLM's own parser
 of the same name (mistral, qwen3_coder, pythonic, deepseek_v3, not openai; run in the vLLM venv with a
-stand-in tokenizer that has the format's marker tokens) and to Shoal's. The calls must agree
+stand-in tokenizer that has the format's marker tokens) and to Shoal's; and every case of
+tests/api/test_tool_parsers.py (BUILT_IN_CASES) to vLLM's hermes or llama3_json parser and to
+Shoal's default reading (both formats tried on every text). The calls must agree
 (names, and arguments as JSON values), and so must whether any call was found; a case on
 which vLLM's parser raises counts as differing. Content is
 compared after stripping (Shoal trims the text before the calls, vLLM keeps it). Exit 0 when
@@ -25,6 +27,8 @@ VLLM_SIDE = r"""
 import json, sys
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers.deepseekv3_tool_parser import DeepSeekV3ToolParser
+from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from vllm.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from vllm.tool_parsers.mistral_tool_parser import MistralToolParser
 from vllm.tool_parsers.pythonic_tool_parser import PythonicToolParser
 from vllm.tool_parsers.qwen3_engine_tool_parser import Qwen3EngineToolParser
@@ -51,6 +55,8 @@ PARSERS = {
         ["<tool_call>", "</tool_call>", "<think>", "</think>"])),
     "pythonic": lambda: PythonicToolParser(Tokenizer([])),
     "deepseek_v3": lambda: DeepSeekV3ToolParser(Tokenizer(DS)),
+    "hermes": lambda: Hermes2ProToolParser(Tokenizer(["<tool_call>", "</tool_call>"])),
+    "llama3_json": lambda: Llama3JsonToolParser(Tokenizer(["<|python_tag|>"])),
 }
 cases, tools = json.load(sys.stdin)
 request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], model="m",
@@ -88,18 +94,31 @@ def args_value(arguments: str):
         return {"<not JSON>": arguments}
 
 
-def load_cases():  # -> (CASES, TOOLS, DEPARTS_FROM_VLLM) of the test module
+def test_module(name: str):
     spec = importlib.util.spec_from_file_location(
-        "tool_format_cases", ROOT / "tests" / "api" / "test_tool_formats.py")
+        f"tool_cases_{name}", ROOT / "tests" / "api" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.CASES, module.TOOLS, module.DEPARTS_FROM_VLLM
+    return module
+
+
+def load_cases():  # -> (cases, TOOLS, departures) of both test modules
+    formats, built_in = test_module("test_tool_formats"), test_module("test_tool_parsers")
+    return (formats.CASES + built_in.BUILT_IN_CASES, formats.TOOLS,
+            {**formats.DEPARTS_FROM_VLLM, **built_in.BUILT_IN_DEPARTS_FROM_VLLM})
+
+
+def shoal_reading(name: str, text: str, tools):
+    from shoal.runtime.api.tool_formats import BUILT_IN, parse_whole, tool_format
+    from shoal.runtime.api.tool_parsers import parse_tool_calls
+
+    if name in BUILT_IN:
+        return parse_tool_calls(text)
+    return parse_whole(tool_format(name, tools), text)  # type: ignore[arg-type]
 
 
 def main(vllm_venv: str) -> int:
-    from shoal.runtime.api.tool_formats import parse_whole, tool_format
-
     cases, tools, departures = load_cases()
     # openai's cases are the harmony reading's call fragments: vLLM reads gpt-oss's calls
     # from token ids with openai_harmony (tests/api/test_harmony.py checks that reading)
@@ -114,7 +133,7 @@ def main(vllm_venv: str) -> int:
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
     differ = 0
     for (name, text, _, _), vllm in zip(cases, theirs, strict=True):
-        content, calls = parse_whole(tool_format(name, tools), text)  # type: ignore[arg-type]
+        content, calls = shoal_reading(name, text, tools)
         ours = [[c.name, args_value(c.arguments)] for c in calls]
         same = ours == vllm["calls"] and (
             (content or "").strip() == (vllm["content"] or "").strip() or not ours)

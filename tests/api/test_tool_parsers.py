@@ -1,6 +1,8 @@
 """Tool calls read out of free text (tool_choice auto): hermes <tool_call> blocks and Llama
 3 JSON, batch and streamed, with text that is not a call left as content; and the streamed
-``required`` array. Streams are assembled the way the openai client does (by index)."""
+``required`` array. Streams are assembled the way the openai client does (by index).
+BUILT_IN_CASES are also given to vLLM's hermes and llama3_json parsers by
+bench/tool_parsers_vs_vllm.py; BUILT_IN_DEPARTS_FROM_VLLM says where Shoal differs on purpose."""
 
 from __future__ import annotations
 
@@ -15,6 +17,44 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
           '"note": "a \\"quoted\\" } brace"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
           '"arguments": {}}\n</tool_call>')
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+HERMES_CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+HERMES_NO_ARGUMENTS = '<tool_call>\n{"name": "ping"}\n</tool_call>'
+HERMES_ONE_BAD_BLOCK = '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>oops</tool_call>'
+LLAMA3_AFTER_TEXT = 'Sure: {"name": "get_weather", "parameters": {"city": "Lima"}}'
+# (parser, model text, content, [(name, arguments object)]): the default reading's cases that
+# bench/tool_parsers_vs_vllm.py also gives to vLLM's hermes and llama3_json parsers
+BUILT_IN_CASES = [
+    ("hermes", HERMES, "Let me check.", [
+        ("get_weather", {"city": "Oslo", "note": 'a "quoted" } brace'}), ("get_time", {})]),
+    ("hermes", 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}', "Hi",
+     [("get_weather", {"city": "Oslo"})]),  # the closing tag never written
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ',
+     '<tool_call>\n{"name": "get_weather", "arguments": ', []),
+    ("hermes", HERMES_CUT, None, [("get_weather", {"<not JSON>": '{"ci'})]),
+    ("hermes", HERMES_NO_ARGUMENTS, None, [("ping", {})]),
+    ("hermes", HERMES_ONE_BAD_BLOCK, None, [("ping", {})]),
+    ("hermes", "just words", "just words", []),
+    ("llama3_json", LLAMA3, None, [("get_weather", {"city": "Lima"})]),
+    ("llama3_json", LLAMA3 + '; {"name": "ping", "parameters": {}}', None,
+     [("get_weather", {"city": "Lima"}), ("ping", {})]),
+    ("llama3_json", '{"name": "get_weather", "arguments": {"city": "Lima"}}', None,
+     [("get_weather", {"city": "Lima"})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": ',
+     '{"name": "get_weather", "parameters": ', []),
+    ("llama3_json", LLAMA3_AFTER_TEXT, LLAMA3_AFTER_TEXT, []),
+]
+# where the default reading departs from vLLM's parsers on purpose (the bench reports them)
+BUILT_IN_DEPARTS_FROM_VLLM = {
+    HERMES_CUT: "vLLM's whole-text reading makes a block cut short content, while its stream "
+                "has sent the call; Shoal counts it, so stream and whole agree",
+    HERMES_NO_ARGUMENTS: "vLLM needs an arguments key (KeyError: all content); Shoal reads a "
+                         "call without arguments as {}",
+    HERMES_ONE_BAD_BLOCK: "one block that is not JSON makes vLLM return the whole message as "
+                          "content; Shoal keeps the blocks that are calls",
+    LLAMA3_AFTER_TEXT: "vLLM reads a JSON call after any text (and drops the text); Shoal "
+                       "reads Llama 3 JSON only as the whole message, so prose quoting a "
+                       "call stays prose",
+}
 
 
 def stream(text: str, mode: str = "auto", step: int = 3) -> tuple[str, dict[int, dict], int]:
@@ -139,3 +179,24 @@ def test_a_hermes_call_cut_short_reads_the_same_streamed_or_not(text, arguments)
         assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in sorted(streamed)] == [
             (c.name, c.arguments) for c in calls]
         assert streamed_content.strip() == (content or "").strip()
+
+
+def args_value(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"<not JSON>": arguments}
+
+
+@pytest.mark.parametrize("parser,text,content,expected", BUILT_IN_CASES)
+def test_built_in_cases_whole_and_streamed(parser, text, content, expected) -> None:
+    """The cases the peer check gives to vLLM too (both readings are tried on every text,
+    as without --tool-call-parser; the parser name is vLLM's for it)."""
+    got_content, calls = parse_tool_calls(text)
+    assert got_content == content
+    assert [(c.name, args_value(c.arguments)) for c in calls] == expected
+    for step in (1, 4, len(text)):
+        streamed_content, streamed, _ = stream(text, step=step)
+        assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in sorted(streamed)] == [
+            (c.name, c.arguments) for c in calls]
+        assert (streamed_content.strip() or None) == (content.strip() if content else None)
