@@ -28,7 +28,7 @@ BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "torch": frozenset({"sliding_window", "softcap", "sinks", "latent_attention",
                         FP8_KV_FEATURE}),
-    "cpu": frozenset({"sliding_window", "softcap", "sinks"}),
+    "cpu": frozenset({"sliding_window", "softcap", "sinks", FP8_KV_FEATURE}),
     "triton": frozenset({"sliding_window", "softcap", "sinks"}),
     "flashinfer": frozenset({"sliding_window", "softcap"}),
 }

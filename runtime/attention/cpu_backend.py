@@ -12,6 +12,11 @@ in float32 or bfloat16: the caches are in the model's dtype and the kernels wide
 row to float32 as they read it; a bfloat16 model's q goes in widened (a few KB per step)
 and the float32 output is rounded back. ``auto`` picks this backend on CPU when the kernels
 build here, else the torch backend.
+
+A float8 cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``): the step's rows are quantized by
+``kv_cache_dtype.write_fp8_kv`` (the torch backend's write: one rounding for both), and the
+kernels read the bytes in place, each widened through a table times the layer's K or V scale.
+Prefill chunks the native kernel cannot take attend over K/V rounded as the cache holds them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from shoal.runtime.attention.backend import AttentionMetadata
+from shoal.runtime.attention.kv_cache_dtype import is_fp8, round_trip, unit_scales, write_fp8_kv
 from shoal.runtime.attention.torch_backend import (
     PrefillSpan,
     attend_prefills,
@@ -45,7 +51,7 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
-        if dtype not in paged_decode_cpu.KV_DTYPES:
+        if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the cpu attention backend runs float32 and bfloat16 models, "
                              f"not {dtype}; use --attention-backend torch")
         native_cpu.load()  # builds the library once per machine; KernelUnavailable if not
@@ -73,9 +79,15 @@ class CpuAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:  # no float8 cache
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         plan = step_plan(self, meta, CpuAttentionPlan)
-        cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fp8 = is_fp8(k_cache.dtype)
+        if fp8:
+            kv_scales = unit_scales(k_cache.device) if kv_scales is None else kv_scales
+            write_fp8_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        else:
+            kv_scales = None  # the cache holds the model's dtype: nothing to scale
+            cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         native_prefill = bool(plan.prefills) and paged_prefill_cpu.supports_head_dim(q.shape[2])
         # the kernels take float32 queries and write float32 rows (q may be a view into the
         # qkv rows: float32 q is passed as it is)
@@ -83,14 +95,17 @@ class CpuAttentionBackend:
         out = torch.empty(q.shape, dtype=torch.float32)
         paged_decode_cpu.paged_decode_attention(
             q32, out, k_cache, v_cache, meta.block_tables, plan.q_rows, plan.table_rows,
-            plan.seq_lens, scale, sliding_window, softcap, sinks)
+            plan.seq_lens, scale, sliding_window, softcap, sinks, kv_scales)
         if native_prefill:
             paged_prefill_cpu.paged_prefill_attention(
                 q32, out, k_cache, v_cache, meta.block_tables, plan.prefill_spans, scale,
-                sliding_window, softcap, sinks)
+                sliding_window, softcap, sinks, kv_scales)
         if q.dtype != torch.float32:
             out = out.to(q.dtype)
         if not native_prefill:  # no prefill rows (a no-op), or a head size the kernel lacks
+            if plan.prefills and kv_scales is not None:  # attend over what the cache holds
+                k = round_trip(k, kv_scales[0], k_cache.dtype)
+                v = round_trip(v, kv_scales[1], v_cache.dtype)
             attend_prefills(out, q, k, v, k_cache, v_cache, meta, plan.prefills, scale,
-                            sliding_window, softcap, sinks)
+                            sliding_window, softcap, sinks, kv_scales)
         return out

@@ -1,4 +1,5 @@
-"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``):
+"""The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``,
+``kv_fp8_cpu.c``):
 prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
@@ -39,7 +40,8 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c"))
+                for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c",
+                             "kv_fp8_cpu.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # libmvec (vector expf) where glibc ships it; plain libm otherwise
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
@@ -52,10 +54,11 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_paged_decode": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                           _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
-                                          _i64, _f32, _i64, _ptr]),
+                                          _i64, _f32, _i64, _ptr, _ptr]),
     "shoal_paged_prefill": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                            _i64, _i64, _i64, _i64, _i64, _f32, _i64,
-                                           _f32, _i64, _ptr]),
+                                           _f32, _i64, _ptr, _ptr]),
+    "shoal_fp8_table": (None, [_i64, _f32, _ptr]),
     "shoal_rms_norm_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32]),
     "shoal_silu_and_mul_f32": (None, [_ptr, _i64, _ptr, _i64, _i64, _i64]),
     "shoal_rotary_neox_f32": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]),

@@ -1,6 +1,7 @@
 /* Paged decode attention for CPU: one query token per request, K/V read in place from a
-   float32 or a bfloat16 cache (widened to float32 as each row is loaded; q, out and all
-   arithmetic are float32 either way, so a bfloat16 cache only halves the bytes read).
+   float32, bfloat16 or float8 cache (widened to float32 as each row is loaded, a float8
+   element through its layer's table, times the K or V scale; q, out and all arithmetic are
+   float32 either way, so a narrower cache only cuts the bytes read).
 
    The pure-torch path gathers every request's context out of the paged cache into a dense
    buffer each layer and step, then reads it again in a batched matmul: three passes over
@@ -36,6 +37,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* glibc's vector math library (libmvec) has SIMD variants of expf; declaring them lets the
    compiler vectorise the softmax without -ffast-math (which would also relax NaN/inf rules). */
@@ -100,24 +104,46 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define STORE16(p, x) (*(f32x16_u *)(p) = (x))
 #define MAX_VECS 16 /* head_dim up to 256 */
 
-/* K/V rows are addressed by element index from the cache's base; bf16 says the cache holds
-   bfloat16, whose bits are a float32's top half (so widening is a 16-bit shift). Every
-   caller passes bf16 as a constant into always-inline code: each type gets its own loops. */
+/* K/V rows are addressed by element index from the cache's base; kind says what the cache
+   holds. A bfloat16's bits are a float32's top half (widening is a 16-bit shift); a float8
+   byte indexes its layer's table (kv_fp8_cpu.c: the byte's value times the K or V scale,
+   exact for all 256 bytes). Every caller passes kind as a constant into always-inline code:
+   each type gets its own loops. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+void shoal_fp8_table(int64_t kv_kind, float scale, float *table);
 typedef uint16_t u16x16_u __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
+static inline __attribute__((always_inline)) int64_t kv_bytes(int kind) {
+    return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+}
+
 static inline __attribute__((always_inline)) f32x16 kv_load16(const void *base, int64_t at,
-                                                              int bf16) {
-    if (bf16) {
+                                                              int kind, const float *lut) {
+    if (kind == KV_BF16) {
         const u16x16_u half = *(const u16x16_u *)((const uint16_t *)base + at);
         return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+    }
+    if (kind == KV_FP8) {
+        const uint8_t *bytes = (const uint8_t *)base + at;
+#if defined(__AVX512F__)
+        const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+        return (f32x16)_mm512_i32gather_ps(index, lut, 4);
+#else
+        float lanes[16];
+        for (int i = 0; i < 16; ++i) lanes[i] = lut[bytes[i]];
+        f32x16 x;
+        memcpy(&x, lanes, sizeof x);
+        return x;
+#endif
     }
     return LOAD16((const float *)base + at);
 }
 
 static inline __attribute__((always_inline)) float kv_at(const void *base, int64_t at,
-                                                         int bf16) {
-    if (!bf16) return ((const float *)base)[at];
+                                                         int kind, const float *lut) {
+    if (kind == KV_F32) return ((const float *)base)[at];
+    if (kind == KV_FP8) return lut[((const uint8_t *)base)[at]];
     const uint32_t bits = (uint32_t)((const uint16_t *)base)[at] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);
@@ -125,8 +151,8 @@ static inline __attribute__((always_inline)) float kv_at(const void *base, int64
 }
 
 static inline __attribute__((always_inline)) const char *kv_addr(const void *base, int64_t at,
-                                                                 int bf16) {
-    return (const char *)base + at * (bf16 ? 2 : 4);
+                                                                 int kind) {
+    return (const char *)base + at * kv_bytes(kind);
 }
 #define PREFETCH_MAX_ROW 512
 
@@ -174,13 +200,14 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
 }
 
 static inline __attribute__((always_inline)) f32x16_pair dot_pair(
-        const f32x16 *qa, const f32x16 *qb, const void *cache, int64_t ka, int64_t kb,
-        int64_t vecs, int same_kv, int bf16) {
-    f32x16 ka0 = kv_load16(cache, ka, bf16), kb0 = same_kv ? ka0 : kv_load16(cache, kb, bf16);
+        const f32x16 *qa, const f32x16 *qb, const void *cache, const float *lut, int64_t ka,
+        int64_t kb, int64_t vecs, int same_kv, int kind) {
+    f32x16 ka0 = kv_load16(cache, ka, kind, lut);
+    f32x16 kb0 = same_kv ? ka0 : kv_load16(cache, kb, kind, lut);
     f32x16_pair d = {qa[0] * ka0, qb[0] * kb0};
     for (int64_t v = 1; v < vecs; ++v) {
-        const f32x16 kav = kv_load16(cache, ka + 16 * v, bf16);
-        const f32x16 kbv = same_kv ? kav : kv_load16(cache, kb + 16 * v, bf16);
+        const f32x16 kav = kv_load16(cache, ka + 16 * v, kind, lut);
+        const f32x16 kbv = same_kv ? kav : kv_load16(cache, kb + 16 * v, kind, lut);
         d.a += qa[v] * kav;
         d.b += qb[v] * kbv;
     }
@@ -192,17 +219,17 @@ static inline __attribute__((always_inline)) f32x16_pair dot_pair(
    tree consumes them, so each level's inputs die as soon as they are added and only a few
    vectors per head are live at once. */
 static inline __attribute__((always_inline)) f32x16_pair scores16_pair(
-        const f32x16 *qa, const f32x16 *qb, const void *cache, int64_t ka, int64_t kb,
-        int64_t token_stride, int64_t n, int64_t vecs, int same_kv, const char *const pf[4],
-        int bf16) {
-    const int64_t stride_bytes = token_stride * (bf16 ? 2 : 4);
-    const int64_t head_bytes = 16 * vecs * (bf16 ? 2 : 4);
+        const f32x16 *qa, const f32x16 *qb, const void *cache, const float *lut, int64_t ka,
+        int64_t kb, int64_t token_stride, int64_t n, int64_t vecs, int same_kv,
+        const char *const pf[4], int kind) {
+    const int64_t stride_bytes = token_stride * kv_bytes(kind);
+    const int64_t head_bytes = 16 * vecs * kv_bytes(kind);
 #define DOT(t) ((t) < n ? (prefetch_row(pf[0] ? pf[0] + (t) * stride_bytes : NULL, head_bytes), \
                            prefetch_row(pf[1] ? pf[1] + (t) * stride_bytes : NULL, head_bytes), \
                            prefetch_row(pf[2] ? pf[2] + (t) * stride_bytes : NULL, head_bytes), \
                            prefetch_row(pf[3] ? pf[3] + (t) * stride_bytes : NULL, head_bytes), \
-                           dot_pair(qa, qb, cache, ka + (t) * token_stride, \
-                                    kb + (t) * token_stride, vecs, same_kv, bf16)) \
+                           dot_pair(qa, qb, cache, lut, ka + (t) * token_stride, \
+                                    kb + (t) * token_stride, vecs, same_kv, kind)) \
                         : (f32x16_pair){{0}, {0}})
 #define L1(t0, t1) ({ f32x16_pair x0 = DOT(t0), x1 = DOT(t1); \
                       (f32x16_pair){TREE1(x0.a, x1.a), TREE1(x0.b, x1.b)}; })
@@ -225,9 +252,9 @@ static inline __attribute__((always_inline)) f32x16_pair scores16_pair(
    a row's vectors unroll and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend_one_vec(
         const float *q, float *out, const void *k_cache, const void *v_cache,
-        const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
+        const float *k_lut, const float *v_lut, const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        float softcap, const float *sinks, float *scores, const int bf16) {
+        float softcap, const float *sinks, float *scores, const int kind) {
     const int64_t vecs = head_dim / 16;
     const int prefetch = num_kv_heads * head_dim <= PREFETCH_MAX_ROW;
     const int64_t span = seq_len - first;
@@ -257,12 +284,12 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                 const int64_t row_b = c * token_stride + (hb / group) * head_dim;
                 const char *pf[4] = {NULL, NULL, NULL, NULL};
                 if (prefetch && ha % group == 0) {
-                    pf[0] = kv_addr(v_cache, block_kv + row_a, bf16);
-                    pf[1] = next_k >= 0 ? kv_addr(k_cache, next_k + row_a, bf16) : NULL;
+                    pf[0] = kv_addr(v_cache, block_kv + row_a, kind);
+                    pf[1] = next_k >= 0 ? kv_addr(k_cache, next_k + row_a, kind) : NULL;
                 }
                 if (prefetch && hb != ha && hb % group == 0 && hb / group != ha / group) {
-                    pf[2] = kv_addr(v_cache, block_kv + row_b, bf16);
-                    pf[3] = next_k >= 0 ? kv_addr(k_cache, next_k + row_b, bf16) : NULL;
+                    pf[2] = kv_addr(v_cache, block_kv + row_b, kind);
+                    pf[3] = next_k >= 0 ? kv_addr(k_cache, next_k + row_b, kind) : NULL;
                 }
                 const int64_t ka = block_kv + row_a, kb = block_kv + row_b;
                 f32x16 qa[MAX_VECS], qb[MAX_VECS];
@@ -271,8 +298,10 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                     qb[v] = LOAD16(q + hb * head_dim + 16 * v);
                 }
                 const f32x16_pair s = ka == kb
-                    ? scores16_pair(qa, qb, k_cache, ka, ka, token_stride, n, vecs, 1, pf, bf16)
-                    : scores16_pair(qa, qb, k_cache, ka, kb, token_stride, n, vecs, 0, pf, bf16);
+                    ? scores16_pair(qa, qb, k_cache, k_lut, ka, ka, token_stride, n, vecs, 1, pf,
+                                    kind)
+                    : scores16_pair(qa, qb, k_cache, k_lut, ka, kb, token_stride, n, vecs, 0, pf,
+                                    kind);
                 f32x16 sa = softcap16(s.a * scale, softcap), sb = softcap16(s.b * scale, softcap);
                 if (n == 16) {
                     STORE16(scores + ha * span + t0, sa);
@@ -324,7 +353,7 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                 for (int64_t off = lo; off < hi; ++off)
                     for (int64_t v = 0; v < vecs; ++v) {
                         const f32x16 row = kv_load16(v_cache, va + off * token_stride + 16 * v,
-                                                     bf16);
+                                                     kind, v_lut);
                         acc_a[v] += pa[off] * row;
                         acc_b[v] += pb[off] * row;
                     }
@@ -332,9 +361,9 @@ static inline __attribute__((always_inline)) void attend_one_vec(
                 for (int64_t off = lo; off < hi; ++off)
                     for (int64_t v = 0; v < vecs; ++v) {
                         acc_a[v] += pa[off] * kv_load16(v_cache, va + off * token_stride + 16 * v,
-                                                        bf16);
+                                                        kind, v_lut);
                         acc_b[v] += pb[off] * kv_load16(v_cache, vb + off * token_stride + 16 * v,
-                                                        bf16);
+                                                        kind, v_lut);
                     }
             /* hb == ha (an odd last head): both accumulators hold the same sums */
             for (int64_t v = 0; v < vecs; ++v) {
@@ -352,10 +381,10 @@ static inline __attribute__((always_inline)) void attend_one_vec(
 
 static inline __attribute__((always_inline)) void attend_one(
         const float *q, float *out, const void *k_cache, const void *v_cache,
-        const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
+        const float *k_lut, const float *v_lut, const int32_t *table, int64_t first, int64_t seq_len, int64_t num_heads,
         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
         float softcap, const float *sinks, float *scores, float *acc,
-        const int bf16) {
+        const int kind) {
     /* One request, all heads: a cached token's K (or V) row for every kv head is one
        contiguous run of num_kv_heads * head_dim floats, read once, front to back. */
     const int64_t span = seq_len - first;
@@ -374,15 +403,15 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int64_t off = lo; off < hi; ++off) {
             const int64_t t = b * block_size + off - first;
             const int64_t k_row = block_k + off * token_stride;
-            prefetch_row(kv_addr(k_cache, next_k + off * token_stride, bf16),
-                         token_stride * (bf16 ? 2 : 4));
+            prefetch_row(kv_addr(k_cache, next_k + off * token_stride, kind),
+                         token_stride * kv_bytes(kind));
             for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
                 const int64_t k = k_row + kv * head_dim;
                 for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
                     const float *qh = q + h * head_dim;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kv_at(k_cache, k + d, bf16);
+                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kv_at(k_cache, k + d, kind, k_lut);
                     dot *= scale;
                     scores[h * span + t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
                 }
@@ -404,15 +433,15 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int64_t off = lo; off < hi; ++off) {
             const int64_t t = b * block_size + off - first;
             const int64_t v_row = block_v + off * token_stride;
-            prefetch_row(kv_addr(v_cache, next_v + off * token_stride, bf16),
-                         token_stride * (bf16 ? 2 : 4));
+            prefetch_row(kv_addr(v_cache, next_v + off * token_stride, kind),
+                         token_stride * kv_bytes(kind));
             for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
                 const int64_t v = v_row + kv * head_dim;
                 for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
                     const float p = scores[h * span + t];
                     float *a = acc + h * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * kv_at(v_cache, v + d, bf16);
+                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * kv_at(v_cache, v + d, kind, v_lut);
                 }
             }
         }
@@ -425,11 +454,12 @@ static inline __attribute__((always_inline)) void attend_one(
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 static inline __attribute__((always_inline)) int paged_decode(
         const float *q, int64_t q_token_stride, float *out, const void *k_cache,
-        const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+        const void *v_cache, const float *k_lut, const float *v_lut,
+        const int32_t *block_tables, int64_t table_stride,
         const int64_t *q_rows, const int64_t *table_rows, const int32_t *seq_lens,
         int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
         int64_t block_size, float scale, int64_t window, float softcap, const float *sinks,
-        const int bf16) {
+        const int kind) {
     int64_t longest = 1;
     for (int64_t r = 0; r < num_requests; ++r)
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
@@ -449,24 +479,23 @@ static inline __attribute__((always_inline)) int paged_decode(
             const int64_t row = q_rows[r] * num_heads * head_dim;
             const int32_t *table = block_tables + table_rows[r] * table_stride;
             /* head sizes as constants (unrolled loops) for float32 only: each such copy
-               costs ~30 s of compile time on a loaded machine, and a bfloat16 cache is
-               bound by its reads more than by the loop overhead */
-            if (head_dim == 64 && !bf16)
-                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 64, block_size, scale, softcap, sinks, scores,
-                               0);
-            else if (head_dim == 128 && !bf16)
-                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, 128, block_size, scale, softcap, sinks, scores,
-                               0);
+               costs ~30 s of compile time on a loaded machine, and a bfloat16 or float8
+               cache is bound by its reads more than by the loop overhead */
+#define ATTEND_VEC(dim, cache_kind)                                                         \
+            attend_one_vec(q_row, out + row, k_cache, v_cache, k_lut, v_lut, table, first,  \
+                           seq_len, num_heads, num_kv_heads, dim, block_size, scale, softcap, \
+                           sinks, scores, cache_kind)
+            if (head_dim == 64 && kind == KV_F32)
+                ATTEND_VEC(64, KV_F32);
+            else if (head_dim == 128 && kind == KV_F32)
+                ATTEND_VEC(128, KV_F32);
             else if (head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS)
-                attend_one_vec(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sinks,
-                               scores, bf16);
+                ATTEND_VEC(head_dim, kind);
             else
-                attend_one(q_row, out + row, k_cache, v_cache, table, first, seq_len,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, softcap, sinks, scores,
-                           acc, bf16);
+                attend_one(q_row, out + row, k_cache, v_cache, k_lut, v_lut, table, first,
+                           seq_len, num_heads, num_kv_heads, head_dim, block_size, scale,
+                           softcap, sinks, scores, acc, kind);
+#undef ATTEND_VEC
         }
         free(scores);
         free(acc);
@@ -474,19 +503,25 @@ static inline __attribute__((always_inline)) int paged_decode(
     return failed;
 }
 
-/* The two exported entry points: a float32 cache, a bfloat16 cache (kv_bf16 != 0). */
+/* The exported entry point. kv_kind: the caches hold float32 (0), bfloat16 (1), float8 e4m3
+   (2) or float8 e5m2 (3); with float8, kv_scales is the layer's (k_scale, v_scale), read
+   here on each call (NULL: both 1). */
 int shoal_paged_decode(const float *q, int64_t q_token_stride, float *out, const void *k_cache,
                        const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                        const int64_t *q_rows, const int64_t *table_rows,
                        const int32_t *seq_lens, int64_t num_requests, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                       int64_t window, float softcap, int64_t kv_bf16,
-                       const float *sinks) {
-    if (kv_bf16)
-        return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables,
-                            table_stride, q_rows, table_rows, seq_lens, num_requests, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, window, softcap, sinks, 1);
-    return paged_decode(q, q_token_stride, out, k_cache, v_cache, block_tables, table_stride,
-                        q_rows, table_rows, seq_lens, num_requests, num_heads, num_kv_heads,
-                        head_dim, block_size, scale, window, softcap, sinks, 0);
+                       int64_t window, float softcap, int64_t kv_kind,
+                       const float *sinks, const float *kv_scales) {
+#define DECODE(cache_kind, k_lut, v_lut)                                                    \
+    paged_decode(q, q_token_stride, out, k_cache, v_cache, k_lut, v_lut, block_tables,      \
+                 table_stride, q_rows, table_rows, seq_lens, num_requests, num_heads,        \
+                 num_kv_heads, head_dim, block_size, scale, window, softcap, sinks, cache_kind)
+    if (kv_kind == KV_F32) return DECODE(KV_F32, NULL, NULL);
+    if (kv_kind == KV_BF16) return DECODE(KV_BF16, NULL, NULL);
+    float k_lut[256], v_lut[256];
+    shoal_fp8_table(kv_kind, kv_scales ? kv_scales[0] : 1.0f, k_lut);
+    shoal_fp8_table(kv_kind, kv_scales ? kv_scales[1] : 1.0f, v_lut);
+    return DECODE(KV_FP8, k_lut, v_lut);
+#undef DECODE
 }

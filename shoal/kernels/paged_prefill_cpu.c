@@ -1,7 +1,8 @@
 /* Paged prefill attention for CPU: chunks of query tokens attending causally over their
-   request's cached prefix and themselves, K/V read in place from the pages of a float32 or
-   a bfloat16 cache (each 16-key chunk is copied out anyway, widened to float32 on the way;
-   q, out and the arithmetic are float32).
+   request's cached prefix and themselves, K/V read in place from the pages of a float32,
+   bfloat16 or float8 cache (each 16-key chunk is copied out anyway, widened to float32 on
+   the way, a float8 element through its layer's table: see kv_fp8_cpu.c; q, out and the
+   arithmetic are float32).
 
    torch's CPU flash SDPA works on whole 512-key blocks, so a causal prompt costs as much as
    a full one, and a chunk with a cached prefix first has its pages gathered into a dense
@@ -50,6 +51,10 @@ typedef float f32x16_u __attribute__((vector_size(64), aligned(4)));  /* any add
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 #define LOAD16(p) (*(const f32x16_u *)(p))
 #define STORE16(p, x) (*(f32x16_u *)(p) = (x))
+
+/* the cache's element type (kv_kind below; both float8 formats read through a table) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+void shoal_fp8_table(int64_t kv_kind, float scale, float *table);
 
 typedef struct {
     int64_t span, kv_head, first_row; /* first_row: index into the span's (token, head) rows */
@@ -117,10 +122,10 @@ static inline f32x16 exp16(f32x16 x) {
 
 static inline __attribute__((always_inline)) void attend_tile(
         const float *q, int64_t q_token_stride, float *out, const void *k_cache,
-        const void *v_cache, const int32_t *table, int64_t q_start, int64_t q_len,
+        const void *v_cache, const float *k_lut, const float *v_lut, const int32_t *table, int64_t q_start, int64_t q_len,
         int64_t seq_len, int64_t kv_head, int64_t first_row, int64_t num_heads,
         int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-        int64_t window, float softcap, const float *sinks, const int bf16) {
+        int64_t window, float softcap, const float *sinks, const int kind) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t prefix = seq_len - q_len;
@@ -170,7 +175,14 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int64_t t = kc + (j < keys ? j : 0);  /* past the end: any valid row */
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
             const int64_t at = slot * token_stride + kv_head * head_dim;
-            if (bf16) {  /* a bfloat16 is a float32's top 16 bits */
+            if (kind == KV_FP8) {
+                const uint8_t *k_byte = (const uint8_t *)k_cache + at;
+                const uint8_t *v_byte = (const uint8_t *)v_cache + at;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    k_rows[j * head_dim + d] = k_lut[k_byte[d]];
+                    v_rows[j * head_dim + d] = v_lut[v_byte[d]];
+                }
+            } else if (kind == KV_BF16) {  /* a bfloat16 is a float32's top 16 bits */
                 const uint16_t *k_half = (const uint16_t *)k_cache + at;
                 const uint16_t *v_half = (const uint16_t *)v_cache + at;
                 uint32_t *k_bits = (uint32_t *)(k_rows + j * head_dim);
@@ -247,19 +259,25 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-/* Returns 0 on success, 1 when the tile list could not be allocated. kv_bf16: the caches
-   hold bfloat16, else float32. */
+/* Returns 0 on success, 1 when the tile list could not be allocated. kv_kind: the caches
+   hold float32 (0), bfloat16 (1), float8 e4m3 (2) or float8 e5m2 (3); with float8,
+   kv_scales is the layer's (k_scale, v_scale) (NULL: both 1). */
 int shoal_paged_prefill(const float *q, int64_t q_token_stride, float *out,
                         const void *k_cache, const void *v_cache,
                         const int32_t *block_tables, int64_t table_stride,
                         const int64_t *spans, int64_t count, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int64_t window, float softcap, int64_t kv_bf16,
-                        const float *sinks) {
+                        float scale, int64_t window, float softcap, int64_t kv_kind,
+                        const float *sinks, const float *kv_scales) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t total = 0;
     for (int64_t s = 0; s < count; ++s)
         total += num_kv_heads * ((spans[4 * s + 1] * group + LANES - 1) / LANES);
+    float k_lut[256], v_lut[256];
+    if (kv_kind >= KV_FP8) {
+        shoal_fp8_table(kv_kind, kv_scales ? kv_scales[0] : 1.0f, k_lut);
+        shoal_fp8_table(kv_kind, kv_scales ? kv_scales[1] : 1.0f, v_lut);
+    }
     Tile *tiles = malloc((size_t)(total > 0 ? total : 1) * sizeof(Tile));
     if (tiles == NULL) return 1;
     int64_t n = 0;
@@ -271,20 +289,22 @@ int shoal_paged_prefill(const float *q, int64_t q_token_stride, float *out,
     }
 
 /* one call per (head size, cache type) pair, so each gets its own unrolled loops */
-#define ATTEND(dim, is_bf16)                                                                \
-    attend_tile(q, q_token_stride, out, k_cache, v_cache, table, span[0], span[1], span[3], \
-                tiles[i].kv_head, tiles[i].first_row, num_heads, num_kv_heads, dim,         \
-                block_size, scale, window, softcap, sinks, is_bf16)
+#define ATTEND(dim, cache_kind)                                                             \
+    attend_tile(q, q_token_stride, out, k_cache, v_cache, k_lut, v_lut, table, span[0],     \
+                span[1], span[3], tiles[i].kv_head, tiles[i].first_row, num_heads,          \
+                num_kv_heads, dim, block_size, scale, window, softcap, sinks, cache_kind)
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < total; ++i) {
         const int64_t *span = spans + 4 * tiles[i].span;
         const int32_t *table = block_tables + span[2] * table_stride;
-        if (kv_bf16) {  /* one copy: see paged_decode_cpu.c on compile time */
-            ATTEND(head_dim, 1);
+        if (kv_kind == KV_BF16) {  /* one copy: see paged_decode_cpu.c on compile time */
+            ATTEND(head_dim, KV_BF16);
+        } else if (kv_kind >= KV_FP8) {
+            ATTEND(head_dim, KV_FP8);
         } else {
-            if (head_dim == 64) ATTEND(64, 0);
-            else if (head_dim == 128) ATTEND(128, 0);
-            else ATTEND(head_dim, 0);
+            if (head_dim == 64) ATTEND(64, KV_F32);
+            else if (head_dim == 128) ATTEND(128, KV_F32);
+            else ATTEND(head_dim, KV_F32);
         }
     }
 #undef ATTEND

@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from shoal.kernels.native_cpu import load
-from shoal.kernels.paged_decode_cpu import check_paged_layout, check_tensor, sinks_pointer
+from shoal.kernels.paged_decode_cpu import (
+    check_paged_layout,
+    check_tensor,
+    kv_kind,
+    kv_scales_pointer,
+    sinks_pointer,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -26,12 +32,13 @@ def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
                             spans: torch.Tensor, scale: float,
                             sliding_window: int | None = None,
                             softcap: float | None = None,
-                            sinks: torch.Tensor | None = None) -> None:
+                            sinks: torch.Tensor | None = None,
+                            kv_scales: torch.Tensor | None = None) -> None:
     """Writes the rows of ``out`` of each span in ``spans`` (see ``prefill_spans_tensor``):
     its query tokens, at positions ``seq_len - query_tokens ...`` of their request, attending
     causally over the request's cached K/V (this chunk's included, already written), read
     through its block-table row; with ``sliding_window``, over the last that many positions;
-    ``softcap`` and ``sinks`` as for ``paged_decode_attention``.
+    ``softcap``, ``sinks`` and ``kv_scales`` as for ``paged_decode_attention``.
     Other rows of ``out`` are left untouched.
 
     Layouts and types as for ``paged_decode_attention``; head_dim a multiple of 16 up to 256. The
@@ -49,6 +56,7 @@ def paged_prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), spans.data_ptr(), spans.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-        softcap or 0.0, int(k_cache.dtype == torch.bfloat16), sinks_pointer(sinks, num_heads))
+        softcap or 0.0, kv_kind(k_cache.dtype), sinks_pointer(sinks, num_heads),
+        kv_scales_pointer(k_cache, kv_scales))
     if failed:
         raise MemoryError("the CPU prefill kernel could not allocate its tile list")

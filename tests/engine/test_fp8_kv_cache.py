@@ -12,7 +12,9 @@ within ``FP8_LOGPROB_TOLERANCE`` of HF's.
 Issue 30 asks for 95% of steps to agree. The tiny random test models have flat logits: about
 a fifth of their greedy steps have a top-2 margin under 0.1 (measured: 19/96 on llama,
 23/96 on qwen2), where any rounding may flip the pick. Measured over these prompts: torch
-backend 90/96 (qwen3), 84/96 (llama), 87/96 (qwen2), every miss at a margin under 0.14; so
+backend 90/96 (qwen3), 84/96 (llama), 87/96 (qwen2), every miss at a margin under 0.14; the
+native cpu backend (the kernels reading float8 in place) 90/96 on qwen3, worst |logprob
+difference| 0.242 as torch's; so
 the rate asked here is ``MIN_AGREEMENT`` over all steps, and 100% over the decisive ones.
 """
 
@@ -63,7 +65,7 @@ def test_e4m3_and_e5m2_round_trip_within_their_precision_and_saturate() -> None:
         assert torch.allclose(back[normal], x[normal], rtol=2.0 ** -mantissa_bits)
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_fp8_greedy_agrees_with_hf_teacher_forced(backend, tiny_qwen3):
     from transformers import AutoModelForCausalLM
 
@@ -121,8 +123,12 @@ def test_a_backend_without_fp8_kv_is_refused_by_name_and_auto_passes_it_over() -
                                          "fp8_kv_cache"):
         choose_attention_backend("flashinfer", "cuda", True, True, needs=needs)
     unable = [n for n, features in BACKEND_FEATURES.items() if FP8_KV_FEATURE not in features]
+    assert "cpu" not in unable and "torch" not in unable
+    # on CPU auto keeps the native kernels, which read a float8 cache in place
+    assert choose_attention_backend("auto", "cpu", False, False, cpu_kernel=None,
+                                    needs=needs) == "cpu"
     for name in unable:
-        assert choose_attention_backend("auto", "cpu", False, False, cpu_kernel=None,
+        assert choose_attention_backend("auto", "cuda", False, True, cpu_kernel=None,
                                         needs=needs) != name
     assert attention_needs("auto", frozenset({"latent_attention"})) == frozenset()
     with pytest.raises(ValueError, match="latent attention .MLA. cache has no float8 path"):

@@ -2,7 +2,8 @@
 can run, each against the plain torch reference (``shoal/kernels/reference.py``, which writes the
 sink as one more softmax column and drops it): the Triton kernel under the interpreter
 (mixed batches, windows, split decode), the torch backend and the native CPU backend (its
-decode kernel's vector and scalar paths and its prefill kernel).
+decode kernel's vector and scalar paths and its prefill kernel), over the model's cache and
+over a float8 one (the reference then reads what the float8 cache holds).
 
 The sinks are drawn large enough (around the scores' own scale) that a kernel ignoring them
 fails: the reference without them is checked to differ.
@@ -77,11 +78,18 @@ def test_sinks_of_the_wrong_shape_are_refused(rng, paged_batch):
 @pytest.mark.parametrize("window,softcap,head_dim", [(None, None, 16), (5, 2.0, 16),
                                                     (5, None, 12)],
                          ids=["plain", "window", "scalar-path"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_backends_match_the_reference_with_sinks(rng, paged_batch, backend_name, window,
-                                                 softcap, head_dim):
+                                                 softcap, head_dim, kv_cache_dtype):
     """Through ``backend.forward`` as a layer calls it: the step's K/V written first, decode
     rows and prefill chunks (after a cached prefix) in one batch. Head size 12: the native
     decode kernel's scalar path, prefill through the torch code."""
+    from shoal.runtime.attention.kv_cache_dtype import (
+        attention_needs,
+        dequantize,
+        kv_cache_torch_dtype,
+        quantize,
+    )
     from shoal.runtime.attention.selector import get_attention_backend
 
     if backend_name == "cpu":
@@ -90,7 +98,7 @@ def test_backends_match_the_reference_with_sinks(rng, paged_batch, backend_name,
         if unavailable_reason() is not None:
             pytest.skip(f"native CPU kernels: {unavailable_reason()}")
     backend = get_attention_backend(backend_name, torch.device("cpu"),
-                                    needs=frozenset({"sinks"}))
+                                    needs=frozenset({"sinks"}) | attention_needs(kv_cache_dtype))
     batch = paged_batch(rng, MIXED, 4, KV_HEADS, head_dim)
     meta = backend.build_metadata(batch.metadata())
     tokens = batch.num_tokens
@@ -98,9 +106,18 @@ def test_backends_match_the_reference_with_sinks(rng, paged_batch, backend_name,
     k = torch.randn(tokens, KV_HEADS, head_dim, generator=rng)
     v = torch.randn(tokens, KV_HEADS, head_dim, generator=rng)
     sinks = _sinks(rng)
-
-    out = backend.forward(q, k, v, batch.k_cache, batch.v_cache, meta, 0.5, window, softcap,
-                          sinks)
+    if kv_cache_dtype == "auto":
+        out = backend.forward(q, k, v, batch.k_cache, batch.v_cache, meta, 0.5, window,
+                              softcap, sinks)
+    else:  # the reference attends over what the float8 cache holds after the step's write
+        cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, torch.float32)
+        scales = torch.tensor([0.5, 0.25])  # k_scale, v_scale
+        k_cache = quantize(batch.k_cache, scales[0], cache_dtype)
+        v_cache = quantize(batch.v_cache, scales[1], cache_dtype)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, softcap, sinks,
+                              scales)
+        batch.k_cache = dequantize(k_cache, scales[0], torch.float32)
+        batch.v_cache = dequantize(v_cache, scales[1], torch.float32)
 
     expected = _reference(batch, q, 0.5, sliding_window=window, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

@@ -122,7 +122,7 @@ def test_auto_picks_the_native_kernel_on_cpu():
     cpu = torch.device("cpu")
     assert get_attention_backend("auto", cpu).name == "cpu"
     assert get_attention_backend("torch", cpu).name == "torch"
-    # bfloat16: tests/kernels/test_cpu_attention_bf16.py
+    # bfloat16 and float8 caches: tests/kernels/test_cpu_attention_narrow_kv.py
 
 
 def test_the_rule_falls_back_to_torch_when_the_kernel_cannot_build():
