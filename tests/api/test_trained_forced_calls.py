@@ -2,8 +2,8 @@
 applies only after the reasoning ends. The tiny qwen2 trained in test_trained_tool_calls.py
 thinks (``<think>Check the weather.</think>``) then writes a DeepSeek-V3 call, which no JSON
 grammar allows. Served with ``--reasoning-parser qwen3``: with ``tool_choice`` required or a
-named function (openai client), ``{"type": "any"}`` or ``{"type": "tool"}`` (anthropic
-client) and a ``response_format`` json_schema, the answer must keep the whole trained
+named function (openai client's chat and Responses), ``{"type": "any"}`` or
+``{"type": "tool"}`` (anthropic client) and a ``response_format`` json_schema, the answer must keep the whole trained
 reasoning (a grammar from the first token would forbid ``<think>``) and give a call or
 content that is a valid object (the model's own call text after it would not be).
 Streamed and not; the stream's reasoning all comes before the call. And Anthropic's
@@ -83,6 +83,26 @@ def test_forced_call_follows_unconstrained_reasoning_openai(server, tool_choice,
     assert calls == [(call.function.name, call.function.arguments)]
     last_reasoning = max(i for i, k in enumerate(kinds) if k == "reasoning")
     assert kinds.index("tool_call") > last_reasoning  # the call only after the thinking
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "name": "get_weather"}])
+def test_forced_call_follows_its_reasoning_item_responses(server, tool_choice) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    kwargs = {"model": "shoal-test", "input": MESSAGES, "temperature": 0,
+              "max_output_tokens": 120, "tool_choice": tool_choice,
+              "parallel_tool_calls": False,
+              "tools": [{"type": "function", **TOOLS[0]["function"]}]}
+    response = client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert response.output[0].content[0].text == REASONING
+    assert response.output[1].name == "get_weather"
+    jsonschema.validate(json.loads(response.output[1].arguments), SCHEMA)
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in response.output]
 
 
 def test_json_schema_output_follows_unconstrained_reasoning(server) -> None:
