@@ -161,6 +161,24 @@ def test_anthropic_tool_choice_auto_reads_the_call_and_none_leaves_it_text(serve
     assert message.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "input", None)) for b in message.content] == [
         ("thinking", None), ("tool_use", ARGUMENTS)]
+    # the turn sent back with its thinking block, then the tool's result: accepted, and the
+    # same prompt as the openai conversation with the call and a tool message
+    call = message.content[1]
+    history = [*MESSAGES, {"role": "assistant", "content": message.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                             "content": "Sunny, 21 C."}]}]
+    answer = messages.create(**{**auto, "messages": history, "max_tokens": 4})
+    assert answer.content
+    counted = messages.count_tokens(model="shoal-test", messages=history, tools=auto["tools"])
+    openai = pytest.importorskip("openai")
+    chat = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    as_chat = chat.chat.completions.create(
+        model="shoal-test", max_tokens=1, tools=TOOLS, messages=[
+            *MESSAGES, {"role": "assistant", "content": None, "reasoning_content": REASONING,
+                        "tool_calls": [{"id": call.id, "type": "function", "function": {
+                            "name": call.name, "arguments": json.dumps(call.input)}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}])
+    assert as_chat.usage.prompt_tokens == counted.input_tokens
     _, none = anthropic_messages(server, {"type": "none"})
     message = messages.create(**none)
     assert message.stop_reason == "end_turn"
