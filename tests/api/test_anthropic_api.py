@@ -106,6 +106,10 @@ def test_stop_sequence_ends_the_message_before_it(client) -> None:
     assert message.stop_reason == "stop_sequence"
     assert message.stop_sequence == stop
     assert message.content[0].text == text[:text.index(stop)]
+    with client.messages.stream(**kwargs, stop_sequences=["\x00never", stop]) as stream:
+        final = stream.get_final_message()  # message_delta carries the reason and sequence
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    assert final.content[0].text == message.content[0].text
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"},
