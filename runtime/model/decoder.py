@@ -122,6 +122,9 @@ class Attention(nn.Module):
             if whole_neox and config.qk_norm == "per_head" else None
         # native CPU: rotary in place, one pass (q's and k's heads side by side in qkv rows)
         self.rotate_in_place = whole_neox and kernels.rotates_in_place
+        # native CPU, bfloat16: the per-head q/k norm and the rotary too, in the qkv rows
+        self.qk_norm_rotary_in_place = kernels.qk_norm_rotary_in_place \
+            if whole_neox and config.qk_norm == "per_head" else None
 
     def kv_cache_dims(self) -> tuple[int, int, int]:
         """(KV heads on this rank, K width, V width) of one token in this layer's cache."""
@@ -141,7 +144,14 @@ class Attention(nn.Module):
         per_head_norm = self.q_norm is not None and not self.whole_norm
         if self.rotary is not None and rope is None:
             rope = self.rotary.cos_sin(positions)
-        if self.fused_qk_norm_rotary is not None and self.rotary is not None:
+        if self.qk_norm_rotary_in_place is not None and rope is not None:
+            assert self.q_norm is not None and self.k_norm is not None
+            self.qk_norm_rotary_in_place(
+                qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                               self.head_dim),
+                self.num_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rope[0][:, 0], rope[1][:, 0])
+        elif self.fused_qk_norm_rotary is not None and self.rotary is not None:
             fused, cos, sin = self.fused_qk_norm_rotary, self.rotary.cos, self.rotary.sin
             assert self.q_norm is not None and self.k_norm is not None
             q = fused(q, self.q_norm.weight, positions, cos, sin, self.q_norm.eps)

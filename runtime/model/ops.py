@@ -5,8 +5,9 @@ implementations, and the model's layers call them without ever asking which devi
 they run on. The rule:
 
 - native CPU ops (``shoal.kernels.cpu_ops``: norm with the residual add, SiLU-and-mul, neox
-  rotary in place) where the native ``cpu`` attention backend runs (float32 on CPU, the
-  library built); the ``torch`` backend keeps the whole model in plain torch, a reference;
+  rotary in place; in bfloat16 also the per-head q/k norm fused with the rotary) where the
+  native ``cpu`` attention backend runs (float32 or bfloat16 on CPU, the library built); the
+  ``torch`` backend keeps the whole model in plain torch, a reference;
 - Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with the
   triton attention backend;
 - oneDNN-packed linear weights on CPU in float32, and in bfloat16 where oneDNN has bfloat16
@@ -52,7 +53,9 @@ class KernelChoice:
     norm: str  # "native_cpu" | "triton" | "torch"
     silu_and_mul: str  # "native_cpu" | "triton" | "torch"
     rotary: str  # "native_cpu" (neox, whole head, in place) | "torch"
-    qk_norm_rotary: str  # "triton" (per-head norm + neox rotary, one kernel) | "torch"
+    # "triton" | "native_cpu" (bfloat16, in place) (per-head norm + neox rotary, one kernel)
+    # | "torch"
+    qk_norm_rotary: str
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
     moe: str = "grouped"  # "triton" (shoal/kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
@@ -64,8 +67,8 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
                    onednn_bf16: bool = False) -> KernelChoice:
     """``onednn_bf16``: oneDNN can pack bfloat16 weights on this CPU."""
     native = attention == "cpu"  # that backend runs only where the native library loaded
-    # the position-wise C ops are float32 (a bfloat16 model runs torch's there)
-    native_ops = native and dtype == torch.float32
+    # the position-wise C ops take float32 and bfloat16 (other types run torch's)
+    native_ops = native and dtype in (torch.float32, torch.bfloat16)
     # Triton only with the triton attention backend (backend_choice.fused_triton_ops), so
     # --attention-backend torch runs no Triton code: the way around a Triton failure
     triton = triton_available and fused_triton_ops(attention, device_type)
@@ -79,7 +82,8 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
     return KernelChoice(
         norm=fast, silu_and_mul=fast,
         rotary="native_cpu" if native_ops else "torch",
-        qk_norm_rotary="triton" if triton else "torch",
+        qk_norm_rotary="triton" if triton else "native_cpu"
+        if native_ops and dtype == torch.bfloat16 else "torch",
         linear=linear, attention=attention, moe="triton" if triton else "grouped",
         lora="triton" if triton else "masked")
 
@@ -108,6 +112,12 @@ class Kernels:
 
             self.native = cpu_ops
         self._triton_norm = self._triton_silu = self.qk_norm_rotary = None
+        # cpu_ops.qk_norm_rotary_: q's and k's heads normalised and rotated in place
+        self.qk_norm_rotary_in_place = None
+        if choice.qk_norm_rotary == "native_cpu":
+            from shoal.kernels import cpu_ops
+
+            self.qk_norm_rotary_in_place = cpu_ops.qk_norm_rotary_
         if choice.norm == "triton":
             from shoal.kernels.rms_norm import rms_norm
 

@@ -1,10 +1,12 @@
-"""The decoder's position-wise ops for CPU float32 (``cpu_ops.c``, in the native library of
-``native_cpu``): RMSNorm with an optional fused residual add, SiLU-and-mul, the neox
-rotary embedding in place, and the new K/V rows' write into their cache slots. Each is one
-pass over its rows where torch runs several ops.
+"""The decoder's position-wise ops for CPU float32 (``cpu_ops.c``) and bfloat16
+(``cpu_ops_bf16.c``), in the native library of ``native_cpu``: RMSNorm with an optional
+fused residual add, SiLU-and-mul, the neox rotary embedding in place (bfloat16 also: the
+per-head q/k norm and the rotary in one pass), and the new K/V rows' write into their cache
+slots. Each is one pass over its rows where torch runs several ops.
 
 The inputs come from the model's own layers, so checks are of kind, not of every index:
-float32 CPU tensors whose last dimension is contiguous.
+float32 or bfloat16 CPU tensors (all of one call's the same) whose last dimension is
+contiguous.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ import torch
 from shoal.kernels.kv_layout import check_kv_write_shapes
 from shoal.kernels.native_cpu import load
 
+DTYPES = (torch.float32, torch.bfloat16)
 
-def _check_rows(name: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-        raise ValueError(f"{name} must be a float32 CPU tensor, got {tensor.dtype} on "
+
+def _suffix(dtype: torch.dtype) -> str:
+    """The C function's suffix for this element type."""
+    return "f32" if dtype == torch.float32 else "bf16"
+
+
+def _check_rows(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """``dtype``: the type the call's other tensors have (None: this one sets it)."""
+    if tensor.device.type != "cpu" or tensor.dtype not in DTYPES or (
+            dtype is not None and tensor.dtype != dtype):
+        wanted = "float32 or bfloat16" if dtype is None else str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name} must be a {wanted} CPU tensor, got {tensor.dtype} on "
                          f"{tensor.device}")
     if tensor.dim() != 2 or tensor.stride(1) != 1:
         raise ValueError(f"{name} must be 2-d with contiguous rows, got shape "
@@ -30,19 +42,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ``residual``: ``residual += x`` in place first, and the updated residual is normalised."""
     _check_rows("x", x)
     rows, size = x.shape
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must be {x.dtype} like x, got {weight.dtype}")
     if weight.shape != (size,) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{size}] vector, got {tuple(weight.shape)}")
     out = torch.empty(rows, size, dtype=x.dtype)
     residual_ptr, residual_stride = 0, 0
     if residual is not None:
-        _check_rows("residual", residual)
+        _check_rows("residual", residual, x.dtype)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
         residual_ptr, residual_stride = residual.data_ptr(), residual.stride(0)
     if rows:
-        load().shoal_rms_norm_f32(x.data_ptr(), x.stride(0), residual_ptr or None,
-                                  residual_stride, weight.data_ptr(), out.data_ptr(), size,
-                                  rows, size, eps)
+        getattr(load(), f"shoal_rms_norm_{_suffix(x.dtype)}")(
+            x.data_ptr(), x.stride(0), residual_ptr or None, residual_stride,
+            weight.data_ptr(), out.data_ptr(), size, rows, size, eps)
     return out
 
 
@@ -54,8 +68,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate_up's last dimension must be even, got {width}")
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     if rows:
-        load().shoal_silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
-                                      width // 2, rows, width // 2)
+        getattr(load(), f"shoal_silu_and_mul_{_suffix(gate_up.dtype)}")(
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows, width // 2)
     return out
 
 
@@ -63,21 +77,53 @@ def rotary_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates ``x [tokens, heads, head_dim]`` in place (neox halves); ``cos``/``sin``
     ``[tokens, head_dim / 2]`` hold each token's position's table row. ``x`` may be a view
     whose heads are contiguous within a token (e.g. the q and k heads of fused qkv rows)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3:
-        raise ValueError(f"x must be a 3-d float32 CPU tensor, got {x.dim()}-d {x.dtype}")
+    tokens, heads, head_dim = _check_heads(x, cos, sin)
+    if tokens:
+        getattr(load(), f"shoal_rotary_neox_{_suffix(x.dtype)}")(
+            x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+            cos.stride(0), tokens)
+
+
+def qk_norm_rotary_(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> None:
+    """bfloat16: ``qk [tokens, q_heads + k_heads, head_dim]`` (q's and k's heads side by side,
+    e.g. in the fused qkv rows), each head RMS-normalised with ``q_weight`` (the first
+    ``q_heads``) or ``k_weight`` (the rest) and then rotated (neox halves), in place: what
+    ``rms_norm`` per head and then ``rotary_neox_`` do, in one pass."""
+    tokens, heads, head_dim = _check_heads(qk, cos, sin)
+    if qk.dtype != torch.bfloat16:
+        raise ValueError(f"qk must be bfloat16, got {qk.dtype}")
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight.dtype != qk.dtype or weight.shape != (head_dim,) or \
+                not weight.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {qk.dtype} [{head_dim}] vector")
+    if not 0 <= q_heads <= heads:
+        raise ValueError(f"q_heads {q_heads} is not within the {heads} heads")
+    if tokens:
+        load().shoal_qk_norm_rotary_bf16(qk.data_ptr(), qk.stride(0), q_heads, heads - q_heads,
+                                         head_dim, q_weight.data_ptr(), k_weight.data_ptr(),
+                                         eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                                         tokens)
+
+
+def _check_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int, int]:
+    """``x [tokens, heads, head_dim]`` with heads contiguous within a token, and its
+    ``[tokens, head_dim / 2]`` rotary table rows of the same type."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 3:
+        raise ValueError(f"x must be a 3-d float32 or bfloat16 CPU tensor, got {x.dim()}-d "
+                         f"{x.dtype}")
     tokens, heads, head_dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != head_dim:
         raise ValueError(f"x's heads must be contiguous within a token, strides {x.stride()}")
     for name, table in (("cos", cos), ("sin", sin)):
-        _check_rows(name, table)
+        _check_rows(name, table, x.dtype)
         if table.shape != (tokens, head_dim // 2):
             raise ValueError(f"{name} must be [{tokens}, {head_dim // 2}], got "
                              f"{tuple(table.shape)}")
     if cos.stride(0) != sin.stride(0):
         raise ValueError("cos and sin must have the same row stride")
-    if tokens:
-        load().shoal_rotary_neox_f32(x.data_ptr(), x.stride(0), heads, head_dim,
-                                     cos.data_ptr(), sin.data_ptr(), cos.stride(0), tokens)
+    return tokens, heads, head_dim
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

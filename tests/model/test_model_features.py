@@ -70,6 +70,7 @@ def test_a_nested_text_config_is_read_and_its_weights_unwrapped():
     ("cpu", torch.float32, "cpu", False, ("native_cpu", "native_cpu", "torch", "onednn")),
     ("cpu", torch.float32, "torch", False, ("torch", "torch", "torch", "onednn")),
     ("cpu", torch.bfloat16, "torch", True, ("torch", "torch", "torch", "torch")),
+    ("cpu", torch.bfloat16, "cpu", False, ("native_cpu", "native_cpu", "native_cpu", "native_bf16")),
     ("cuda", torch.bfloat16, "triton", True, ("triton", "triton", "triton", "torch")),
     ("cuda", torch.bfloat16, "torch", True, ("torch", "torch", "torch", "torch")),
 ])
