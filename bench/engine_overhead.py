@@ -32,11 +32,11 @@ import time
 import numpy as np
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.model.config import ModelConfig
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
+from shoal.runtime.wire.plan import StepPlan, StepResult
 
 TARGET_MS = 0.5
 VOCAB = 32000

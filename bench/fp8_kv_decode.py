@@ -51,8 +51,8 @@ def decode_steps(core, batch: int, context: int, tokens: int,
                  tag: str) -> list[tuple[float, float]]:
     """Prefill ``batch`` prompts, then time each of the ``tokens`` decode steps: (wall, CPU
     seconds of the process, all threads)."""
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=1 + tokens, ignore_eos=True)
     for i in range(batch):

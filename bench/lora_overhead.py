@@ -62,8 +62,8 @@ def make_adapters(base: Path, out: Path, count: int, rank: int) -> dict[str, Pat
 
 
 def run(core, prompts: list[list[int]], adapters: list[str | None], output: int) -> float:
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     tag = f"{time.monotonic_ns()}"

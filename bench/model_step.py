@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import Floor, Work  # noqa: E402  (bench/ is not a package)

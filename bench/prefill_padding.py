@@ -21,9 +21,9 @@ from contextlib import contextmanager
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.model import linear
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 
 @contextmanager

@@ -22,11 +22,11 @@ import time
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.executor import grammar_shipping
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.spec import GrammarSpec
+from shoal.runtime.wire.messages import EngineCoreRequest
+from shoal.runtime.wire.plan import StepPlan, StepResult
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},

@@ -26,11 +26,11 @@ from engine_overhead import (
     NullExecutor,  # bench/ is on sys.path when run as a script
 )
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.distributed.plan_wire import PlanDecoder, PlanEncoder
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
+from shoal.runtime.wire.plan import StepPlan, StepResult
+from shoal.runtime.wire.plan_codec import PlanDecoder, PlanEncoder
 
 
 class MeasuringExecutor(NullExecutor):

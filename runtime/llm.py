@@ -19,7 +19,6 @@ from typing import Any
 
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, freeze_gc_after_startup
-from shoal.runtime.engine.messages import EngineCoreRequest, TokenLogprobs
 from shoal.runtime.frontend.output_processor import Choice, OutputProcessor, fan_out
 from shoal.runtime.frontend.output_processor import PromptInput as RenderedInput
 from shoal.runtime.frontend.prompts import ChatPrompt, PromptRenderer
@@ -27,6 +26,7 @@ from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.lora_request import LoRARequest, check_pairing, per_prompt
 from shoal.runtime.outputs import CompletionOutput, RequestOutput
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest, TokenLogprobs
 
 PromptInput = str | list[int]
 

@@ -7,8 +7,8 @@ budget, then every step decodes one token for every request.
 from __future__ import annotations
 
 import numpy as np
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 
 class DirectBatch:

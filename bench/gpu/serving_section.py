@@ -35,8 +35,8 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def sweep_level(core, concurrency: int, total: int, prompt_len: int, out_len: int,
                 vocab: int) -> dict:
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     prompts = _prompts(total, prompt_len, vocab, concurrency)
     added: dict[str, float] = {}

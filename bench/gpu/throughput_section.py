@@ -30,8 +30,8 @@ def run_engine(model_dir, device: str, enforce_eager: bool, requests, smoke: boo
                backend: str) -> dict:
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.engine.core import EngineCore
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     config = EngineConfig(
         model=str(model_dir), device=device, dtype="bfloat16" if device == "cuda" else "float32",

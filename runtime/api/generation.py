@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from shoal.runtime.frontend.engine_client import AsyncEngineClient, RequestStream
 from shoal.runtime.frontend.output_processor import (
     Choice,
@@ -27,6 +26,7 @@ from shoal.runtime.frontend.output_processor import (
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.kv_transfer.params import KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 from .metrics import ServerMetrics, request_phases
 

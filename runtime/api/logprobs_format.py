@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from shoal.runtime.engine.messages import TokenLogprobs
+from shoal.runtime.wire.messages import TokenLogprobs
 
 
 class Tokenizer(Protocol):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from shoal.runtime.engine.messages import SchedulerStats
+from shoal.runtime.wire.messages import SchedulerStats
 
 from shoal.contract import metrics as names
 

@@ -20,7 +20,6 @@ from shoal.runtime import debug_plugins
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
 from shoal.runtime.engine.lora_registry import LoraRegistry
-from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from shoal.runtime.engine.remote_kv import RemoteKV
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
@@ -33,6 +32,7 @@ from shoal.runtime.sampling_params import InvalidParameter, RequestLimits
 from shoal.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from shoal.runtime.structured.compiler import GrammarCompiler
 from shoal.runtime.structured.spec import GrammarError, GrammarSpec, check_grammar
+from shoal.runtime.wire.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger("shoal.engine.core")
 

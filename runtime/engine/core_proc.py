@@ -30,7 +30,9 @@ import msgspec
 import zmq
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import freeze_gc_after_startup
-from shoal.runtime.engine.core_wire import (
+from shoal.runtime.engine.kv_events_topic import kv_events_topic
+from shoal.runtime.log_limits import RateLimitedLog
+from shoal.runtime.wire.core_frames import (
     CoreMessageType,
     FatalError,
     Heartbeat,
@@ -39,9 +41,7 @@ from shoal.runtime.engine.core_wire import (
     UtilityCall,
     UtilityReply,
 )
-from shoal.runtime.engine.kv_events_topic import kv_events_topic
-from shoal.runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
-from shoal.runtime.log_limits import RateLimitedLog
+from shoal.runtime.wire.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
 
 logger = logging.getLogger("shoal.engine.core_proc")
 IDLE_POLL_MS = 100

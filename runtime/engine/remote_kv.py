@@ -22,13 +22,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
 from shoal.runtime.kv.kv_manager import KVCacheManager
 from shoal.runtime.kv_transfer.connector import KVConnector, PullJob
 from shoal.runtime.kv_transfer.params import KVTransferConfig, KVTransferParams
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.scheduler.request import Request
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 logger = logging.getLogger("shoal.engine.remote_kv")
 

@@ -8,7 +8,6 @@ reads the request and the limits and raises ``InvalidParameter`` naming the fiel
 
 from __future__ import annotations
 
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -16,6 +15,7 @@ from shoal.runtime.sampling_params import (
     RequestLimits,
     check_text,
 )
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 MAX_REQUEST_ID_CHARS = 256
 

@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 
 from shoal.runtime.kv_transfer.connector import KVBlockIO
 from shoal.runtime.model.config import ModelConfig
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.wire.plan import StepPlan, StepResult
 
 
 class Executor(ABC):

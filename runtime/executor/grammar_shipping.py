@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import replace
 
-from shoal.runtime.plan import StepPlan
 from shoal.runtime.structured.backend import CACHE_BYTES, CACHE_SIZE, GrammarBackend
 from shoal.runtime.structured.spec import GrammarSpec
+from shoal.runtime.wire.plan import StepPlan
 
 
 class ShippedGrammars:

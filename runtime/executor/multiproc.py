@@ -35,15 +35,15 @@ from multiprocessing.connection import Connection, wait
 from typing import NoReturn, cast
 
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.distributed.plan_wire import PlanEncoder
-from shoal.runtime.distributed.result_wire import decode_result
 from shoal.runtime.distributed.shardability import check_shardable
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.grammar_shipping import ShippedGrammars, with_compiled_grammars
 from shoal.runtime.executor.preflight import check_gpus_for_ranks
 from shoal.runtime.model.config import ModelConfig, load_model_config
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.wire.plan import StepPlan, StepResult
+from shoal.runtime.wire.plan_codec import PlanEncoder
+from shoal.runtime.wire.result_codec import decode_result
 from shoal.runtime.worker import worker_proc as wp
 
 logger = logging.getLogger(__name__)

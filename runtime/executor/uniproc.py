@@ -6,8 +6,8 @@ from shoal.runtime.config import EngineConfig
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv_transfer.connector import KVBlockIO
 from shoal.runtime.model.config import ModelConfig
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.wire.plan import StepPlan, StepResult
 
 
 class UniProcExecutor(Executor):

@@ -28,7 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.core_wire import (
+from shoal.runtime.wire.core_frames import (
     CoreMessageType,
     FatalError,
     Heartbeat,
@@ -37,7 +37,7 @@ from shoal.runtime.engine.core_wire import (
     UtilityCall,
     UtilityReply,
 )
-from shoal.runtime.engine.messages import (
+from shoal.runtime.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.runtime.engine.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.kv_transfer.params import KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams, child_params
+from shoal.runtime.wire.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from shoal.runtime.plan import PromptLogprobsChunk, StepPlan
+from shoal.runtime.wire.plan import PromptLogprobsChunk, StepPlan
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ only to copy the input ids of rows that compute more than one token (prefill chu
 from __future__ import annotations
 
 import numpy as np
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.scheduler.running_batch import RunningBatch
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 
 def allot_budget(wanted: np.ndarray, budget: int) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from shoal.runtime.engine.messages import EngineCoreRequest, TokenLogprobs
 from shoal.runtime.kv.block_hash import ExtraKeys
+from shoal.runtime.wire.messages import EngineCoreRequest, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):

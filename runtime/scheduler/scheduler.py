@@ -28,14 +28,7 @@ from dataclasses import dataclass
 from itertools import compress
 
 import numpy as np
-from shoal.runtime.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    SchedulerStats,
-)
 from shoal.runtime.kv.kv_manager import KVCacheManager
-from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.scheduler.lora_admission import LoraGate, adapters_of
 from shoal.runtime.scheduler.plan_builder import allot_budget, build_plan
 from shoal.runtime.scheduler.request import Request, RequestStatus
@@ -48,6 +41,13 @@ from shoal.runtime.scheduler.step_outputs import (
 )
 from shoal.runtime.scheduler.stops import check_stop, maybe_stopped
 from shoal.runtime.scheduler.waiting_queue import make_waiting_queue
+from shoal.runtime.wire.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from shoal.runtime.wire.plan import NewRequestData, StepPlan, StepResult
 
 _NO_ROWS = np.zeros(0, np.int64)
 

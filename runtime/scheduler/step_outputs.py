@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shoal.runtime.engine.messages import EngineCoreOutput, TokenLogprobs
-from shoal.runtime.plan import PromptLogprobsChunk, StepResult
+from shoal.runtime.wire.messages import EngineCoreOutput, TokenLogprobs
+from shoal.runtime.wire.plan import PromptLogprobsChunk, StepResult
 
 if TYPE_CHECKING:
     from shoal.runtime.scheduler.request import Request

@@ -9,8 +9,8 @@ finished, and ``check_stop`` decides those.
 from __future__ import annotations
 
 import numpy as np
-from shoal.runtime.engine.messages import FinishReason
 from shoal.runtime.scheduler.request import Request
+from shoal.runtime.wire.messages import FinishReason
 
 
 def check_stop(req: Request, token_id: int, max_model_len: int

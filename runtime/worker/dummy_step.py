@@ -14,8 +14,8 @@ step does not.
 from __future__ import annotations
 
 import numpy as np
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 CPU_WARMUP_SEQ_TOKENS = 256
 _REQ_PREFIX = "__warmup__"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from shoal.runtime.model.lora import LoraModel
 from shoal.runtime.model.lora_adapter import LoraAdapterError, LoraWeights, load_peft_adapter
-from shoal.runtime.plan import StepPlan
+from shoal.runtime.wire.plan import StepPlan
 
 
 class LoraManager:

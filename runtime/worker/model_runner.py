@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.decoder import DecoderForCausalLM
-from shoal.runtime.plan import StepPlan
+from shoal.runtime.wire.plan import StepPlan
 from shoal.runtime.worker.cuda_graphs import DecodeGraphRunner, try_replay
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from shoal.runtime.plan import StepPlan
+from shoal.runtime.wire.plan import StepPlan
 
 
 class PromptPooler:

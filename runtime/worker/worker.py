@@ -15,7 +15,6 @@ import torch
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.model.parallel import ParallelContext
-from shoal.runtime.plan import StepPlan, StepResult
 from shoal.runtime.sample.prompt_logprobs import prompt_rows, score_prompt_rows
 from shoal.runtime.sample.sampler import Sampler, SamplerOutput
 from shoal.runtime.sample.state import (
@@ -24,6 +23,7 @@ from shoal.runtime.sample.state import (
     new_request_state,
 )
 from shoal.runtime.structured.backend import GrammarBackend
+from shoal.runtime.wire.plan import StepPlan, StepResult
 from shoal.runtime.worker.dummy_step import (
     CPU_WARMUP_SEQ_TOKENS,
     dummy_seq_lens,

@@ -7,7 +7,7 @@ configures it). Messages are length-framed (multiprocessing
 ``Connection``) and start with one kind byte:
 
     parent -> rank   SETUP  pickled RankSetup            (first message, once)
-                     PLAN   encoded step plan            (hot path, msgpack, see plan_wire)
+                     PLAN   encoded step plan            (hot path, msgpack, see wire/plan_codec)
                      CALL   pickled (method, args)       (control: init_kv_cache, warmup, ...)
                      PING                                 (health check between steps)
                      STOP
@@ -103,8 +103,8 @@ def _start(setup: RankSetup):  # -> Worker
 
 
 def serve(conn: Connection, setup: RankSetup) -> None:
-    from shoal.runtime.distributed.plan_wire import PlanDecoder
-    from shoal.runtime.distributed.result_wire import encode_result
+    from shoal.runtime.wire.plan_codec import PlanDecoder
+    from shoal.runtime.wire.result_codec import encode_result
 
     worker = _start(setup)
     _send(conn, READY, pickle.dumps(worker.kv_bytes_per_block()))

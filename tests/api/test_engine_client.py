@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine.messages import (
+from shoal.runtime.frontend.engine_client import AsyncEngineClient, EngineDeadError
+from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
 )
-from shoal.runtime.frontend.engine_client import AsyncEngineClient, EngineDeadError
-from shoal.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ chat template."""
 from __future__ import annotations
 
 import pytest
-from shoal.runtime.engine.messages import EngineCoreOutput, FinishReason
 from shoal.runtime.frontend.chat_template import ChatTemplate, ChatTemplateError
 from shoal.runtime.frontend.detokenizer import IncrementalDetokenizer, held_back_length
 from shoal.runtime.frontend.output_processor import OutputProcessor, PromptInput, fan_out
 from shoal.runtime.frontend.tokenizer import Tokenizer
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreOutput, FinishReason
 
 MIXED_TEXT = "Hello 👋🏽 世界, naïve café — 日本語のテキスト 🎉 def foo(): return 1"
 

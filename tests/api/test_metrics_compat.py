@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 from shoal.runtime.api.metrics import ServerMetrics
-from shoal.runtime.engine.messages import SchedulerStats
+from shoal.runtime.wire.messages import SchedulerStats
 
 
 def samples(text: bytes) -> dict[str, list]:

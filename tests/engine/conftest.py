@@ -89,7 +89,7 @@ class ContextHashExecutor:
 
     def execute(self, plan):
         import numpy as np
-        from shoal.runtime.plan import StepResult
+        from shoal.runtime.wire.plan import StepResult
 
         self.plans.append(plan)
         for req_id in plan.finished_req_ids:

@@ -31,8 +31,8 @@ import pytest
 import torch
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 # top-2 logit margin (in HF's bfloat16 logits) under which two bfloat16 implementations may
 # rank the two tokens either way: a few bfloat16 ulps of logits of size ~10

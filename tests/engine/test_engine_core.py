@@ -8,10 +8,10 @@ import random
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore, resolve_num_kv_blocks
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
 from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 4, **kwargs) -> EngineCoreRequest:

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.model.quant.ct_spec import parse_compressed_tensors
 from shoal.runtime.model.quant.spec import QuantizationError
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 E4M3_MAX = 448.0
 CALIBRATION = [random.Random(5).randrange(3, 1000) for _ in range(48)]

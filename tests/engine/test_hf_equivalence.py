@@ -10,8 +10,8 @@ import random
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"]
 

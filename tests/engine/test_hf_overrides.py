@@ -12,9 +12,9 @@ from shoal.runtime.api.cli import parse_hf_overrides
 from shoal.runtime.checkpoint_json import with_overrides
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.model.config import load_model_config
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 from tests.api.conftest import assert_equal_up_to_a_near_tie
 from tests.hf_reference import greedy_with_margins

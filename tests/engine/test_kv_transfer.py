@@ -17,9 +17,9 @@ import time
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.kv_transfer.params import KVTransferConfig, KVTransferParams
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 BLOCK = 16
 

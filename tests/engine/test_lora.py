@@ -14,10 +14,10 @@ import shutil
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.kv.events import BlockStored
 from shoal.runtime.lora_modules import LoraModule
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 
 def engine(model_dir, adapters: dict, **kwargs) -> EngineCore:

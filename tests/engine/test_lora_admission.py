@@ -4,8 +4,8 @@ are admitted past it; the stats name the running and waiting adapters."""
 
 from __future__ import annotations
 
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 
 def request(req_id: str, adapter: str | None, max_tokens: int = 4) -> EngineCoreRequest:

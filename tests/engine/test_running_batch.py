@@ -9,9 +9,9 @@ import random
 
 import numpy as np
 import pytest
-from shoal.runtime.engine.messages import EngineCoreRequest, FinishReason
-from shoal.runtime.plan import StepResult
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest, FinishReason
+from shoal.runtime.wire.plan import StepResult
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int, priority: int = 0,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from shoal.runtime.engine.messages import EngineCoreRequest, FinishReason
 from shoal.runtime.sampling_params import InvalidParameter, SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest, FinishReason
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 8, priority: int = 0,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.kv.kv_manager import FREED, KVCacheManager, window_peak_blocks
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreRequest
 
 WINDOW = 16  # make_family_model.WINDOW: mistral_sliding windows every layer by it
 

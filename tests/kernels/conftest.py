@@ -134,7 +134,7 @@ class ContinuousBatch:
     def run(self, prompts: dict[str, list[int]], shared: dict[str, tuple[str, int]] | None = None):
         """Greedy outputs per request: (token ids, top-2 logprob margin at each step)."""
         import numpy as np
-        from shoal.runtime.plan import NewRequestData, StepPlan
+        from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
         shared = shared or {}
         tables: dict[str, list[int]] = {}

@@ -118,9 +118,9 @@ def test_the_engine_on_the_kernels_equals_peft(tiny_llama, llama_adapters, hf_gr
     in the same steps give transformers + peft's greedy tokens."""
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.engine.core import EngineCore
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.lora_modules import LoraModule
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     modules = [LoraModule(name, str(path)) for name, path in llama_adapters.items()]
     core = EngineCore(EngineConfig.from_kwargs(

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 
 @dataclass

@@ -196,8 +196,8 @@ def test_a_bfloat16_model_keeps_the_router_in_float32_and_serves(hf_bf16_first_t
         assert torch.equal(gate.weight, f.get_tensor("model.layers.1.mlp.gate.weight"))
     assert core.executor.worker.runner.kv_caches[0][0].dtype == torch.bfloat16  # type: ignore
 
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     prompts = {f"r{i}": [(37 * i + 11 * j) % 1000 + 3 for j in range(5 + 9 * i)]
                for i in range(6)}

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 from shoal.runtime.worker.worker import Worker
 
 BLOCK = 4

@@ -147,12 +147,19 @@ def test_engine_side_never_tokenizes_or_serves_http(folder: str) -> None:
     assert violations(ROOT / "runtime" / folder, forbidden) == []
 
 
+def test_the_wire_types_import_nothing_of_the_processes_they_connect() -> None:
+    """runtime/wire holds what crosses a process boundary: plain data and codecs, importable
+    from either side (API, engine core, workers) without pulling in the other."""
+    allowed = r"shoal\.runtime\.(wire\b.*|sampling_params|kv_transfer\.params)$"
+    assert violations(ROOT / "runtime" / "wire", r"shoal\.", allowed) == []
+
+
 def test_the_checker_sees_function_level_and_relative_imports() -> None:
     found = imports_of(ROOT / "runtime" / "api")
     assert "shoal.runtime.api.errors" in found["runtime/api/state.py"]  # `from .errors import`
     # imported inside the handler only (the CLI stays cheap)
     assert "shoal.runtime.model_source" in found["runtime/api/cli.py"]
-    assert violations(ROOT / "runtime" / "api", r"shoal\.runtime\.engine\b")
+    assert violations(ROOT / "runtime" / "api", r"shoal\.runtime\.wire\b")
 
 
 def test_no_top_level_folder_shadows_an_installed_package() -> None:

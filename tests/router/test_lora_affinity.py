@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from shoal.runtime.api.metrics import ServerMetrics
-from shoal.runtime.engine.messages import SchedulerStats
 from shoal.runtime.router.policies.base import ReplicaSnapshot
 from shoal.runtime.router.policies.lora_affinity import model_of, prefer_adapter
+from shoal.runtime.wire.messages import SchedulerStats
 
 from shoal.contract.metrics import LoraInfo, parse_lora_info
 
@@ -98,7 +98,6 @@ async def test_router_and_picker_keys_equal_the_engines_block_hashes_per_adapter
     """Same token prompt, base vs adapter: the router's and the picker's keys are exactly
     the block hashes the engine core gives such a request (its scheduler Request with that
     adapter), so the base's and each adapter's prefixes never match each other."""
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.kv.block_hash import hash_prefix_blocks
     from shoal.runtime.router.epp.picker import EndpointPicker
     from shoal.runtime.router.policies.base import make_policy
@@ -107,6 +106,7 @@ async def test_router_and_picker_keys_equal_the_engines_block_hashes_per_adapter
     from shoal.runtime.router.replicas.pool import ReplicaPool
     from shoal.runtime.sampling_params import SamplingParams
     from shoal.runtime.scheduler.request import Request
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     ids, config = list(range(100, 132)), KeyConfig(block_size=4, model_revision="rev")
 

@@ -10,8 +10,8 @@ import psutil
 import pytest
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import EngineCore
-from shoal.runtime.engine.messages import EngineCoreOutput, EngineCoreRequest
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.messages import EngineCoreOutput, EngineCoreRequest
 
 from ..processes import free_port, kill_tree
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shoal.runtime.distributed.plan_wire import PlanDecoder, PlanEncoder
-from shoal.runtime.distributed.result_wire import decode_result, encode_result
-from shoal.runtime.plan import NewRequestData, StepPlan, StepResult
 from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.wire.plan import NewRequestData, StepPlan, StepResult
+from shoal.runtime.wire.plan_codec import PlanDecoder, PlanEncoder
+from shoal.runtime.wire.result_codec import decode_result, encode_result
 
 BLOCK = 4
 

@@ -107,8 +107,8 @@ def test_a_request_that_fails_the_step_on_every_rank_fails_alone(tiny_llama, mak
     """The content fault of a request trips every rank alike: the ranks live on, the engine
     isolates the request (a 4xx-shaped failure) and serves the others to the end, greedy
     tokens as the same request gets alone afterwards."""
-    from shoal.runtime.engine.messages import EngineCoreRequest
     from shoal.runtime.sampling_params import SamplingParams
+    from shoal.runtime.wire.messages import EngineCoreRequest
 
     monkeypatch.setenv("SHOAL_DEBUG_PLUGINS", FAULTS)
     monkeypatch.setenv("SHOAL_TEST_RANK_POISON_STOP", "poison-9c1")

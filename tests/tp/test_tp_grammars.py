@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from shoal.runtime.engine.messages import EngineCoreRequest
 from shoal.runtime.executor.grammar_shipping import with_compiled_grammars
-from shoal.runtime.plan import NewRequestData, StepPlan
 from shoal.runtime.sampling_params import SamplingParams
 from shoal.runtime.structured.backend import GrammarBackend
 from shoal.runtime.structured.spec import GrammarSpec
+from shoal.runtime.wire.messages import EngineCoreRequest
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 pytestmark = pytest.mark.slow
 

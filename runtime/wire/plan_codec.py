@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-from shoal.runtime.plan import NewRequestData, StepPlan
+from shoal.runtime.wire.plan import NewRequestData, StepPlan
 
 
 class PlanWire(msgspec.Struct, array_like=True):

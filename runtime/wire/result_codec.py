@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-from shoal.runtime.plan import PromptLogprobsChunk, StepPlan, StepResult
+from shoal.runtime.wire.plan import PromptLogprobsChunk, StepPlan, StepResult
 
 
 class ResultWire(msgspec.Struct, array_like=True):
