@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shoal.runtime.kv.block_hash import ExtraKeys, hash_prefix_blocks
 from shoal.runtime.kv.kv_manager import KVCacheManager
@@ -59,6 +59,8 @@ class RemoteKV:
         self.model_revision = model_revision
         self.pending: dict[str, _Pending] = {}
         self.blocks_skipped = 0
+        # the counters /metrics last saw: a send is counted after its blocks went back
+        self._counters_seen = replace(connector.counters)
         self._log = RateLimitedLog(logger)
 
     # -- decode side ----------------------------------------------------------------------
@@ -109,9 +111,11 @@ class RemoteKV:
 
     def poll(self) -> tuple[list[Ready], bool]:
         """Pulls that ended (their requests, to schedule now) and whether any block went
-        back to the pool (usage changed)."""
+        back to the pool or a transfer counter moved (stats to publish)."""
         results, released = self.connector.poll()
-        changed = False
+        counters = replace(self.connector.counters)
+        changed = counters != self._counters_seen
+        self._counters_seen = counters
         for request_id in released:  # offers pulled or expired
             changed |= self.kv.release_hold(request_id)
         ready = []

@@ -60,8 +60,9 @@ def test_linear_bf16_refuses_what_it_cannot_read(rng):
 
 
 @pytest.mark.parametrize(("attention", "onednn_bf16", "linear", "ops"), [
-    ("cpu", False, "native_bf16", "torch"),  # this machine's case: Zen 3, AVX2
-    ("cpu", True, "onednn", "torch"),  # AMX / AVX512-BF16: oneDNN packs bfloat16
+    # the native cpu backend runs the position-wise ops natively in bfloat16 too (cpu_ops)
+    ("cpu", False, "native_bf16", "native_cpu"),  # Zen 3, AVX2: oneDNN has no bf16 kernels
+    ("cpu", True, "onednn", "native_cpu"),  # AMX / AVX512-BF16: oneDNN packs bfloat16
     ("torch", False, "torch", "torch"),  # the reference backend: plain torch throughout
 ])
 def test_bf16_on_cpu_chooses_onednn_where_it_packs_bf16_else_the_native_kernel(
