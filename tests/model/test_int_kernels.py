@@ -9,10 +9,14 @@ from shoal.runtime.model.quant.int_kernels import (
     DequantRows,
     Int4Packed,
     Int8Channel,
+    NativeInt,
+    int4_group,
     int_kernel,
 )
 from shoal.runtime.model.quant.int_weight import IntWeights, unpack_int32
 from torch import nn
+
+from shoal.kernels.native_cpu import unavailable_reason
 
 
 def _weights(out: int, inp: int, bits: int, group: int, symmetric: bool,
@@ -30,22 +34,40 @@ def _weights(out: int, inp: int, bits: int, group: int, symmetric: bool,
     return IntWeights(codes, scales, zeros, bits, group, index)
 
 
-@pytest.mark.parametrize("case, kind", [
-    (dict(out=64, inp=128, bits=4, group=32, symmetric=True), Int4Packed),
-    (dict(out=48, inp=512, bits=4, group=512, symmetric=False), Int4Packed),  # split groups
-    (dict(out=32, inp=128, bits=4, group=32, symmetric=True, act_order=True), Int4Packed),
-    (dict(out=40, inp=64, bits=4, group=32, symmetric=False), DequantRows),  # 40 % 16
-    (dict(out=32, inp=64, bits=4, group=16, symmetric=True), DequantRows),  # group < 32
-    (dict(out=32, inp=96, bits=8, group=96, symmetric=True), Int8Channel),
-    (dict(out=32, inp=96, bits=8, group=96, symmetric=False), Int8Channel),
-    (dict(out=24, inp=96, bits=8, group=32, symmetric=False, act_order=True), DequantRows),
-])
+CASES = [  # weights, torch's kernel for them, whether the native kernel takes them
+    (dict(out=64, inp=128, bits=4, group=32, symmetric=True), Int4Packed, True),
+    (dict(out=48, inp=512, bits=4, group=512, symmetric=False), Int4Packed, True),  # split
+    (dict(out=32, inp=128, bits=4, group=32, symmetric=True, act_order=True), Int4Packed, True),
+    (dict(out=40, inp=64, bits=4, group=32, symmetric=False), DequantRows, True),  # 40 % 16
+    (dict(out=32, inp=64, bits=4, group=16, symmetric=True), DequantRows, False),  # group < 32
+    (dict(out=32, inp=96, bits=8, group=96, symmetric=True), Int8Channel, True),
+    (dict(out=32, inp=96, bits=8, group=96, symmetric=False), Int8Channel, True),
+    (dict(out=24, inp=96, bits=8, group=32, symmetric=False, act_order=True), DequantRows, True),
+]
+NATIVE = unavailable_reason() is None
+
+
+def _torch_kernel(weights: IntWeights, kind: type, dtype: torch.dtype):
+    """The torch fallback a process without the native library runs."""
+    if kind is Int4Packed:
+        group = int4_group(weights)
+        assert group is not None
+        return Int4Packed(weights, group, dtype)
+    return kind(weights, dtype)
+
+
+@pytest.mark.parametrize("case, kind, native", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_dequantized_weights(case: dict, kind: type, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("path", ["chosen", "torch"])
+def test_kernel_equals_dequantized_weights(case: dict, kind: type, native: bool,
+                                           dtype: torch.dtype, path: str) -> None:
     weights = _weights(**case)
     reference = weights.dequantize()
-    kernel = int_kernel(weights, dtype)
-    assert isinstance(kernel, kind)
+    if path == "chosen":
+        kernel = int_kernel(weights, dtype)
+        assert isinstance(kernel, NativeInt if native and NATIVE else kind)
+    else:
+        kernel = _torch_kernel(weights, kind, dtype)
     layer = nn.Module()
     kernel.register(layer)
     x = torch.randn(2, 3, case["inp"], generator=torch.Generator().manual_seed(1))
@@ -59,8 +81,9 @@ def test_kernel_equals_dequantized_weights(case: dict, kind: type, dtype: torch.
 def test_int4_weights_stay_packed() -> None:
     layer = nn.Module()
     int_kernel(_weights(64, 256, 4, 128, True)).register(layer)
-    assert layer.int4_weight.dtype == torch.uint8
-    assert layer.int4_weight.numel() == 64 * 256 // 2  # two codes a byte
+    codes = layer.int_packed_codes if NATIVE else layer.int4_weight
+    assert codes.dtype == torch.uint8
+    assert codes.numel() == 64 * 256 // 2  # two codes a byte
 
 
 def test_gptq_and_awq_packing_round_trips() -> None:

@@ -1,5 +1,11 @@
 """CPU matmuls on integer weights that stay packed (what ``IntWeights`` becomes after loading).
 
+- ``NativeInt``: the native weight-only int4/int8 kernel (``shoal.kernels.int_matmul_cpu``),
+  wherever the native library builds and the columns and groups are multiples of 32: codes
+  packed in its layout, a float32 scale and offset per group, GPTQ act-order's permuted
+  columns sorted once (the activations gathered to match). torch's packed ops below ran
+  10-50x slower than float32 ``F.linear`` on an AVX2 CPU (docs/benchmarks.md); they remain
+  for a process without a C compiler.
 - ``Int4Packed``: torch's packed int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``; AVX2
   and AVX-512): two codes a byte in torch's tiled layout, a (scale, offset) pair per group of
   32/64/128/256 input columns, ``W = (code - 8) * scale + offset``. A checkpoint group larger
@@ -20,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from shoal.runtime.model.quant.int_weight import IntWeights
 from torch import nn
+
+from shoal.kernels.int_matmul_cpu import IntPacked
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the packed int4 CPU op takes
 BAND_ELEMENTS = 1 << 20  # DequantRows: weights dequantized per band
@@ -43,8 +51,27 @@ def int4_group(weights: IntWeights) -> int | None:
     return next((g for g in INT4_GROUPS if weights.group_size % g == 0), None)
 
 
+def native_fits(weights: IntWeights) -> bool:
+    """The native kernel takes these weights: on CPU, columns and groups multiples of 32,
+    act-order groups of equal size (so sorting makes each contiguous), the library built."""
+    from shoal.kernels.int_matmul_cpu import SUB
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    in_features = weights.codes.shape[1]
+    if weights.codes.device.type != "cpu" or weights.bits not in (4, 8) or \
+            in_features % SUB or weights.group_size % SUB:
+        return False
+    if weights.group_index is not None:
+        counts = torch.bincount(weights.group_index, minlength=weights.scales.shape[1])
+        if not bool((counts == weights.group_size).all()):
+            return False
+    return unavailable_reason() is None
+
+
 def int_kernel(weights: IntWeights, dtype: torch.dtype = torch.float32) -> IntKernel:
-    """``dtype``: the activations' (the scales are kept in it)."""
+    """``dtype``: the activations' (torch's packed ops keep the scales in it)."""
+    if native_fits(weights):
+        return NativeInt.from_weights(weights)
     group = int4_group(weights)
     if group is not None:
         return Int4Packed(weights, group, dtype)
@@ -61,6 +88,48 @@ def _sorted_columns(weights: IntWeights) -> tuple[torch.Tensor, torch.Tensor, to
         return weights.codes, weights.scales, weights.zeros, None
     perm = torch.argsort(weights.group_index, stable=True)
     return weights.codes[:, perm], weights.scales, weights.zeros, perm
+
+
+class NativeInt:
+    def __init__(self, packed: IntPacked, perm: torch.Tensor | None = None) -> None:
+        """``perm``: the activations' columns in the order of the packed ones (act-order)."""
+        packed.check()
+        self.packed: IntPacked | None = packed
+        self.perm = perm
+
+    @classmethod
+    def from_weights(cls, weights: IntWeights) -> NativeInt:
+        from shoal.kernels.int_matmul_cpu import pack_int4
+
+        codes, scales, zeros, perm = _sorted_columns(weights)
+        packed = pack_int4(codes) if weights.bits == 4 else codes.contiguous()
+        return cls(IntPacked(packed, scales.float().contiguous(),
+                             (-zeros * scales).float().contiguous(), weights.bits,
+                             weights.group_size, int(codes.shape[1])), perm)
+
+    def register(self, layer: nn.Module) -> None:
+        assert self.packed is not None
+        layer.register_buffer("int_packed_codes", self.packed.codes)
+        layer.register_buffer("int_packed_scales", self.packed.scales)
+        layer.register_buffer("int_packed_offsets", self.packed.offsets)
+        if self.perm is not None:
+            layer.register_buffer("int_packed_perm", self.perm)
+        # the layer's buffers are the tensors; the view on them is rebuilt per call, so a
+        # module moved or loaded from a state dict stays consistent
+        self.bits, self.group, self.in_features = (self.packed.bits, self.packed.group,
+                                                   self.packed.in_features)
+        self.packed = None
+        del self.perm
+
+    def matmul(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        from shoal.kernels.int_matmul_cpu import int_matmul
+
+        perm = getattr(layer, "int_packed_perm", None)
+        if perm is not None:
+            x = x[..., perm]
+        return int_matmul(x, IntPacked(layer.int_packed_codes, layer.int_packed_scales,
+                                       layer.int_packed_offsets, self.bits, self.group,
+                                       self.in_features))
 
 
 class Int4Packed:
