@@ -5,7 +5,9 @@ Tensors stay in the file (memory-mapped) as their quantized blocks (``GGUFTensor
 ``ggml_type``) until something asks for values: ``GGUFTensor.dequantize()`` turns one into a
 float32 torch tensor in HF's layout, undoing llama.cpp's q/k row permutation for the
 architectures whose converter applies it. The loader copies each into its parameter (casting to
-the serving dtype) one at a time, so loading never holds a second full copy.
+the serving dtype) one at a time, so loading never holds a second full copy; on CPU the linear
+layers' Q4_0/Q4_1/Q8_0 blocks are not dequantized but kept for the native int kernel
+(``quant/gguf_int.py``).
 
 Metadata keys and tensor names follow llama.cpp (``gguf.constants``); the mapping to HF names
 and config keys matches transformers' own GGUF loading, the reference.

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from shoal.runtime.attention.backend import AttentionBackend
 from shoal.runtime.model.config import ModelConfig
 from shoal.runtime.model.decoder import DecoderForCausalLM, model_class
-from shoal.runtime.model.gguf_checkpoint import open_gguf
+from shoal.runtime.model.gguf_checkpoint import GGUFTensor, open_gguf
 from shoal.runtime.model.kv_scales import KvScaleReader, kv_scale_slots
 from shoal.runtime.model.linear import (
     linear_weights_deferred,
@@ -33,6 +33,7 @@ from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
 from shoal.runtime.model.quant.mxfp4 import dequantized_tensors
 from shoal.runtime.model.quant.spec import (
+    GgufScheme,
     Mxfp4Scheme,
     QuantizationError,
     QuantSpec,
@@ -55,13 +56,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+def checkpoint_tensors(model_dir: str | Path, gguf_blocks: bool = False
+                       ) -> Iterator[tuple[str, Any]]:
     """(HF tensor name, lazily read tensor) for every tensor of the checkpoint: safetensors
-    slices, or a GGUF file's tensors dequantized to float32 one at a time."""
+    slices, or a GGUF file's tensors dequantized to float32 one at a time (``gguf_blocks``:
+    as ``GGUFTensor``, still in their stored blocks, for the loader to dequantize only what
+    a layer does not keep quantized)."""
     gguf = gguf_file(model_dir)
     if gguf is not None:
         for tensor in open_gguf(gguf).tensors():
-            yield tensor.hf_name, tensor.dequantize()
+            yield tensor.hf_name, tensor if gguf_blocks else tensor.dequantize()
         open_gguf.cache_clear()  # unmap the file: the parameters hold the values now
         return
     for path in checkpoint_files(Path(model_dir)):
@@ -70,14 +74,18 @@ def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
                 yield ckpt_name, f.get_slice(ckpt_name)
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
+def load_weights(model: DecoderForCausalLM, model_dir: str | Path,
+                 gguf_quantized: bool = False) -> None:
+    """``gguf_quantized``: a GGUF file's linear layers take its blocks as stored
+    (``keeps_gguf_quantized``)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {(name, shard) for name, shard in _expected_shards(model)}
     loaded: set[tuple[str, object]] = set()
     mtp = model.config.mla.mtp_layers if model.config.mla is not None else 0
     skipped_mtp = 0
     kv_scales = KvScaleReader(model)
-    tensors = checkpoint_tensors(model_dir)
+    spec = GGUF_SPEC if gguf_quantized else model.config.quantization
+    tensors = checkpoint_tensors(model_dir, gguf_blocks=gguf_quantized)
     if dequantized_at_load(model.config.quantization):
         tensors = dequantized_tensors(tensors)
     for ckpt_name, st_slice in tensors:
@@ -96,11 +104,12 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter in "
                              f"{type(model).__name__} (looked for {name!r})")
         param = params[name]
+        if isinstance(st_slice, GGUFTensor) and not getattr(param, "takes_gguf", False):
+            st_slice = st_slice.dequantize()  # norms, embeddings: full precision
         _refuse_unscaled(ckpt_name, st_slice, param)
         loader = getattr(param, "weight_loader", _load_replicated)
         fused = _fused_parts(model, name, shard)
-        if fused is not None and model.config.quantization is not None \
-                and not dequantized_at_load(model.config.quantization):
+        if fused is not None and spec is not None and not dequantized_at_load(spec):
             raise QuantizationError(f"{ckpt_name}: a fused checkpoint tensor in a quantized "
                                     "checkpoint is not supported")
         if fused is None:
@@ -289,6 +298,22 @@ def check_quantized_model(spec: QuantSpec, config: ModelConfig, parallel: Parall
                                 "weights; it does not apply to a quantized checkpoint")
 
 
+GGUF_SPEC = QuantSpec("gguf", GgufScheme())
+
+
+def keeps_gguf_quantized(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+                         parallel: ParallelContext, load_format: str) -> bool:
+    """A GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks (``quant/gguf_int``)
+    where the native int kernel runs them: on CPU, float32 or bfloat16, one rank, the native
+    library built. Elsewhere they are dequantized at load, as every other GGUF type is."""
+    if gguf_file(model_dir) is None or load_format != "auto" or device.type != "cpu" or \
+            dtype not in (torch.float32, torch.bfloat16) or parallel.world_size != 1:
+        return False
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    return unavailable_reason() is None
+
+
 def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
                 parallel: ParallelContext, max_positions: int, dtype: torch.dtype,
                 device: torch.device, load_format: str = "auto",
@@ -306,6 +331,10 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         spec = None  # built, loaded and run full precision
     if spec is not None:
         check_quantized_model(spec, config, parallel, load_format)
+    gguf_quantized = spec is None and keeps_gguf_quantized(model_dir, device, dtype, parallel,
+                                                           load_format)
+    if gguf_quantized:
+        spec = GGUF_SPEC
     cls = model_class(config.architecture)
     with linear_weights_deferred() if spec is not None else nullcontext():
         model = cls(config, parallel, backend, max_positions, dtype, device)
@@ -314,7 +343,7 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, gguf_quantized)
     if spec is not None:
         finalize_quantized(model)
     if model.kernels.choice.linear == "onednn":

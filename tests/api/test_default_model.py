@@ -161,6 +161,40 @@ def test_greedy_chat_answers_equal_transformers(llm, reference) -> None:
     assert "Paris" in outputs[0].outputs[0].text
 
 
+def test_linear_weights_stay_in_their_q4_1_blocks(llm, gguf: Path, monkeypatch) -> None:
+    """The default model serves its Q4_1 linear layers on the native int kernel (the greedy
+    and logprob tests above run on them); its resident weights against the same file
+    dequantized to float32 at load, as it was served before."""
+    from shoal.kernels.native_cpu import unavailable_reason
+    from shoal.runtime.attention.selector import get_attention_backend
+    from shoal.runtime.model import loader
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.model.linear import _Linear
+    from shoal.runtime.model.parallel import ParallelContext
+
+    from ..model.test_quant_memory import resident_weight_bytes
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"native library: {unavailable_reason()}")
+    model = llm.engine.executor.worker.runner.model
+    linears = [m for m in model.modules() if isinstance(m, _Linear)]
+    assert len(linears) == 30 * 4  # qkv, o, gate_up, down
+    assert all(m.int_packed_codes.dtype == torch.uint8 for m in linears)
+    assert all(m.int_packed_scales.shape[1] == m.int_packed_codes.shape[1] // 16
+               for m in linears)  # 4-bit codes, a scale per 32
+    monkeypatch.setattr(loader, "keeps_gguf_quantized", lambda *args: False)
+    config = load_model_config(gguf)
+    cpu = torch.device("cpu")
+    backend = get_attention_backend("cpu", cpu, torch.float32, config.attention_features)
+    dense = loader.build_model(config, gguf, backend, ParallelContext(0, 1), 64, torch.float32,
+                               cpu)
+    kept, dequantized = resident_weight_bytes(model), resident_weight_bytes(dense)
+    print(f"default model resident weights: {kept / 2**20:.1f} MiB kept quantized, "
+          f"{dequantized / 2**20:.1f} MiB dequantized to float32 ({kept / dequantized:.3f}x)")
+    # the Q4_1 layers: 4-bit codes + a float32 scale and offset per 32 = 6 bits a weight
+    assert kept / dequantized < 0.5
+
+
 FP8_PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
                "Once upon a time, in a small village,", "The three primary colors are",
                "Water boils at", "In machine learning, a neural network"]

@@ -117,15 +117,57 @@ def test_token_ids_and_chat_template_equal_transformers(gguf_files, name: str) -
         assert reference(TEXTS[0]).input_ids[0] == reference.bos_token_id
 
 
-def test_engine_greedy_equals_transformers_on_the_file(gguf_files) -> None:
-    """The served path on a GGUF (config, tokenizer, weights from the file) matches HF's
-    GGUF loading token for token (float32)."""
+def _native() -> bool:
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    return unavailable_reason() is None
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_blocks_kept_quantized_equal_the_gguf_dequantization(gguf_files, name: str) -> None:
+    """Q4_0/Q4_1/Q8_0 in the int kernel's layout (llama's q/k rows un-permuted) give back the
+    gguf package's dequantized values exactly; other types are not taken."""
+    if not _native():
+        pytest.skip("the native library does not build here")
+    from shoal.runtime.model.gguf_checkpoint import GGUFCheckpoint
+    from shoal.runtime.model.quant.gguf_int import KERNEL_TYPES, gguf_packed
+
+    from shoal.kernels.int_matmul_cpu import dequantize
+
+    seen = set()
+    for tensor in GGUFCheckpoint(gguf_files[name]).tensors():
+        packed = gguf_packed(tensor)
+        if tensor.ggml_type not in KERNEL_TYPES:
+            assert packed is None, tensor.gguf_name
+            continue
+        assert packed is not None
+        seen.add(tensor.ggml_type)
+        assert torch.equal(dequantize(packed), tensor.dequantize()), tensor.gguf_name
+    assert seen == ({"Q8_0", "Q4_1"} if name == "llama" else {"Q4_0"})
+
+
+# layers left dense: a fused layer whose parts the kernel cannot take as one (Q8_0 gate with a
+# Q4_1 up; an F16 v beside Q4_0 q and k)
+DENSE_LAYERS = {"llama": {"model.layers.0.mlp.gate_up_proj"},
+                "qwen2": {"model.layers.1.self_attn.qkv_proj"}}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_engine_greedy_equals_transformers_on_the_file(gguf_files, name: str) -> None:
+    """The served path on a GGUF (config, tokenizer, weights from the file, kept in their
+    blocks on CPU) matches HF's GGUF loading, which dequantizes, token for token (float32)."""
     from shoal.runtime.llm import LLM
+    from shoal.runtime.model.linear import _Linear
     from shoal.runtime.sampling_params import SamplingParams
 
-    path = gguf_files["llama"]
+    path = gguf_files[name]
     reference, tokenizer = hf_from_gguf(path)
     llm = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64)
+    if _native():
+        model = llm.engine.executor.worker.runner.model  # type: ignore[attr-defined]
+        dense = {n for n, m in model.named_modules()
+                 if isinstance(m, _Linear) and not hasattr(m, "int_packed_codes")}
+        assert dense == DENSE_LAYERS[name]
     prompts = ["Once upon a time", "The weather today"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                    ignore_eos=True))

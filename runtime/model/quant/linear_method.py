@@ -18,6 +18,7 @@ from shoal.runtime.model.linear import _Linear
 from shoal.runtime.model.quant.spec import (
     Fp8BlockScheme,
     Fp8ChannelScheme,
+    GgufScheme,
     IntWeightScheme,
     QuantizationError,
     QuantSpec,
@@ -52,6 +53,10 @@ def method_for(spec: QuantSpec) -> QuantMethod:
         from shoal.runtime.model.quant.int_weight import IntWeightMethod
 
         return IntWeightMethod(spec.scheme)
+    if isinstance(spec.scheme, GgufScheme):
+        from shoal.runtime.model.quant.gguf_int import GgufMethod
+
+        return GgufMethod()
     raise QuantizationError(f"{spec.method}: no kernels for {spec.scheme}")
 
 

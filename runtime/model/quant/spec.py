@@ -58,7 +58,14 @@ class Mxfp4Scheme:
     are loaded, so the model runs full precision; every other tensor is stored so."""
 
 
-Scheme = Fp8BlockScheme | Fp8ChannelScheme | IntWeightScheme | Mxfp4Scheme
+@dataclass(frozen=True)
+class GgufScheme:
+    """A GGUF file's linear weights: Q4_0/Q4_1/Q8_0 kept as they are stored, any other type
+    dequantized at load (``quant/gguf_int.py``). Not read from a config.json: chosen by the
+    loader for a GGUF file it serves on CPU (``loader.keeps_gguf_quantized``)."""
+
+
+Scheme = Fp8BlockScheme | Fp8ChannelScheme | IntWeightScheme | Mxfp4Scheme | GgufScheme
 
 
 @dataclass(frozen=True)
