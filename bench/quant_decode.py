@@ -1,6 +1,12 @@
 """Decode throughput of quantized checkpoints against the same model in float32 (the CPU default) or bf16,
 through the offline engine (``LLM.generate``), at several batch sizes, in one run.
 
+The ``gguf-*`` modes serve the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF with a Q8_0
+embedding) instead: ``gguf-q`` as the engine loads it (its Q4_1 linear layers kept in their
+blocks, on the native int kernel), ``gguf-f32`` with every tensor dequantized to float32 at
+load, as before the kernel (``loader.keeps_gguf_quantized`` patched off in this process).
+Each mode also prints the model's resident weight bytes.
+
 The model has Qwen3-0.6B's layer shapes (hidden 1024, MLP 3072, 16 query heads and 8 KV heads
 of 128) with ``--layers`` layers and the test tokenizer's 1024-token vocabulary, random weights;
 it is quantized by ``make_quant_model`` (compressed-tensors int4 group 128 through the
@@ -10,10 +16,11 @@ counts generated tokens over the call's wall time (the short prefill included). 
 load moves every row: compare rows of one run.
 
     .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
-        [--modes f32,int4-w4a16,fp8-block]
+        [--modes f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32]
 
-On a CPU without AVX-512 (AVX2 only), torch's packed int4 and int8 CPU GEMMs run far below
-float32 (docs/benchmarks.md): expect the int4 rows to take minutes there.
+int4 runs on the native weight-only kernel (``shoal/kernels/int_matmul_cpu.c``) wherever the
+native library builds; without a C compiler it falls back to torch's packed int4 op, which
+runs far below float32 on a CPU without AVX-512 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,10 +38,10 @@ MODES = {  # name -> (checkpoint format or None for the dense one, engine dtype)
     "int4-w4a16": ("ct-w4-group128", "float32"),
     "fp8-block": ("fp8-block128", "float32"),
     "int4-bf16": ("ct-w4-group128", "bfloat16"),
+    "gguf-q": ("gguf", "float32"),  # the default model, Q4_1 layers kept quantized
+    "gguf-f32": ("gguf", "float32"),  # the same file dequantized to float32 at load
 }
-# bf16 dense on a CPU without AVX512-BF16 (this AVX2 machine) took 102 s for 16 tokens at batch
-# 1 (load average ~18): the default compares against float32, the engine's CPU default
-DEFAULT_MODES = "f32,int4-w4a16,fp8-block"
+DEFAULT_MODES = "f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32"
 
 
 def dense_checkpoint(layers: int) -> Path:
@@ -64,9 +71,12 @@ def dense_checkpoint(layers: int) -> Path:
 
 def checkpoint(dense: Path, fmt: str | None) -> Path:
     from shoal.runtime.model.make_quant_model import make_quant_model
+    from shoal.runtime.model_source import default_model
 
     if fmt is None:
         return dense
+    if fmt == "gguf":
+        return default_model()
     out = dense.with_name(f"{dense.name}-{fmt}")
     if not (out / "config.json").exists():
         make_quant_model(dense, fmt, out.with_name(out.name + ".tmp"))
@@ -74,12 +84,33 @@ def checkpoint(dense: Path, fmt: str | None) -> Path:
     return out
 
 
+def resident_bytes(model) -> int:
+    """Parameters and buffers, each storage once, plus oneDNN-packed copies (as
+    tests/model/test_quant_memory.py counts them)."""
+    seen = {}
+    for tensor in model.state_dict().values():
+        if tensor.device.type != "meta":
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)
+
+
 def run(mode: str, model_dir: Path, dtype: str, batches: list[int], tokens: int) -> dict:
     from shoal.runtime.llm import LLM
+    from shoal.runtime.model import loader
     from shoal.runtime.sampling_params import SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, num_kv_blocks=max(batches) * 4 + 8,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(512, 8 * max(batches)))
+    keeps = loader.keeps_gguf_quantized
+    if mode == "gguf-f32":
+        loader.keeps_gguf_quantized = lambda *args: False  # type: ignore[assignment]
+    try:
+        llm = LLM(str(model_dir), dtype=dtype, num_kv_blocks=max(batches) * 4 + 8,
+                  max_num_seqs=max(batches),
+                  max_num_batched_tokens=max(512, 8 * max(batches)))
+    finally:
+        loader.keeps_gguf_quantized = keeps  # type: ignore[assignment]
+    model = llm.engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    print(f"{mode:>11} resident weights {resident_bytes(model) / 2**20:.1f} MiB", flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], params)  # warm-up
     rows = {}
@@ -109,10 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         fmt, dtype = MODES[mode]
         results[mode] = run(mode, checkpoint(dense, fmt), dtype, batches, args.tokens)
-    base_name = next(iter(results))
-    for mode, rows in results.items():
-        ratios = ", ".join(f"b{b} {rows[b] / results[base_name][b]:.2f}x" for b in batches)
-        print(f"{mode:>11} vs {base_name}: {ratios}")
+    # the Qwen3-shaped modes against its dense float32 and bf16 runs; the GGUF ones against
+    # the dequantized file
+    for base_name in ("f32", "bf16", "gguf-f32"):
+        if base_name not in results:
+            continue
+        gguf_base = base_name.startswith("gguf")
+        for mode, rows in results.items():
+            if mode == base_name or mode.startswith("gguf") != gguf_base:
+                continue
+            ratios = ", ".join(f"b{b} {rows[b] / results[base_name][b]:.2f}x" for b in batches)
+            print(f"{mode:>11} vs {base_name}: {ratios}")
     print(json.dumps({"load_average": os.getloadavg(), "results": results}))
     return 0
 

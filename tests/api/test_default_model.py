@@ -165,12 +165,13 @@ def test_linear_weights_stay_in_their_q4_1_blocks(llm, gguf: Path, monkeypatch) 
     """The default model serves its Q4_1 linear layers on the native int kernel (the greedy
     and logprob tests above run on them); its resident weights against the same file
     dequantized to float32 at load, as it was served before."""
-    from shoal.kernels.native_cpu import unavailable_reason
     from shoal.runtime.attention.selector import get_attention_backend
     from shoal.runtime.model import loader
     from shoal.runtime.model.config import load_model_config
     from shoal.runtime.model.linear import _Linear
     from shoal.runtime.model.parallel import ParallelContext
+
+    from shoal.kernels.native_cpu import unavailable_reason
 
     from ..model.test_quant_memory import resident_weight_bytes
 
