@@ -172,6 +172,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
                         help="uncached prompt tokens above which a prefill engine computes "
                              "the prompt (default 256)")
+    parser.add_argument("--pd-sidecar", action="store_true",
+                        help="the decode side of --epp's P/D (llm-d's routing sidecar): in "
+                             "front of one decode engine (--backend), run the prefill leg on "
+                             "the engine the picker names in x-prefiller-host-port, one of "
+                             "--prefill-backend; no header: the engine computes the prompt")
     add_security_flags(parser)
     parser.set_defaults(func=_main)
 
@@ -203,7 +208,8 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         quarantine_window=args.quarantine_window,
         # shoal route's own (shoal fleet starts no prefill engines)
         prefill_backends=list(getattr(args, "prefill_backend", [])),
-        pd_threshold=getattr(args, "pd_threshold", RouterConfig.pd_threshold))
+        pd_threshold=getattr(args, "pd_threshold", RouterConfig.pd_threshold),
+        pd_sidecar=getattr(args, "pd_sidecar", False))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -217,6 +223,8 @@ def _main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
     if args.epp:
+        if args.pd_sidecar:
+            raise SystemExit("shoal route: --pd-sidecar runs on the decode side, not in --epp")
         return _serve_epp(args)
     limits = ListenerLimits(max_connections=args.max_connections,
                             max_header_bytes=args.max_header_bytes,

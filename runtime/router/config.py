@@ -52,6 +52,9 @@ class RouterConfig:
     # tokens above which one computes the prompt before the decode replica
     prefill_backends: list[str] = field(default_factory=list)
     pd_threshold: int = 256
+    # the decode side of the Endpoint Picker's P/D (llm-d's routing sidecar): in front of one
+    # decode engine, the prefill leg runs on the replica the picker's header names
+    pd_sidecar: bool = False
 
     def edge_auth(self) -> EdgeAuth:
         keys = list(self.api_keys)
@@ -98,5 +101,10 @@ class RouterConfig:
                              "replica's cached prefix decides)")
         if self.pd_threshold < 0:
             raise ValueError("--pd-threshold must be >= 0")
+        if self.pd_sidecar and (self.discovery != "static" or len(self.backends) != 1
+                                or not self.prefill_backends):
+            raise ValueError("--pd-sidecar fronts one decode engine (one --backend) and "
+                             "needs --prefill-backend: the prefill addresses the picker's "
+                             "header may name")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")

@@ -12,3 +12,7 @@ RETRY_SAFE_HEADER = "x-shoal-retry-safe"
 TENANT_HEADER = "x-shoal-tenant"
 # The error code of a request that was running when its engine died (not retry-safe).
 ENGINE_DIED_CODE = "engine_died"
+# P/D through a gateway, llm-d's name for it: the endpoint picker names the prefill engine
+# (host:port) that computes the prompt; the decode endpoint's sidecar (``shoal route
+# --pd-sidecar``) runs that prefill leg first. Absent: the decode engine computes the prompt.
+PREFILLER_HEADER = "x-prefiller-host-port"

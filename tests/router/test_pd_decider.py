@@ -1,13 +1,19 @@
-"""The router's P/D decisions (runtime/router/proxy/pd.py): which prompts a prefill replica
-computes, and the prefill leg's body (vLLM's proxy flow)."""
+"""P/D's decisions, the same for the router and the Endpoint Picker
+(runtime/router/policies/pd_decider.py): which prompts a prefill replica computes, which one;
+the prefill leg's body (vLLM's proxy flow); the sidecar's reading of the picker's header."""
 
 from __future__ import annotations
 
 import pytest
 from shoal.runtime.router.config import RouterConfig
-from shoal.runtime.router.policies.base import Decision
+from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot
+from shoal.runtime.router.policies.pd_decider import (
+    least_loaded,
+    uncached_tokens,
+    wants_remote_prefill,
+)
 from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
-from shoal.runtime.router.proxy.pd import prefill_request, uncached_tokens, wants_remote_prefill
+from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillOutcome, prefill_request
 
 CONFIG = KeyConfig(block_size=16, chars_per_block=64)
 
@@ -57,3 +63,29 @@ def test_prefill_backends_need_the_cache_affinity_policy_and_a_sane_threshold():
     with pytest.raises(ValueError, match="--pd-threshold"):
         RouterConfig(backends=["http://d"], prefill_backends=["http://p"],
                      pd_threshold=-1).validate()
+
+
+def test_the_least_loaded_prefill_replica_takes_the_prompt():
+    replicas = [ReplicaSnapshot("http://b", in_flight=1), ReplicaSnapshot("http://a", 1),
+                ReplicaSnapshot("http://c", num_waiting=0)]
+    assert least_loaded(replicas).url == "http://c"
+    assert least_loaded(replicas[:2]).url == "http://a"  # a tie: the url decides
+
+
+def test_the_sidecar_follows_only_an_allowed_prefill_address():
+    sidecar = HeaderPrefill(["http://10.0.0.7:8000", "prefill.ns.svc:8000"])
+    assert sidecar.target([]) is None  # no header: the decode engine computes the prompt
+    assert sidecar.target(["10.0.0.7:8000"]) == "http://10.0.0.7:8000"
+    assert sidecar.target([" prefill.ns.svc:8000 , 10.0.0.7:8000"]) == \
+        "http://prefill.ns.svc:8000"  # comma-joined: the first, as llm-d's sidecar
+    refused = sidecar.target(["169.254.169.254:80"])
+    assert isinstance(refused, PrefillOutcome) and refused.decision == "refused"
+
+
+def test_a_sidecar_needs_one_decode_engine_and_the_prefill_addresses():
+    RouterConfig(backends=["http://d"], prefill_backends=["http://p"], pd_sidecar=True).validate()
+    for bad in (RouterConfig(backends=["http://d"], pd_sidecar=True),
+                RouterConfig(backends=["http://d", "http://e"], prefill_backends=["http://p"],
+                             pd_sidecar=True)):
+        with pytest.raises(ValueError, match="--pd-sidecar"):
+            bad.validate()

@@ -3,7 +3,8 @@
 in one asyncio loop until SIGTERM/SIGINT.
 
 The same RouterConfig as the proxy (so every routing flag means the same in both modes);
-the proxy-only parts (retries over HTTP, the ASGI app) are not built.
+the proxy-only parts (retries over HTTP, the ASGI app) are not built. ``--prefill-backend``
+adds the prefill pool P/D picks from (health and load watched as the proxy's is).
 """
 
 from __future__ import annotations
@@ -27,11 +28,18 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[Endpoint
     config.validate()
     tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
     policy = policy_of(config)
-    fleet = FleetView(config, policy, ReplicaPool(config.health_interval, config.scrape_interval,
-                                                  metrics_port=config.engine_metrics_port))
+    def engine_pool() -> ReplicaPool:
+        return ReplicaPool(config.health_interval, config.scrape_interval,
+                           metrics_port=config.engine_metrics_port)
+
+    fleet = FleetView(config, policy, engine_pool())
     key_config = KeyConfig(config.block_size, config.chars_per_block, config.model_revision)
+    prefill = engine_pool() if config.prefill_backends else None
+    if prefill is not None:
+        prefill.sync(set(config.prefill_backends))
     picker = EndpointPicker(fleet.pool, policy, key_config, tokenizer,
-                            endpoints_per_pick=config.max_attempts, shed_limit=shed_limit)
+                            endpoints_per_pick=config.max_attempts, shed_limit=shed_limit,
+                            prefill_pool=prefill, pd_threshold=config.pd_threshold)
     return picker, fleet
 
 
@@ -46,14 +54,21 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
         picker.tokenizer = fetched
 
     fleet.start(install if picker.tokenizer is None else None)
+    if picker.prefill_pool is not None:
+        picker.prefill_pool.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
         await fleet.pool.wait_first_check(timeout=config.health_interval * 2 + 5)
+        if picker.prefill_pool is not None:  # not a condition of readiness: no P/D is a
+            # fallback (decode computes the prompt), not an outage
+            await picker.prefill_pool.wait_first_check(timeout=config.health_interval * 2 + 5)
         await server.set_ready(True)
         await stop.wait()
     finally:
         await server.stop()
         await fleet.stop()
+        if picker.prefill_pool is not None:
+            await picker.prefill_pool.stop()

@@ -7,6 +7,14 @@ excluded, which is the order the proxy would retry in. The EPP never sees the re
 bytes go by, but the ext_proc stream lives as long as the request, so a pick counts as in
 flight on its replica until the stream ends: that is the bounded-load input here, as the
 proxied request is for the proxy.
+
+P/D (``--prefill-backend``), as llm-d's P/D profile handler: the decode endpoint is picked
+first, exactly as above; then the proxy's own decision (``policies/pd_decider.py``: uncached
+prompt tokens on that endpoint over ``--pd-threshold``) says whether a prefill endpoint, the
+least loaded of the prefill pool, computes the prompt. It rides in the ``Pick`` and goes to
+the data plane in llm-d's ``x-prefiller-host-port`` header; the decode endpoint's sidecar
+(``shoal route --pd-sidecar``) runs the prefill leg there. The prefill endpoint counts the
+request in flight until the response starts (the sidecar has finished the prefill leg by then).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass
 from shoal.runtime.router.epp.protocol import Refusal
 from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot, RoutingPolicy
 from shoal.runtime.router.policies.lora_affinity import adapter_for_keys, model_of, prefer_adapter
+from shoal.runtime.router.policies.pd_decider import least_loaded, wants_remote_prefill
 from shoal.runtime.router.policies.request_keys import (
     KeyConfig,
     MalformedBody,
@@ -38,6 +47,8 @@ class Pick:
     url: str  # the primary replica, as the pool names it (http://ip:port)
     endpoints: tuple[str, ...]  # primary first, then fallbacks, as ip:port
     matched_blocks: int = 0
+    prefill_url: str | None = None  # P/D: the prefill replica, as its pool names it
+    prefill: str | None = None  # its ip:port for the header
 
 
 def endpoint_of(url: str) -> str:
@@ -66,7 +77,8 @@ def choose_endpoints(policy: RoutingPolicy, keys: RequestKeys | None,
 class EndpointPicker:
     def __init__(self, pool: ReplicaPool, policy: RoutingPolicy, key_config: KeyConfig,
                  tokenizer: PromptTokenizer | None = None, endpoints_per_pick: int = 3,
-                 shed_limit: int | None = None) -> None:
+                 shed_limit: int | None = None, prefill_pool: ReplicaPool | None = None,
+                 pd_threshold: int = 256) -> None:
         if endpoints_per_pick < 1:
             raise ValueError("endpoints per pick must be >= 1")
         self.pool = pool
@@ -75,6 +87,8 @@ class EndpointPicker:
         self.tokenizer = tokenizer
         self.endpoints_per_pick = endpoints_per_pick
         self.shed_limit = shed_limit
+        self.prefill_pool = prefill_pool  # P/D: None, every prompt is computed where it decodes
+        self.pd_threshold = pd_threshold
         pool.on_change.append(policy.sync)
         policy.sync(set(pool.replicas))
 
@@ -126,8 +140,31 @@ class EndpointPicker:
         replica.requests += 1
         if primary.matched_blocks:
             replica.affinity_hits += 1
+        prefill = self._prefill_for(path, keys, primary)
         return Pick(primary.url, tuple(endpoint_of(d.url) for d in decisions),
-                    primary.matched_blocks)
+                    primary.matched_blocks, prefill,
+                    endpoint_of(prefill) if prefill is not None else None)
+
+    def _prefill_for(self, path: str, keys: RequestKeys | None,
+                     decode: Decision) -> str | None:
+        """P/D: the prefill replica for this prompt, or None (decode computes it)."""
+        if self.prefill_pool is None or path.split("?", 1)[0] not in KEYED_PATHS:
+            return None
+        if not wants_remote_prefill(keys, decode, self.key_config, self.pd_threshold):
+            return None
+        candidates = self.prefill_pool.available()
+        if not candidates:  # the decode endpoint computes the prompt, as the proxy's fallback
+            return None
+        replica = self.prefill_pool.replicas[
+            least_loaded([r.snapshot() for r in candidates]).url]
+        replica.in_flight += 1
+        replica.requests += 1
+        return replica.url
+
+    def release_prefill(self, url: str) -> None:
+        replica = self.prefill_pool.replicas.get(url) if self.prefill_pool else None
+        if replica is not None and replica.in_flight > 0:
+            replica.in_flight -= 1
 
     def served_elsewhere(self, pick: Pick, served: str) -> str:
         """The data plane reports a fallback served it: the in-flight count moves there."""

@@ -10,6 +10,9 @@ served the request under ``envoy.lb`` / ``x-gateway-destination-endpoint-served`
 What the EPP answers: the picked ``ip:port`` (then fallbacks, comma separated) in the header
 ``x-gateway-destination-endpoint`` and the same string in ``dynamic_metadata["envoy.lb"]``,
 or an ImmediateResponse: 503 when no endpoint is ready, 429 when the request is shed.
+With P/D (llm-d's extension, not the protocol's): the prefill endpoint in the header
+``x-prefiller-host-port``, or that header removed when the decode endpoint computes the prompt
+(a client must not choose where the sidecar sends prompts; llm-d's EPP clears it too).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from shoal.contract.errors import error_json
+from shoal.contract.headers import PREFILLER_HEADER
 
 PROTOCOL_VERSION = "v1.0.0"
 DESTINATION_ENDPOINT_KEY = "x-gateway-destination-endpoint"
@@ -91,13 +95,28 @@ def destination_value(endpoints: Sequence[str]) -> str:
     return ",".join(endpoints)
 
 
-def _destination_common(value: str) -> ext_proc.CommonResponse:
-    header = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION_ENDPOINT_KEY, raw_value=value.encode()),
+@dataclass(frozen=True)
+class PrefillHint:
+    """P/D in the picker: ``endpoint`` (ip:port) computes the prompt; None: nobody does
+    before the decode endpoint, and a header the client sent is removed."""
+
+    endpoint: str | None
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _destination_common(value: str, prefill: PrefillHint | None) -> ext_proc.CommonResponse:
+    mutation = ext_proc.HeaderMutation(set_headers=[_set(DESTINATION_ENDPOINT_KEY, value)])
+    if prefill is not None and prefill.endpoint is not None:
+        mutation.set_headers.append(_set(PREFILLER_HEADER, prefill.endpoint))
+    elif prefill is not None:
+        mutation.remove_headers.append(PREFILLER_HEADER)
     # the route (and so the cluster) is chosen again with the new header in place
-    return ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(set_headers=[header]),
-                                   clear_route_cache=True)
+    return ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)
 
 
 def _destination_metadata(value: str) -> struct_pb2.Struct:
@@ -107,20 +126,22 @@ def _destination_metadata(value: str) -> struct_pb2.Struct:
     return metadata
 
 
-def headers_destination(endpoints: Sequence[str]) -> ext_proc.ProcessingResponse:
+def headers_destination(endpoints: Sequence[str], prefill: PrefillHint | None = None,
+                        ) -> ext_proc.ProcessingResponse:
     """The pick as the answer to the request headers (bodyless requests, full duplex)."""
     value = destination_value(endpoints)
     return ext_proc.ProcessingResponse(
-        request_headers=ext_proc.HeadersResponse(response=_destination_common(value)),
+        request_headers=ext_proc.HeadersResponse(response=_destination_common(value, prefill)),
         dynamic_metadata=_destination_metadata(value))
 
 
-def body_destination(endpoints: Sequence[str]) -> ext_proc.ProcessingResponse:
+def body_destination(endpoints: Sequence[str], prefill: PrefillHint | None = None,
+                     ) -> ext_proc.ProcessingResponse:
     """The pick as the answer to the last body message (BUFFERED, STREAMED): Envoy still holds
     the request headers then, so the mutation applies before the route is chosen."""
     value = destination_value(endpoints)
     return ext_proc.ProcessingResponse(
-        request_body=ext_proc.BodyResponse(response=_destination_common(value)),
+        request_body=ext_proc.BodyResponse(response=_destination_common(value, prefill)),
         dynamic_metadata=_destination_metadata(value))
 
 

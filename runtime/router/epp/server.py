@@ -91,6 +91,7 @@ class Exchange:
     full_duplex_response: bool = False
     pick: Pick | None = None
     url: str | None = None  # where the in-flight count sits
+    prefill_url: str | None = None  # P/D: the prefill replica's in-flight count, until the answer
     done: bool = False  # an immediate response ended the exchange
 
     async def handle(self, request: ext_proc.ProcessingRequest) -> list[
@@ -130,6 +131,7 @@ class Exchange:
                       if request.HasField("metadata_context") else None)
             if served and self.pick is not None:
                 self.url = self.picker.served_elsewhere(self.pick, served)
+            self._release_prefill()  # the sidecar's prefill leg ends before the answer starts
             return [wire.response_continue(kind)]
         if kind == "response_body" and self.full_duplex_response:
             body = request.response_body
@@ -150,10 +152,13 @@ class Exchange:
         self.pick = result
         if self.url is None:
             self.url = result.url
+            self.prefill_url = result.prefill_url
+        # P/D configured: say which prefill endpoint, or clear a header the client sent
+        hint = wire.PrefillHint(result.prefill) if self.picker.prefill_pool is not None else None
         if not headers_phase:
             self._drop_body()
-            return [wire.body_destination(result.endpoints)]
-        answer = [wire.headers_destination(result.endpoints)]
+            return [wire.body_destination(result.endpoints, hint)]
+        answer = [wire.headers_destination(result.endpoints, hint)]
         if self.full_duplex_request and self.body:
             answer += wire.body_streamed_back(bytes(self.body))
         elif self.full_duplex_request:  # headers did not end the stream, but the body was empty
@@ -169,9 +174,15 @@ class Exchange:
     def close(self) -> None:
         """Every way a stream ends: its body bytes and its in-flight count go back."""
         self._drop_body()
+        self._release_prefill()
         if self.url is not None:
             self.picker.release(self.url)
             self.url = None
+
+    def _release_prefill(self) -> None:
+        if self.prefill_url is not None:
+            self.picker.release_prefill(self.prefill_url)
+            self.prefill_url = None
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):

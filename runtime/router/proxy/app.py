@@ -34,6 +34,7 @@ from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.policies.base import SPILL_LOAD_CAP, Decision, RoutingPolicy
 from shoal.runtime.router.policies.lora_affinity import adapter_for_keys, model_of, prefer_adapter
+from shoal.runtime.router.policies.pd_decider import wants_remote_prefill
 from shoal.runtime.router.policies.request_keys import (
     KeyConfig,
     PromptTokenizer,
@@ -52,13 +53,13 @@ from shoal.runtime.router.proxy.asgi import (
 )
 from shoal.runtime.router.proxy.hold_queue import CapacityHold
 from shoal.runtime.router.proxy.metrics import RouterMetrics
-from shoal.runtime.router.proxy.pd import PrefillStage, wants_remote_prefill
+from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillStage
 from shoal.runtime.router.proxy.poison import FailedRequests, fingerprint
 from shoal.runtime.router.replicas.pool import ReplicaPool
 from shoal.runtime.router.replicas.response_home import HomeGone, response_home
 
 from shoal.contract.errors import error_json
-from shoal.contract.headers import ENGINE_DIED_CODE, RETRY_SAFE_HEADER
+from shoal.contract.headers import ENGINE_DIED_CODE, PREFILLER_HEADER, RETRY_SAFE_HEADER
 
 log = logging.getLogger("shoal.router.proxy")
 
@@ -113,7 +114,7 @@ class RouterApp:
                  on_startup: Callable[[], Awaitable[None]] | None = None,
                  on_shutdown: Callable[[], Awaitable[None]] | None = None,
                  hold: CapacityHold | None = None,
-                 prefill: PrefillStage | None = None) -> None:
+                 prefill: PrefillStage | HeaderPrefill | None = None) -> None:
         self.pool = pool
         self.prefill = prefill  # P/D: prefill replicas, used when the prompt is worth it
         self.hold = hold  # scale from zero: wait for a replica instead of a 503
@@ -364,13 +365,20 @@ class RouterApp:
                              keys: RequestKeys | None, decision: Decision) -> bytes:
         """P/D: the body the decode replica gets (``pd.py``): as it came, or with the
         kv_transfer_params of a prefill replica that computed the prompt."""
+        # the picker's header is for this hop only: neither engine is to see it
+        named = headers.popall(PREFILLER_HEADER, [])
         if self.prefill is None or path not in ROUTED_PATHS:
             return body
+        assert self.session is not None
+        if isinstance(self.prefill, HeaderPrefill):  # a sidecar: the picker has decided
+            sidecar = await self.prefill.run(self.session, path, body, headers, named,
+                                             self.settings.first_byte_timeout)
+            self.metrics.pd_decisions.labels(sidecar.decision if sidecar else "local").inc()
+            return sidecar.body if sidecar else body
         if not wants_remote_prefill(keys, decision, self.settings.key_config,
                                     self.prefill.threshold):
             self.metrics.pd_decisions.labels("local").inc()
             return body
-        assert self.session is not None
         outcome = await self.prefill.run(self.session, path, body, headers,
                                          self.settings.first_byte_timeout)
         self.metrics.pd_decisions.labels(outcome.decision).inc()

@@ -1,17 +1,24 @@
-"""P/D disaggregation in the router: decode replica first, a prefill replica when worth it.
+"""P/D disaggregation in the router: the prefill leg, run before the decode replica's.
 
-The policy picks the decode replica as for any request (cache affinity, load); then, as
-llm-d's P/D decider does, the prompt tokens that replica is not believed to hold decide: above
-``--pd-threshold`` a prefill replica (the least loaded of ``--prefill-backend``) computes the
-prompt first, with vLLM's proxy flow (the request with ``kv_transfer_params.do_remote_decode``,
-``max_tokens`` 1, not streamed), and the decode replica gets the original request with the
+Two ways to say which prefill replica computes a prompt, one leg:
+
+* ``shoal route --prefill-backend``: the proxy picks the decode replica as for any request
+  (cache affinity, load); then the decision the Endpoint Picker makes too
+  (``policies/pd_decider.py``) says whether a prefill replica (the least loaded of
+  ``--prefill-backend``) computes the prompt first (``PrefillStage``);
+* ``shoal route --pd-sidecar`` in front of one decode engine, as llm-d's routing sidecar: the
+  Endpoint Picker has decided already and names the prefill replica in the request header
+  ``x-prefiller-host-port``; no header, no prefill leg (``HeaderPrefill``). The header is
+  honoured only for an address in ``--prefill-backend`` (a client-sent header must not make
+  the sidecar post prompts anywhere: llm-d's sidecar keeps an allowlist for the same reason).
+
+The leg is vLLM's proxy flow: the request with ``kv_transfer_params.do_remote_decode``,
+``max_tokens`` 1, not streamed, then the decode replica gets the original request with the
 ``kv_transfer_params`` the prefill answered, so it pulls the prompt's KV instead of computing
-it. Short or cached prompts go straight to the decode replica. A prefill leg that fails (no
-prefill replica ready, a connection error, a non-200, no params in the answer) is counted
-and the request goes to the decode replica as it came: it computes the prompt itself.
-
-Uncached tokens: with token-precise keys (a tokenizer), the prompt's tokens less the matched
-blocks'; with approximate keys, characters over ``CHARS_PER_TOKEN``.
+it. A prefill leg that fails (no prefill replica ready, a connection error, a non-200, no
+params in the answer) is counted and the request goes to the decode replica as it came: it
+computes the prompt itself (llm-d's sidecar answers the prefill's error instead; computing
+locally is slower but answers).
 """
 
 from __future__ import annotations
@@ -24,29 +31,15 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
-from shoal.runtime.router.policies.base import Decision
-from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
-from shoal.runtime.router.replicas.pool import Replica, ReplicaPool
+from shoal.runtime.router.policies.pd_decider import least_loaded
+from shoal.runtime.router.replicas.pool import ReplicaPool, normalize_url
+
+from shoal.contract.headers import PREFILLER_HEADER
 
 log = logging.getLogger("shoal.router.pd")
-CHARS_PER_TOKEN = 4  # approximate keys count characters; English text runs ~4 per token
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
                   "remote_port": None}
-
-
-def uncached_tokens(keys: RequestKeys, matched_blocks: int, config: KeyConfig) -> int:
-    """Prompt tokens the chosen replica is not believed to hold."""
-    if keys.precise:
-        return max(0, keys.num_units - matched_blocks * config.block_size)
-    return max(0, keys.num_units - matched_blocks * config.chars_per_block) // CHARS_PER_TOKEN
-
-
-def wants_remote_prefill(keys: RequestKeys | None, decision: Decision, config: KeyConfig,
-                         threshold: int) -> bool:
-    """No keys (a body the router cannot read): no P/D, the decode replica answers it."""
-    return keys is not None and uncached_tokens(keys, decision.matched_blocks,
-                                                config) > threshold
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -59,17 +52,52 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
-def least_loaded(replicas: list[Replica]) -> Replica:
-    return min(replicas, key=lambda r: (r.in_flight + r.metrics.waiting, r.url))
-
-
 @dataclass
 class PrefillOutcome:
     body: bytes  # what the decode replica gets
-    decision: str  # remote | failed
+    decision: str  # remote | failed | refused (a sidecar header naming no allowed replica)
+
+
+def splittable(body: bytes) -> dict[str, Any] | None:
+    """The request as JSON when a prefill leg may be cut from it: not one a proxy before us
+    split already (it carries kv_transfer_params)."""
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(request, dict) or "kv_transfer_params" in request:
+        return None
+    return request
+
+
+async def prefill_leg(session: aiohttp.ClientSession, url: str, path: str,
+                      request: dict[str, Any], body: bytes, headers: CIMultiDict,
+                      timeout_s: float) -> tuple[PrefillOutcome, BaseException | None]:
+    """Run the prefill on ``url``; the decode replica's body either way, and the transport
+    error when there was one (the caller decides whether it ejects the replica)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(f"{url}{path}",
+                                    data=json.dumps(prefill_request(request)).encode(),
+                                    headers=headers) as answer:
+                payload = await answer.read()
+                status = answer.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("prefill on %s failed (%r): the decode replica computes the prompt",
+                    url, exc)
+        return PrefillOutcome(body, "failed"), exc
+    params = _params_of(payload) if status == 200 else None
+    if params is None:
+        log.warning("prefill on %s answered %d without kv_transfer_params: the decode "
+                    "replica computes the prompt", url, status)
+        return PrefillOutcome(body, "failed"), None
+    return PrefillOutcome(json.dumps({**request, "kv_transfer_params": params}).encode(),
+                          "remote"), None
 
 
 class PrefillStage:
+    """The proxy's own choice of prefill replica (``--prefill-backend``, least loaded)."""
+
     def __init__(self, pool: ReplicaPool, threshold: int) -> None:
         if threshold < 0:
             raise ValueError("--pd-threshold must be >= 0")
@@ -78,41 +106,66 @@ class PrefillStage:
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: bytes,
                   headers: CIMultiDict, timeout_s: float) -> PrefillOutcome:
-        try:
-            request = json.loads(body)
-        except (ValueError, RecursionError):
+        request = splittable(body)
+        if request is None:
             return PrefillOutcome(body, "failed")
-        if not isinstance(request, dict) or "kv_transfer_params" in request:
-            return PrefillOutcome(body, "failed")  # not ours to split (a proxy before us)
         candidates = self.pool.available()
         if not candidates:
             log.warning("no prefill replica ready: the decode replica computes the prompt")
             return PrefillOutcome(body, "failed")
-        replica = least_loaded(candidates)
+        replica = self.pool.replicas[least_loaded([r.snapshot() for r in candidates]).url]
         replica.in_flight += 1
         try:
-            async with asyncio.timeout(timeout_s):
-                async with session.post(f"{replica.url}{path}",
-                                        data=json.dumps(prefill_request(request)).encode(),
-                                        headers=headers) as answer:
-                    payload = await answer.read()
-                    status = answer.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                self.pool.eject(replica.url, f"connect failed: {exc!r}")
-            log.warning("prefill on %s failed (%r): the decode replica computes the prompt",
-                        replica.url, exc)
-            return PrefillOutcome(body, "failed")
+            outcome, error = await prefill_leg(session, replica.url, path, request, body,
+                                               headers, timeout_s)
         finally:
             replica.in_flight -= 1
-        params = _params_of(payload) if status == 200 else None
-        if params is None:
-            log.warning("prefill on %s answered %d without kv_transfer_params: the decode "
-                        "replica computes the prompt", replica.url, status)
+        if isinstance(error, aiohttp.ClientConnectorError):
+            self.pool.eject(replica.url, f"connect failed: {error!r}")
+        if outcome.decision == "remote":
+            replica.requests += 1
+        return outcome
+
+
+class HeaderPrefill:
+    """The sidecar's prefill leg: the replica the Endpoint Picker named in
+    ``x-prefiller-host-port``, if ``--prefill-backend`` allows it."""
+
+    def __init__(self, allowed: list[str]) -> None:
+        self.allowed = {normalize_url(url) for url in allowed}
+
+    def target(self, values: list[str]) -> str | None | PrefillOutcome:
+        """The prefill replica's URL from the header's values; None: no header (decode
+        computes the prompt, the picker decided so); a refused outcome for an address not
+        allowed."""
+        # llm-d's sidecar takes the first of several (comma-joined by a proxy or repeated)
+        first = next((v.strip() for value in values for v in value.split(",") if v.strip()),
+                     None)
+        if first is None:
+            return None
+        url = normalize_url(first)
+        if url not in self.allowed:
+            log.warning("%s %r is not a --prefill-backend: the decode engine computes the "
+                        "prompt", PREFILLER_HEADER, first)
+            return PrefillOutcome(b"", "refused")
+        return url
+
+    async def run(self, session: aiohttp.ClientSession, path: str, body: bytes,
+                  headers: CIMultiDict, named: list[str],
+                  timeout_s: float) -> PrefillOutcome | None:
+        """``named``: the header's values. None: no prefill asked for; else the decode
+        engine's body and the decision."""
+        target = self.target(named)
+        if target is None:
+            return None
+        if isinstance(target, PrefillOutcome):
+            return PrefillOutcome(body, target.decision)
+        request = splittable(body)
+        if request is None:
             return PrefillOutcome(body, "failed")
-        replica.requests += 1
-        return PrefillOutcome(json.dumps({**request, "kv_transfer_params": params}).encode(),
-                              "remote")
+        outcome, _ = await prefill_leg(session, target, path, request, body, headers,
+                                       timeout_s)
+        return outcome
 
 
 def _params_of(payload: bytes) -> dict | None:

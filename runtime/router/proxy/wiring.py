@@ -1,5 +1,6 @@
 """Wiring of the proxy mode: the fleet view and policy (fleet_view.py) -> the proxy app, with
-the P/D prefill pool and the hold queue when the flags ask."""
+the P/D prefill pool (or, as --pd-sidecar, the picker's header) and the hold queue when the
+flags ask."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from shoal.runtime.router.fleet_view import FleetView, policy_of
 from shoal.runtime.router.policies.request_keys import KeyConfig, PromptTokenizer
 from shoal.runtime.router.proxy.app import ProxySettings, RouterApp
 from shoal.runtime.router.proxy.hold_queue import CapacityHold, HoldSettings
-from shoal.runtime.router.proxy.pd import PrefillStage
+from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillStage
 from shoal.runtime.router.replicas.capacity_request import CapacityRequester
 from shoal.runtime.router.replicas.discovery import KubernetesDiscovery
 from shoal.runtime.router.replicas.pool import ReplicaPool
@@ -34,7 +35,10 @@ def build_router(config: RouterConfig) -> RouterApp:
 
     fleet = FleetView(config, policy, engine_pool())
     pool = fleet.pool
-    prefill = PrefillStage(engine_pool(), config.pd_threshold) if config.prefill_backends else None
+    prefill = PrefillStage(engine_pool(), config.pd_threshold) \
+        if config.prefill_backends and not config.pd_sidecar else None
+    # a sidecar's prefill replica is the picker's choice: no pool of its own to watch
+    sidecar = HeaderPrefill(config.prefill_backends) if config.pd_sidecar else None
 
     def install(fetched: PromptTokenizer) -> None:
         app.tokenizer = fetched
@@ -68,5 +72,5 @@ def build_router(config: RouterConfig) -> RouterApp:
     hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue,
                                            config.hold_queue_bytes), ask)
     app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold,
-                    prefill=prefill)
+                    prefill=sidecar or prefill)
     return app
