@@ -49,6 +49,27 @@ CASES = {
                                          "max_output_tokens": 2, "tools": [
                                              {"type": "function", "name": "f",
                                               "description": BIG}]}),
+    "tool_name": ("/v1/chat/completions", {**CHAT, "messages": [USER], "tools": [
+        {"type": "function", "function": {"name": BIG}}]}),
+    "tool_call_name": ("/v1/chat/completions", {**CHAT, "messages": [USER, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": BIG, "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}),
+    "tool_message_content": ("/v1/chat/completions", {**CHAT, "messages": [
+        USER, {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {
+            "name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": BIG}]}),
+    "responses_function_call_name": ("/v1/responses", {
+        "model": "shoal-test", "max_output_tokens": 2, "input": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": BIG, "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}),
+    "responses_message_content": ("/v1/responses", {
+        "model": "shoal-test", "max_output_tokens": 2,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": BIG}]}]}),
+    "tokenize_prompt": ("/tokenize", {"model": "shoal-test", "prompt": BIG}),
+    "tokenize_content": ("/tokenize", {"model": "shoal-test",
+                                       "messages": [{**USER, "content": BIG}]}),
     "tokenize_tool_call": ("/tokenize", {"model": "shoal-test", "messages": [USER, CALL]}),
     "tokenize_tools": ("/tokenize", {"model": "shoal-test", "messages": [USER],
                                      "tools": [TOOL]}),
@@ -56,6 +77,16 @@ CASES = {
                                        "messages": [USER], "tools": [
                                            {"name": "f", "description": BIG,
                                             "input_schema": {"type": "object"}}]}),
+    "messages_tool_use_input": ("/v1/messages", {"model": "shoal-test", "max_tokens": 2,
+                                                 "messages": [USER, {
+                                                     "role": "assistant", "content": [{
+                                                         "type": "tool_use", "id": "t1",
+                                                         "name": "f",
+                                                         "input": {"x": BIG}}]}, {
+                                                     "role": "user", "content": [{
+                                                         "type": "tool_result",
+                                                         "tool_use_id": "t1",
+                                                         "content": "ok"}]}]}),
 }
 
 
@@ -83,6 +114,9 @@ def test_six_mib_in_a_template_visible_field_is_refused_while_health_answers(
         stop.set()
         watcher.join()
     assert 400 <= answer.status_code < 500, (field, answer.status_code, answer.text[:300])
+    # refused on its bytes (or its shape) before anything was tokenized: not "N tokens"
+    message = answer.json()["error"]["message"]
+    assert "bytes" in message or "at most" in message, (field, message)
     assert latencies and max(latencies) < 1.0, (field, max(latencies))
 
 

@@ -66,14 +66,14 @@ def assert_small_requests_never_waited(seen: list[tuple[str, int, float]],
     assert worst <= SMALL_WAIT_LIMIT_S, f"a small request waited {worst:.2f} s: {seen}"
 
 
-def assert_engines_serve(engines: list[str]) -> None:
+def assert_engines_serve(engines: list[str], choices: tuple[str, ...] = ("yes", "no")) -> None:
     for engine in engines:
         assert httpx.get(f"{engine}/health", timeout=5).status_code == 200
-        r = httpx.post(f"{engine}/v1/completions", timeout=60, json={
+        r = httpx.post(f"{engine}/v1/completions", timeout=120, json={
             "prompt": "pick", "max_tokens": 5,
-            "structured_outputs": {"choice": ["yes", "no"]}})
+            "structured_outputs": {"choice": list(choices)}})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] in ("yes", "no")
+        assert r.json()["choices"][0]["text"] in choices
 
 
 def test_a_choice_list_over_the_bounds_is_a_400_on_every_variant(fleet):
@@ -110,6 +110,9 @@ def test_a_grammar_over_the_compile_budget_is_a_400_and_the_engines_keep_serving
             assert error["param"] == "structured_outputs.grammar"
             assert "compile" in error["message"], error
             assert time.monotonic() - started < 30
-        time.sleep(0.5)
+        # The refused compile runs on in the background (~3 s idle, more when loaded) and
+        # the small requests keep being measured until it ends: a grammar new to each
+        # engine compiles on the same single compile thread, so it is answered only after
+        # the poison's compile has finished there.
+        assert_engines_serve(engines, choices=("yes", "no", "later"))
     assert_small_requests_never_waited(seen, engines)
-    assert_engines_serve(engines)
