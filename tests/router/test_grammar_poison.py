@@ -1,6 +1,8 @@
 """Issue 36: a grammar can never stall an engine's loop, nor walk the fleet. Two real engines
-behind `shoal route`; the poison is sent twice with only ``user`` changed (a new byte
-fingerprint), while small requests to both engines keep measuring how long they wait.
+behind `shoal route`; the poison is sent again with only ``user`` changed (a new byte
+fingerprint) until a variant has reached each engine, while small requests to both engines
+keep measuring how long they wait (each at most 2 s, the issue's bound), until the refused
+compiles have ended in the background.
 
 - over the bounds (a 200k-string choice list, ~4 MB): a 400 naming the field, before any work;
 - within the bounds but slow to compile (an 8,000-alternative EBNF grammar, ~180 KB: ~3 s
@@ -12,6 +14,7 @@ Both engines stay healthy and serve a constrained request afterwards."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -26,9 +29,20 @@ SMALL_WAIT_LIMIT_S = 2.0  # the issue's bound for a concurrent small request
 
 @pytest.fixture(scope="module")
 def fleet(engine_fleet_factory):
+    # least-load: variants of one poison spread over the engines (cache affinity would keep
+    # them on the first, which then refuses a repeat at once): the worst case for the fleet
     fleet = engine_fleet_factory(2, ["--max-model-len", "1024", "--num-kv-blocks", "256",
-                                     "--grammar-compile-timeout", str(BUDGET_S)])
+                                     "--grammar-compile-timeout", str(BUDGET_S)],
+                                 router_flags=["--health-interval", "0.2", "--scrape-interval",
+                                               "0.2", "--policy", "least-load"])
     return fleet.config.router_url, fleet.config.engine_urls()
+
+
+def routed(router: str) -> dict[str, float]:
+    """The router's count of requests sent to each engine."""
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    return {url: float(n) for url, n in re.findall(
+        r'^shoal:router_requests_total\{replica="([^"]+)"\} ([0-9.e+]+)$', text, re.M)}
 
 
 @contextlib.contextmanager
@@ -98,9 +112,14 @@ def test_a_grammar_over_the_compile_budget_is_a_400_and_the_engines_keep_serving
     router, engines = fleet
     grammar = choice_ebnf([f"item {i:05d} of many" for i in range(8000)])
     assert len(grammar) < MAX_GRAMMAR_BYTES  # within the bounds: only the budget stops it
+    reached: set[str] = set()  # the engines a variant of the poison was routed to
     with probing(engines) as seen:
         time.sleep(0.3)
-        for user, stream in (("alice", False), ("mallory", True)):
+        for user in ("alice", "mallory", "eve", "trudy", "oscar", "peggy"):
+            if len(reached) == len(engines):
+                break
+            stream = user in ("mallory", "trudy", "peggy")
+            before = routed(router)
             started = time.monotonic()
             r = httpx.post(f"{router}/v1/completions", timeout=60, json={
                 "prompt": "pick one", "max_tokens": 4, "user": user, "stream": stream,
@@ -110,6 +129,9 @@ def test_a_grammar_over_the_compile_budget_is_a_400_and_the_engines_keep_serving
             assert error["param"] == "structured_outputs.grammar"
             assert "compile" in error["message"], error
             assert time.monotonic() - started < 30
+            after = routed(router)
+            reached |= {url for url, n in after.items() if n > before.get(url, 0)}
+        assert reached == set(engines), f"the variants reached only {reached}"
         # The refused compile runs on in the background (~3 s idle, more when loaded) and
         # the small requests keep being measured until it ends: a grammar new to each
         # engine compiles on the same single compile thread, so it is answered only after

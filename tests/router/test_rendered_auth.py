@@ -13,11 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from shoal.operator.render.auth import AUTH_MOUNT, engine_auth_args, router_auth_args
+from shoal.operator.spec.service import parse_spec
 from shoal.runtime.router.policies.request_keys import MAX_JSON_DEPTH
 
 from shoal.contract.response_ids import instance_of
-from shoal.operator.render.auth import AUTH_MOUNT, engine_auth_args, router_auth_args
-from shoal.operator.spec.service import parse_spec
 
 CLIENT_KEYS = ("sk-tenant-a", "sk-tenant-b")
 ROUTER_KEY = "sk-router-only"
