@@ -91,6 +91,25 @@ def test_compiled_grammars_are_cached_per_spec(grammars) -> None:
                                                                         source="[0-9]{5}"))
 
 
+def test_the_grammar_cache_is_bounded_in_bytes_oldest_out_first(tiny_qwen2) -> None:
+    """Issue 36: compiled grammars hold memory by the vocabulary (a large choice list, tens
+    of MB on a real one); the cache keeps what xgrammar reports under ``cache_bytes``."""
+    config = json.loads((tiny_qwen2 / "config.json").read_text())
+    specs = [GrammarSpec(kind="choice", source=json.dumps([f"option {k} {i}" for i in range(40)]))
+             for k in range(6)]
+    probe = GrammarBackend(str(tiny_qwen2), config["vocab_size"], [1, 2])
+    probe.compiled(specs[0])
+    one = probe.memory_bytes(specs[0])
+    assert one > 0  # xgrammar reports a size
+    backend = GrammarBackend(str(tiny_qwen2), config["vocab_size"], [1, 2],
+                             cache_bytes=int(one * 2.5))
+    for spec in specs:
+        backend.compiled(spec)
+        assert 0 < backend.cached_bytes <= backend.cache_bytes
+    assert backend.cached(specs[-1]) and not backend.cached(specs[0])
+    assert sum(backend.cached(spec) for spec in specs) <= 2
+
+
 def test_the_compiler_is_built_once_by_prepare_and_requests_reuse_it(tiny_qwen2) -> None:
     config = json.loads((tiny_qwen2 / "config.json").read_text())
     backend = GrammarBackend(str(tiny_qwen2), config["vocab_size"], [1, 2])
