@@ -46,6 +46,10 @@ EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
 KV_TRANSFER_PORT = 14579  # prefill engines serve KV blocks here; decode engines pull
 KV_EVENTS_PORT = 5557  # engines publish KV-cache events here; the router subscribes
 ENGINE_CONTAINER = "engine"
+# P/D through a gateway: each decode pod's `shoal route --pd-sidecar`, the address the
+# picker sends requests to (llm-d's routing sidecar, in front of the engine on the same pod)
+PD_SIDECAR_PORT = 8001
+PD_SIDECAR_CONTAINER = "pd-sidecar"
 FETCH_CONTAINER = "fetch-weights"  # init container that downloads hf:// weights
 FIELD_MANAGER = MANAGER
 

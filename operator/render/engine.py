@@ -33,6 +33,8 @@ from shoal.operator.render.pd import (
     pod_ip_env,
     pool_component,
     pool_spec,
+    render_pd_sidecar,
+    wants_pd_sidecar,
 )
 from shoal.operator.render.probes import (
     PRESTOP_SLEEP_SECONDS,
@@ -280,6 +282,11 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int,
         "containers": [container],
         "volumes": volumes + auth_volumes,
     }
+    if not prefill and wants_pd_sidecar(spec):
+        sidecar, scratch = render_pd_sidecar(owner, spec)
+        pod_spec["containers"].append({**sidecar,
+                                       "securityContext": container_security_context()})
+        pod_spec["volumes"].append(scratch)
     if spec.model.source.scheme == "hf":
         pod_spec["initContainers"] = [_fetch_init_container(spec, mounts)]
     sch = spec.scheduling

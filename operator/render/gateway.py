@@ -19,12 +19,14 @@ from shoal.operator.names import (
     COMPONENT_EPP,
     ENGINE_PORT,
     EPP_PORT,
+    PD_SIDECAR_PORT,
     Owner,
     child_metadata,
     engine_selector,
     epp_name,
     selector_labels,
 )
+from shoal.operator.render.pd import wants_pd_sidecar
 from shoal.operator.render.router import (
     PROBE_TIMING,
     render_endpointslice_reader_rbac,
@@ -65,7 +67,9 @@ def render_inference_pool(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
         "metadata": child_metadata(owner, pool_name(owner), COMPONENT_ENGINE),
         "spec": {
             "selector": {"matchLabels": engine_selector(owner)},
-            "targetPorts": [{"number": ENGINE_PORT}],
+            # P/D: requests reach a decode pod through its sidecar (render/pd.py)
+            "targetPorts": [{"number": PD_SIDECAR_PORT if wants_pd_sidecar(spec)
+                             else ENGINE_PORT}],
             "appProtocol": "http",
             "endpointPickerRef": {"group": "", "kind": "Service", "name": picker,
                                   "port": {"number": port},
@@ -99,6 +103,10 @@ def epp_args(owner: Owner, spec: ServiceSpec) -> list[str]:
     """The router's own flags (same discovery and policy), served as an Endpoint Picker."""
     args = list(router_args(owner, spec))
     args[args.index("--port") + 1] = str(EPP_PORT)
+    if wants_pd_sidecar(spec):  # it picks the decode pods' sidecars (their /ready is the
+        # engine's; load is still scraped from the engine's metrics port); --prefill-backend
+        # and --pd-threshold come with the router's flags
+        args[args.index("--engine-port") + 1] = str(PD_SIDECAR_PORT)
     for proxy_only in ("--hold-timeout", "--capacity-request"):  # the proxy's, not the EPP's
         if proxy_only in args:
             i = args.index(proxy_only)

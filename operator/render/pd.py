@@ -7,6 +7,12 @@ address in the kv_transfer_params they answer with; the router hands those to th
 engine, which pulls from that very pod. So decode engines need only the consumer role, and the
 router needs only a Service in front of the prefill pool (which prefill pod computes a prompt
 does not matter: the answer says where its blocks wait).
+
+Through a gateway (spec.routing.gateway.inferencePool) the picker, Shoal's or llm-d's, names
+the prefill in the ``x-prefiller-host-port`` header of the request it sends to a decode pod;
+each decode pod then runs ``shoal route --pd-sidecar`` in front of its engine, and the pool
+and the picker address that sidecar. The sidecar follows the header only to the prefill
+Service (``--prefill-backend``), the address Shoal's picker names.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from shoal.operator.names import (
     ENGINE_METRICS_PORT,
     ENGINE_PORT,
     KV_TRANSFER_PORT,
+    PD_SIDECAR_CONTAINER,
+    PD_SIDECAR_PORT,
     Owner,
     child_metadata,
     prefill_name,
@@ -91,3 +99,33 @@ def router_pd_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         return []
     return ["--prefill-backend", prefill_url(owner),
             "--pd-threshold", str(spec.prefill.threshold)]
+
+
+def wants_pd_sidecar(spec: ServiceSpec) -> bool:
+    """P/D through a gateway: the decode pods take the picker's requests through a sidecar."""
+    return spec.prefill is not None and spec.routing.gateway.inference_pool
+
+
+def render_pd_sidecar(owner: Owner, spec: ServiceSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sidecar container of a decode pod (the caller adds the engine's security
+    context) and its scratch volume. The client's headers
+    (its API key included) pass through to both engines, as they do through the gateway."""
+    tmp = f"{PD_SIDECAR_CONTAINER}-tmp"
+    container = {
+        "name": PD_SIDECAR_CONTAINER,
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["shoal"],
+        "args": ["route", "--pd-sidecar", "--host", "0.0.0.0", "--port", str(PD_SIDECAR_PORT),
+                 "--backend", f"http://127.0.0.1:{ENGINE_PORT}",
+                 "--prefill-backend", prefill_url(owner)],
+        "ports": [{"name": "pd-sidecar", "containerPort": PD_SIDECAR_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        # its /ready is its engine's: the pool sees the pod ready when both are
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": PD_SIDECAR_PORT},
+                           "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2},
+        "volumeMounts": [{"name": tmp, "mountPath": "/tmp"}],
+    }
+    return container, {"name": tmp, "emptyDir": {}}

@@ -231,9 +231,6 @@ def _parse_prefill(p: SpecReader, runtime: RuntimeSpec, decode: ResourcesSpec,
     if not routing.enabled or routing.policy != "cache-affinity":
         raise SpecError("spec.prefill", "needs spec.routing.enabled with policy cache-affinity "
                         "(the router decides per request whether a prefill engine runs)")
-    if routing.gateway.inference_pool:
-        raise SpecError("spec.prefill", "the endpoint picker has no P/D mode yet: remove "
-                        "spec.routing.gateway.inferencePool")
     if decode.gpus > 1 or resources.gpus > 1:
         raise SpecError("spec.prefill", "KV transfer runs on one rank: resources.gpus <= 1 "
                         "in both pools")

@@ -161,3 +161,47 @@ def test_no_pool_asked_for_renders_nothing_new() -> None:
     assert "--metrics-compat" not in engine_args(plain)
     assert all(c["kind"] not in ("InferencePool", "HTTPRoute")
                for c in render_children(OWNER, plain, 1))
+
+
+def test_pd_through_the_gateway_puts_a_sidecar_on_the_decode_pods_and_the_picker_on_it() -> None:
+    """spec.prefill with a pool: the picker gets the prefill Service and threshold (the
+    router's flags) and picks the decode pods' sidecars; each decode pod runs
+    `shoal route --pd-sidecar` in front of its engine; the prefill pods do not."""
+    from shoal.runtime.router.cli import config_from_args
+    from shoal.runtime.router.epp.app import build_picker
+
+    from shoal.cli import build_parser
+
+    pd = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                     "prefill": {"replicas": 1, "threshold": 128},
+                     "routing": {"gateway": {"inferencePool": True}}})
+    gateway = by_kind(render_gateway_children(OWNER, pd))
+    assert gateway["InferencePool"]["spec"]["targetPorts"] == [{"number": 8001}]
+    assert admitted(gateway["InferencePool"], schema("inferencepool.v1.schema.yaml")) == []
+    picker_args = gateway["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = build_parser().parse_args([*picker_args, "--kube-api", "http://127.0.0.1:9"])
+    prefill_url = "http://chat-prefill.serving.svc.cluster.local:8000"
+    assert (args.epp, args.engine_port, args.engine_metrics_port, args.prefill_backend,
+            args.pd_threshold) == (True, 8001, 8002, [prefill_url], 128)
+    picker, _ = build_picker(config_from_args(args), None)
+    assert picker.prefill_pool is not None and picker.pd_threshold == 128
+
+    deployments = {c["metadata"]["name"]: c for c in render_children(OWNER, pd, 1)
+                   if c["kind"] == "Deployment"}
+    decode = deployments["chat-engine"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in decode["containers"]] == ["engine", "pd-sidecar"]
+    sidecar = decode["containers"][1]
+    parsed = build_parser().parse_args(sidecar["args"])
+    assert (parsed.pd_sidecar, parsed.port, parsed.backend, parsed.prefill_backend) == (
+        True, 8001, ["http://127.0.0.1:8000"], [prefill_url])
+    config_from_args(parsed).validate()
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8001}
+    assert {"name": "pd-sidecar-tmp", "emptyDir": {}} in decode["volumes"]
+    prefill = deployments["chat-prefill"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in prefill["containers"]] == ["engine"]
+    # without a pool the router does P/D itself: no sidecar
+    plain = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                        "prefill": {"replicas": 1}})
+    engines = [c for c in render_children(OWNER, plain, 1) if c["kind"] == "Deployment"
+               and c["metadata"]["name"] == "chat-engine"]
+    assert [c["name"] for c in engines[0]["spec"]["template"]["spec"]["containers"]] == ["engine"]

@@ -156,6 +156,10 @@ def test_the_picker_names_a_prefill_engine_and_the_sidecar_runs_it(pd_fleet):
     assert text.rstrip().endswith("data: [DONE]")
     assert sample(metrics(sidecar), "shoal:router_pd_decisions_total", 'decision="remote"') \
         == sample(s_before, "shoal:router_pd_decisions_total", 'decision="remote"') + 2
+    # the sidecar stands where a picker expects the engine: its tokenizer is the engine's
+    tokenizer = httpx.get(sidecar + "/tokenizer", timeout=10)
+    assert tokenizer.status_code == 200
+    assert tokenizer.content == httpx.get(decode + "/tokenizer", timeout=10).content
 
 
 def test_short_prompts_get_no_prefill_header_and_a_clients_own_is_not_followed(pd_fleet):

@@ -117,6 +117,9 @@ class RouterApp:
                  prefill: PrefillStage | HeaderPrefill | None = None) -> None:
         self.pool = pool
         self.prefill = prefill  # P/D: prefill replicas, used when the prompt is worth it
+        # --pd-sidecar: it stands where a picker expects the engine, so a picker taking the
+        # tokenizer from its endpoints (--tokenizer-from-engine) gets the engine's
+        self._sidecar = isinstance(prefill, HeaderPrefill)
         self.hold = hold  # scale from zero: wait for a replica instead of a 503
         self.policy = policy
         self.session: aiohttp.ClientSession | None = None  # made on startup, inside the loop
@@ -147,7 +150,8 @@ class RouterApp:
             await respond(send, 200, self.metrics.render(),
                            content_type=b"text/plain; version=0.0.4; charset=utf-8")
         elif (path in FORWARDED_PATHS and method == "POST") or \
-                (path == "/v1/models" and method == "GET"):
+                (path == "/v1/models" and method == "GET") or \
+                (path == "/tokenizer" and method == "GET" and self._sidecar):
             allowed, tenant = self._authenticate(scope)
             if allowed:
                 await self._proxy(scope, receive, send, tenant)
