@@ -275,6 +275,9 @@ class VocabParallelEmbedding(nn.Module):
     """Vocabulary rows split over ranks (padded to a multiple of the world size); each rank
     embeds the ids it owns, zeros the rest, and an all-reduce assembles the rows."""
 
+    # set by quant/gguf_embedding.py: the table kept quantized, its rows and logits
+    quant: Any = None
+
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -294,6 +297,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[rows:].zero_()  # padding rows never win an argmax nor add to a sum
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embed(self, input_ids)
         if self.parallel.world_size == 1:
             return F.embedding(input_ids, self.weight)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -309,7 +314,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     native_bf16: bool = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = _matmul(hidden, self.weight, self.packed, native_bf16=self.native_bf16)
+        if self.quant is not None:
+            logits = self.quant.logits(self, hidden)
+        else:
+            logits = _matmul(hidden, self.weight, self.packed, native_bf16=self.native_bf16)
         if self.parallel.world_size > 1:
             logits = self.parallel.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits

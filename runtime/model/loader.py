@@ -30,6 +30,7 @@ from shoal.runtime.model.linear import (
 )
 from shoal.runtime.model.moe import expert_checkpoint_target
 from shoal.runtime.model.parallel import ParallelContext
+from shoal.runtime.model.quant.gguf_embedding import finalize_vocab, stage_vocab
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
 from shoal.runtime.model.quant.mxfp4 import dequantized_tensors
 from shoal.runtime.model.quant.spec import (
@@ -303,9 +304,10 @@ GGUF_SPEC = QuantSpec("gguf", GgufScheme())
 
 def keeps_gguf_quantized(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                          parallel: ParallelContext, load_format: str) -> bool:
-    """A GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks (``quant/gguf_int``)
-    where the native int kernel runs them: on CPU, float32 or bfloat16, one rank, the native
-    library built. Elsewhere they are dequantized at load, as every other GGUF type is."""
+    """A GGUF file's Q4_0/Q4_1/Q8_0 linear weights and vocabulary table stay in their blocks
+    (``quant/gguf_int``, ``quant/gguf_embedding``) where the native int kernel runs them: on
+    CPU, float32 or bfloat16, one rank, the native library built. Elsewhere they are
+    dequantized at load, as every other GGUF type is."""
     if gguf_file(model_dir) is None or load_format != "auto" or device.type != "cpu" or \
             dtype not in (torch.float32, torch.bfloat16) or parallel.world_size != 1:
         return False
@@ -340,12 +342,16 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         model = cls(config, parallel, backend, max_positions, dtype, device)
     if spec is not None:
         quantize_linears(model, spec, dtype, device)
+    if gguf_quantized:
+        stage_vocab(model, dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, gguf_quantized)
     if spec is not None:
         finalize_quantized(model)
+    if gguf_quantized:
+        finalize_vocab(model)
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     elif model.kernels.choice.linear == "native_bf16":

@@ -168,6 +168,13 @@ def test_engine_greedy_equals_transformers_on_the_file(gguf_files, name: str) ->
         dense = {n for n, m in model.named_modules()
                  if isinstance(m, _Linear) and not hasattr(m, "int_packed_codes")}
         assert dense == DENSE_LAYERS[name]
+        # the vocabulary table too (Q8_0 / Q4_0 here): its rows equal transformers' values
+        embed, head = model.model.embed_tokens, model.lm_head
+        assert embed.int_packed_codes.dtype == torch.uint8 and embed.weight.is_meta
+        assert head.quant is not None and head.int_packed_codes.dtype == torch.uint8
+        ids = torch.tensor([[0, 5, 17], [63, 2, 2]])
+        with torch.no_grad():
+            assert torch.equal(embed(ids), reference.model.embed_tokens.weight[ids])
     prompts = ["Once upon a time", "The weather today"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                    ignore_eos=True))
