@@ -118,12 +118,66 @@ static inline __attribute__((always_inline)) void tile(
 #endif
 }
 
+#ifdef SHOAL_AVX2
+/* One activation row (decode at batch 1): each sub-block's weights go from codes to FMAs in
+   registers, never through the tile buffer, whose stores and reloads were a third of the
+   instructions per weight when a single row uses them. The same weights (one FMA each from
+   code, scale and offset), summed in another order. */
+static void gemv_rows(const float *x, const uint8_t *codes, const float *scales,
+                      const float *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
+                      int64_t bits, float *out) {
+    const int64_t groups = k / group;
+    const int64_t row_bytes = bits == 4 ? k / 2 : k;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t r = n0; r < n1; ++r) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+        const uint8_t *row = codes + r * row_bytes;
+        for (int64_t col = 0; col < k; col += SUB) {
+            const __m256 vs = _mm256_set1_ps(scales[r * groups + col / group]);
+            const __m256 vo = _mm256_set1_ps(offsets[r * groups + col / group]);
+            __m128i a, b, c, e;
+            if (bits == 4) {
+                const __m128i packed = _mm_loadu_si128((const __m128i *)(row + col / 2));
+                const __m128i lo = _mm_and_si128(packed, mask);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+                a = lo, b = _mm_srli_si128(lo, 8), c = hi, e = _mm_srli_si128(hi, 8);
+            } else {
+                a = _mm_loadl_epi64((const __m128i *)(row + col));
+                b = _mm_loadl_epi64((const __m128i *)(row + col + 8));
+                c = _mm_loadl_epi64((const __m128i *)(row + col + 16));
+                e = _mm_loadl_epi64((const __m128i *)(row + col + 24));
+            }
+#define SHOAL_W(v) _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), vs, vo)
+            acc0 = _mm256_fmadd_ps(SHOAL_W(a), _mm256_loadu_ps(x + col), acc0);
+            acc1 = _mm256_fmadd_ps(SHOAL_W(b), _mm256_loadu_ps(x + col + 8), acc1);
+            acc2 = _mm256_fmadd_ps(SHOAL_W(c), _mm256_loadu_ps(x + col + 16), acc2);
+            acc3 = _mm256_fmadd_ps(SHOAL_W(e), _mm256_loadu_ps(x + col + 24), acc3);
+#undef SHOAL_W
+        }
+        const __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+    }
+}
+#endif
+
 /* out [rows, n] (rows out_stride apart) = x [rows, k] (x_stride apart) @ W^T. k and group
    multiples of 32, group dividing k. */
 void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const uint8_t *codes,
                           const float *scales, const float *offsets, int64_t n, int64_t k,
                           int64_t group, int64_t bits, float *out, int64_t out_stride) {
     const int64_t tiles = (n + NR - 1) / NR;
+#ifdef SHOAL_AVX2
+    if (rows == 1) {
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+        for (int64_t t = 0; t < tiles; ++t)
+            gemv_rows(x, codes, scales, offsets, t * NR, t * NR + NR < n ? t * NR + NR : n, k,
+                      group, bits, out);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; ++t) {
         float w[NR * KC] __attribute__((aligned(32)));
