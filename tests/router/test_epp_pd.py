@@ -8,7 +8,8 @@ as its destination and the prefill engine in ``x-prefiller-host-port``; the side
 prefill leg there and the decode engine pulls the prompt's KV: the greedy tokens equal one
 engine's and the decode engine computed none of the transferred prompt tokens. A short prompt
 gets no prefill header (a client's own is removed); a header naming an address that is not a
-prefill backend is refused by the sidecar, and the decode engine computes the prompt.
+prefill backend is refused by the sidecar, and the decode engine computes the prompt; so does
+a prefill engine the sidecar cannot reach.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import grpc
 import httpx
 import pytest
 
@@ -61,6 +65,15 @@ def header_mutation(answer) -> tuple[dict[str, str], list[str]]:
             list(mutation.remove_headers))
 
 
+@dataclass
+class PdFleet:
+    prefill: str
+    decode: str
+    sidecar: str
+    channel: grpc.Channel
+    spawn: Callable[..., subprocess.Popen]  # stopped with the fixture's other processes
+
+
 @pytest.fixture(scope="module")
 def pd_fleet(tiny_qwen3, tmp_path_factory):
     logs = tmp_path_factory.mktemp("epp-pd")
@@ -95,7 +108,7 @@ def pd_fleet(tiny_qwen3, tmp_path_factory):
         channel = start_epp(lambda argv: spawn(argv), free_port, [sidecar],
                             "--prefill-backend", prefill, "--pd-threshold", "40",
                             "--tokenizer", str(tiny_qwen3))
-        yield prefill, decode, sidecar, channel
+        yield PdFleet(prefill, decode, sidecar, channel, spawn)
         channel.close()
     finally:
         for proc in procs:
@@ -114,7 +127,8 @@ def endpoint(url: str) -> str:
 
 
 def test_the_picker_names_a_prefill_engine_and_the_sidecar_runs_it(pd_fleet):
-    prefill, decode, sidecar, channel = pd_fleet
+    prefill, decode, sidecar, channel = (pd_fleet.prefill, pd_fleet.decode, pd_fleet.sidecar,
+                                         pd_fleet.channel)
     body = {"model": "shoal-test", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     long_prompt = {**body, "prompt": list(range(500, 590))}  # 90 uncached tokens > 40
@@ -163,7 +177,8 @@ def test_the_picker_names_a_prefill_engine_and_the_sidecar_runs_it(pd_fleet):
 
 
 def test_short_prompts_get_no_prefill_header_and_a_clients_own_is_not_followed(pd_fleet):
-    prefill, decode, sidecar, channel = pd_fleet
+    prefill, decode, sidecar, channel = (pd_fleet.prefill, pd_fleet.decode, pd_fleet.sidecar,
+                                         pd_fleet.channel)
     short = {"model": "shoal-test", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
              "prompt": list(range(600, 620)), "return_token_ids": True}  # 20 tokens < 40
     answer, _ = pick_buffered(channel, "/v1/completions", short)
@@ -194,3 +209,35 @@ def test_short_prompts_get_no_prefill_header_and_a_clients_own_is_not_followed(p
     assert sample(metrics(sidecar), "shoal:router_pd_decisions_total",
                   'decision="refused"') == 1
     assert http_ok(f"{prefill}/ready")
+
+
+def test_a_prefill_engine_the_sidecar_cannot_reach_leaves_the_prompt_to_the_decode_engine(
+        pd_fleet):
+    """The picker named a prefill engine that is gone by the time the sidecar posts to it:
+    the request still completes, the decode engine computing the whole prompt, counted as a
+    failed prefill leg, and no KV block stays held."""
+    decode = pd_fleet.decode
+    gone = f"127.0.0.1:{free_port('127.0.0.1')}"  # nobody listens there
+    port = free_port("127.0.0.1")
+    pd_fleet.spawn([sys.executable, "-m", "shoal.runtime.router.cli", "--pd-sidecar", "--host",
+                    "127.0.0.1", "--port", str(port), "--backend", decode,
+                    "--prefill-backend", f"http://{gone}", "--health-interval", "0.2"],
+                   "sidecar-gone")
+    sidecar = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_ok(f"{sidecar}/ready"), timeout=60, what="second sidecar ready")
+    body = {"model": "shoal-test", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "prompt": list(range(900, 970)), "return_token_ids": True}
+    before = metrics(decode)
+    response = httpx.post(sidecar + "/v1/completions", json=body, timeout=120,
+                          headers={PREFILLER: gone})
+    assert response.status_code == 200, response.text
+    after = metrics(decode)
+    computed = sample(after, "shoal:prompt_tokens_by_source_total", 'source="local_compute"') \
+        - sample(before, "shoal:prompt_tokens_by_source_total", 'source="local_compute"')
+    assert computed == 70
+    assert sample(metrics(sidecar), "shoal:router_pd_decisions_total", 'decision="failed"') == 1
+    want = httpx.post(decode + "/v1/completions", timeout=120, json={
+        **body, "cache_salt": "reference"}).json()["choices"][0]["token_ids"]
+    assert response.json()["choices"][0]["token_ids"] == want
+    wait_until(lambda: sample(metrics(decode), "shoal:kv_cache_usage_perc") == 0.0, 20,
+               0.2, "the decode KV cache idle")
