@@ -36,6 +36,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # backend-specific prepared state (flashinfer wrappers, split decode/prefill, ...)
     extra: object | None = None
+    # hybrid models (Gated DeltaNet layers): each row's slot in the per-request state tensors
+    # (``worker/state_slots.py``); None for models whose every layer attends
+    state_slots: torch.Tensor | None = None  # int64 [B]
+    state_slots_cpu: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

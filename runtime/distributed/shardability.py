@@ -15,6 +15,11 @@ def shard_problems(config: ModelConfig, world_size: int) -> list[str]:
     if world_size < 1:
         return [f"tensor_parallel_size must be at least 1, got {world_size}"]
     problems = []
+    if config.linear_attn is not None and world_size > 1:
+        # the Gated DeltaNet layers' projections and per-request state are not split over
+        # ranks yet (their q/k/v/z columns interleave per key-head group)
+        problems.append("linear-attention (Gated DeltaNet) layers are not supported with "
+                        "tensor parallelism yet: use tensor_parallel_size=1")
     if config.num_heads % world_size:
         problems.append(f"{config.num_heads} attention heads do not divide across "
                         f"{world_size} ranks")

@@ -101,6 +101,7 @@ class EngineCore:
                     config.block_size, executor.kv_bytes_per_block() // config.block_size,
                     " (latent + rotary key: multi-head latent attention)"
                     if getattr(self.model_config, "mla", None) is not None else "")
+        self._log_linear_state(config)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(
@@ -110,7 +111,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 block_size=config.block_size,
                 num_kv_blocks=num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.enable_prefix_caching and not self._hybrid,
                 scheduling_policy=config.scheduling_policy,
                 model_revision=config.model_revision,
                 max_loras=config.max_loras if config.enable_lora else 0,
@@ -148,6 +149,27 @@ class EngineCore:
             self.remote = self._start_kv_transfer(config.kv_transfer_config)
         debug_plugins.load_plugins()
         self._hooks = debug_plugins.hooks()
+
+    @property
+    def _hybrid(self) -> bool:
+        return getattr(self.model_config, "linear_attn", None) is not None
+
+    def _log_linear_state(self, config: EngineConfig) -> None:
+        """A hybrid model: its per-request state, and prefix caching turned off (a cached
+        prefix's KV blocks exist, but not the linear layers' state at its end)."""
+        lin = getattr(self.model_config, "linear_attn", None)
+        if lin is None:
+            return
+        per_request = self.executor.state_bytes_per_request()
+        logger.info("linear-attention state: %d slots (max_num_seqs) of %d bytes per request "
+                    "(%d Gated DeltaNet layers: conv window + float32 recurrent state); the KV "
+                    "cache holds the %d full-attention layers only", config.max_num_seqs,
+                    per_request, lin.num_linear_layers,
+                    self.model_config.num_layers - lin.num_linear_layers)
+        if config.enable_prefix_caching:
+            logger.info("prefix caching disabled for %s: its linear-attention layers keep no "
+                        "state checkpoint for a cached prefix to resume from",
+                        self.model_config.architecture)
 
     def _start_kv_transfer(self, transfer: KVTransferConfig) -> RemoteKV:
         """The connector of ``--kv-transfer-config``, serving or pulling this engine's KV

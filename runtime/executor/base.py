@@ -24,6 +24,11 @@ class Executor(ABC):
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes on one rank (all layers, K and V)."""
 
+    def state_bytes_per_request(self) -> int:
+        """Bytes of linear-attention state one request slot holds on one rank (hybrid models;
+        0 for the others)."""
+        return 0
+
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV blocks on every rank, then warm up."""

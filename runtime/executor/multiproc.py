@@ -312,6 +312,9 @@ class MultiprocExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
 
+    def state_bytes_per_request(self) -> int:
+        return cast(int, self._call_all("state_bytes_per_request")[0])
+
     def profile_num_kv_blocks(self) -> int | None:
         """Each rank profiles its own device; the cache is what the tightest rank holds
         (allocation must succeed on every rank). None when the ranks run on CPU."""

@@ -30,6 +30,9 @@ class UniProcExecutor(Executor):
     def profile_num_kv_blocks(self) -> int | None:
         return self.worker.profile_num_kv_blocks()
 
+    def state_bytes_per_request(self) -> int:
+        return self.worker.state_bytes_per_request()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
         self.worker.warmup()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from shoal.runtime.checkpoint_json import read_config_json, with_overrides
 from shoal.runtime.model.families import PRE_NORM, Family, NormPlacement, QKNorm, family_for
+from shoal.runtime.model.linear_attn_config import LinearAttnConfig, parse_linear_attn_config
 from shoal.runtime.model.mla_config import MlaConfig, parse_mla_config
 from shoal.runtime.model.moe_config import MoeConfig, parse_moe_config
 from shoal.runtime.model.quant.spec import QuantSpec, parse_quantization
@@ -30,8 +31,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # hidden_act / hidden_activation values the MLP implements (transformers' ACT2FN names)
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu",
                "relu2")
-# layer_types entries the decoder serves (others, e.g. chunked or linear attention, refused)
+# layer_types entries the decoder serves (others, e.g. chunked attention, refused); linear
+# attention only in a family with Gated DeltaNet layers (``Family.linear_attention``)
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass
@@ -77,6 +80,10 @@ class ModelConfig:
     hf_config: Any = None  # transformers' text config: the rope init functions read it
     moe: MoeConfig | None = None  # mixture of experts: see moe_config.py
     mla: MlaConfig | None = None  # multi-head latent attention (DeepSeek): see mla_config.py
+    # Qwen3-Next: Gated DeltaNet layers with per-request state (linear_attn_config.py), and a
+    # sigmoid output gate on the full-attention layers (q_proj twice as wide)
+    linear_attn: LinearAttnConfig | None = None
+    attn_output_gate: bool = False
     quantization: QuantSpec | None = None  # a quantized checkpoint: see quant/spec.py
 
     def __post_init__(self) -> None:
@@ -117,7 +124,14 @@ class ModelConfig:
         if self.mla is not None:
             return self.num_layers * self.mla.cache_width * elem
         heads_per_rank = max(1, self.num_kv_heads // tp_size)
-        return 2 * self.num_layers * heads_per_rank * self.head_dim * elem
+        return 2 * self.num_attention_layers * heads_per_rank * self.head_dim * elem
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache: all but a hybrid model's linear-attention layers."""
+        if self.linear_attn is None:
+            return self.num_layers
+        return self.num_layers - self.linear_attn.num_linear_layers
 
 
 def _eos_ids(raw: dict, generation: dict) -> list[int]:
@@ -160,10 +174,11 @@ def _windows(text, family: Family, architecture: str) -> tuple[int | None, ...]:
     if len(types) != layers:
         raise ValueError(f"{architecture}: 'layer_types' lists {len(types)} layers, "
                          f"num_hidden_layers is {layers}")
-    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    served = _HYBRID_LAYER_TYPES if family.linear_attention else _LAYER_TYPES
+    unknown = sorted(set(types) - set(served))
     if unknown:
         raise ValueError(f"{architecture}: 'layer_types' {unknown} not supported "
-                         f"(supported: {', '.join(_LAYER_TYPES)})")
+                         f"(supported: {', '.join(served)})")
     if "sliding_attention" in types and not window:
         raise ValueError(f"{architecture}: 'layer_types' has sliding layers but "
                          "'sliding_window' is not set")
@@ -268,5 +283,8 @@ def model_config_from_dict(raw: dict, generation: dict, config_path: Path, hf) -
         hf_config=text,
         moe=parse_moe_config(raw.get("text_config") or raw if nested else raw, architecture),
         mla=parse_mla_config(text, architecture) if family.latent_attention else None,
+        linear_attn=parse_linear_attn_config(text, architecture)
+        if family.linear_attention else None,
+        attn_output_gate=family.attention_output_gate,
         quantization=parse_quantization(raw),
     )

@@ -193,9 +193,27 @@ class DecoderLayer(nn.Module):
                  rotary: RotaryEmbedding | None, backend: AttentionBackend, kernels: Kernels,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        attention = MultiLatentAttention if config.mla is not None else Attention
-        self.self_attn = attention(config, layer_index, parallel, rotary, backend, kernels,
-                                   dtype, device)
+        lin = config.linear_attn
+        # the token mixer, under its checkpoint name: ``linear_attn`` (Gated DeltaNet, state
+        # in the layer's ``kv_caches`` slot) or ``self_attn``
+        self.mixer_name = "linear_attn" if lin is not None and lin.linear_layers[layer_index] \
+            else "self_attn"
+        if self.mixer_name == "linear_attn":
+            from shoal.runtime.model.gated_deltanet import GatedDeltaNet
+
+            assert lin is not None
+            self.linear_attn = GatedDeltaNet(lin, config.hidden_size, config.rms_norm_eps,
+                                             dtype, device)
+        else:
+            attention: type[nn.Module] = Attention
+            if config.mla is not None:
+                attention = MultiLatentAttention
+            elif config.attn_output_gate:  # imported here: it subclasses Attention
+                from shoal.runtime.model.gated_attention import GatedAttention
+
+                attention = GatedAttention
+            self.self_attn = attention(config, layer_index, parallel, rotary, backend, kernels,
+                                       dtype, device)
         self.mlp = build_mlp(config, layer_index, parallel, kernels, dtype, device)
         self.rope_key = config.layer_ropes[layer_index]
         self.residual_multiplier = config.residual_multiplier
@@ -214,8 +232,9 @@ class DecoderLayer(nn.Module):
         """``hidden``: the previous sub-block's output, not yet added to ``residual`` (layer
         0: the embeddings, ``residual`` None). Returns this layer's (output, residual)."""
         x, residual = _join(self._norm(self.roles.attn_in), hidden, residual)
+        mixer = getattr(self, self.mixer_name)
         hidden = self._leave(self._norm(self.roles.attn_out),
-                             self.self_attn(positions, x, kv_cache, meta, rope))
+                             mixer(positions, x, kv_cache, meta, rope))
         x, residual = _join(self._norm(self.roles.mlp_in), hidden, residual)
         return self._leave(self._norm(self.roles.mlp_out), self.mlp(x)), residual
 

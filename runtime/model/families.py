@@ -58,6 +58,8 @@ class Family:
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (Arcee)
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax
     latent_attention: bool = False  # DeepSeek: multi-head latent attention (mla_config.py)
+    linear_attention: bool = False  # Qwen3-Next: Gated DeltaNet layers (linear_attn_config.py)
+    attention_output_gate: bool = False  # Qwen3-Next: attn_out * sigmoid(gate from q_proj)
 
 
 FAMILIES: dict[str, Family] = {
@@ -90,6 +92,11 @@ FAMILIES: dict[str, Family] = {
     # rotary on interleaved pairs when ``rope_interleave``; sigmoid grouped routing,
     # shared experts and ``first_k_dense_replace`` dense layers in moe_config
     "deepseek_v3": Family(latent_attention=True),
+    # Qwen3-Next: three layers in four Gated DeltaNet (gated_deltanet.py), every fourth full
+    # attention with an output gate, per-head q/k norm and partial rotary; Gemma-style
+    # (1 + weight) RMS norms; Qwen2-MoE's experts with a sigmoid-gated shared expert
+    "qwen3_next": Family(norm_weight_offset=1.0, qk_norm="per_head", linear_attention=True,
+                         attention_output_gate=True),
 }
 
 # multimodal wrappers whose language model is one of the families above (served text-only)

@@ -2,7 +2,8 @@
 
 Holds the model, its KV tensors (allocated once, one K and one V tensor per layer, in the
 model's dtype or ``--kv-cache-dtype``'s float8; for latent attention the latent and the rotary
-key, ``model/mla.py``) and the attention backend. Each plan array crosses to the device with a single copy; the forward
+key, ``model/mla.py``; for a hybrid model's linear-attention layers, their per-request state
+from ``state_slots.py`` in those layers' places) and the attention backend. Each plan array crosses to the device with a single copy; the forward
 runs the whole flat batch, and logits are computed only for rows that sample this step.
 """
 
@@ -16,6 +17,7 @@ from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from shoal.runtime.model.decoder import DecoderForCausalLM
 from shoal.runtime.wire.plan import StepPlan
 from shoal.runtime.worker.cuda_graphs import DecodeGraphRunner, try_replay
+from shoal.runtime.worker.state_slots import StateCache
 
 
 @dataclass
@@ -29,7 +31,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, block_size: int,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, state_slots: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -38,37 +40,58 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # captured by Worker.warmup on CUDA
+        lin = model.config.linear_attn
+        # one slot per request that may run at once (max_num_seqs): made once, kept across
+        # init_kv_cache calls (the memory profile re-sizes only the KV cache)
+        self.states = StateCache(lin, state_slots, dtype, device) if lin is not None else None
+
+    def _attention_layers(self) -> list[int]:
+        """Indices of the layers with a KV cache (all but linear-attention layers)."""
+        states = self.states.layers if self.states is not None else {}
+        return [i for i in range(len(self.model.model.layers)) if i not in states]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.model.model.layers[0].self_attn.num_kv_heads
+        return self._first_attention().num_kv_heads
+
+    def _first_attention(self):
+        return self.model.model.layers[self._attention_layers()[0]].self_attn
 
     def _cache_dims(self) -> tuple[int, int, int]:
         """(heads, first tensor's width, second's) per token per layer: K and V, or for
         latent attention the latent and the rotary key (``MultiLatentAttention``)."""
-        return self.model.model.layers[0].self_attn.kv_cache_dims()
+        return self._first_attention().kv_cache_dims()
 
     def kv_bytes_per_block(self) -> int:
         heads, k_width, v_width = self._cache_dims()
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_layer = self.block_size * heads * (k_width + v_width) * elem
-        return per_layer * len(self.model.model.layers)
+        return per_layer * len(self._attention_layers())
 
     def init_kv_cache(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         heads, k_width, v_width = self._cache_dims()
         self.kv_caches = []  # release the old tensors before allocating new ones
+        states = self.states.layers if self.states is not None else {}
         self.kv_caches = [
+            states[i] if i in states else
             (torch.zeros((num_blocks, self.block_size, heads, k_width),
                          dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros((num_blocks, self.block_size, heads, v_width),
                          dtype=self.kv_cache_dtype, device=self.device))
-            for _ in self.model.model.layers]
+            for i in range(len(self.model.model.layers))]
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+        if not self.kv_caches:
+            return 0
+        return self.kv_caches[self._attention_layers()[0]][0].shape[0]
+
+    def release_states(self, req_ids: list[str]) -> None:
+        """Free the linear-attention state slots of these requests (no-op otherwise)."""
+        if self.states is not None:
+            self.states.release(req_ids)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         to = self.device
@@ -89,6 +112,13 @@ class ModelRunner:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
+        if self.states is not None:
+            self.states.release(plan.finished_req_ids)
+            slots = self.states.assign(plan.req_ids,
+                                       np.asarray(plan.positions)[qsl[:-1]] if len(qsl) > 1
+                                       else np.zeros(0, np.int64))
+            attn.state_slots_cpu = slots
+            attn.state_slots = torch.tensor(slots, dtype=torch.int64, device=to)
         return StepInputs(
             input_ids=_to(plan.input_ids, torch.int64, to),
             positions=_to(plan.positions, torch.int64, to),

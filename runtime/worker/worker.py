@@ -111,7 +111,8 @@ class Worker:
                                 self.config.seed + self.parallel.rank,
                                 self.config.quantization)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,
-                                  self.config.block_size, kv_cache_torch_dtype(kv_name, self.dtype))
+                                  self.config.block_size, kv_cache_torch_dtype(kv_name, self.dtype),
+                                  state_slots=self.config.max_num_seqs)
         if self.config.enable_lora:
             self.lora = self._attach_lora(model)
 
@@ -148,6 +149,10 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self._runner().init_kv_cache(num_blocks)
 
+    def state_bytes_per_request(self) -> int:
+        states = self._runner().states
+        return states.bytes_per_request if states is not None else 0
+
     def warmup(self) -> None:
         """Run one dummy step of the largest size the scheduler may send, then forget it;
         on CUDA, then capture the decode CUDA graphs (phase "capturing")."""
@@ -158,7 +163,9 @@ class Worker:
         runner.decode_graphs = capture_decode_graphs(
             runner.model, runner.kv_caches, runner.backend, self.device, self.config.max_num_seqs,
             self.max_model_len, self.config.block_size,
-            self.config.enforce_eager or self.config.enable_lora)  # LoRA steps run eager
+            # LoRA steps run eager; so do hybrid models (their state slots are per step)
+            self.config.enforce_eager or self.config.enable_lora
+            or runner.states is not None)
         if runner.decode_graphs is not None:
             self.graph_capture_seconds = runner.decode_graphs.capture_seconds
         # before the engine reports ready: built later, it held the GIL against the first steps
@@ -193,6 +200,7 @@ class Worker:
                                   self.config.max_num_seqs)
         plan = dummy_step_plan(seq_lens, self.config.block_size, self._runner().num_blocks)
         self.execute(plan)
+        self._runner().release_states(plan.req_ids)
         for req_id in plan.req_ids:
             self.states.pop(req_id, None)
 

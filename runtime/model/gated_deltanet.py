@@ -1,0 +1,128 @@
+"""Qwen3-Next's Gated DeltaNet layer: linear attention over a per-request state, no KV cache.
+
+Where an attention layer gets its KV tensors, this layer gets its state tensors in the same
+slot of ``kv_caches``: ``(conv windows [slots, C, K-1], recurrent states [slots, H, Dk,
+Dv])``, one row per request slot, and the step's rows find theirs in
+``AttentionMetadata.state_slots`` (``worker/state_slots.py`` assigns them and zeroes a slot
+whenever its request starts from position 0, so recompute after preemption starts clean).
+
+Per token: ``in_proj_qkvz`` gives q, k, v and the output gate z (laid out per key-head
+group, as the checkpoint stores them), ``in_proj_ba`` the write strength b and the decay
+input a; q/k/v pass a depthwise causal conv + SiLU, then the gated delta rule
+(``delta_rule.py``: a chunked scan for prefill rows, the one-token update when the whole
+step decodes); the output is RMS-normalised per head, times ``silu(z)``, and projected back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from shoal.runtime.attention.backend import AttentionMetadata
+from shoal.runtime.model.delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunked_scan,
+    l2_normalise,
+    recurrent_step,
+)
+from shoal.runtime.model.layers import _param
+from shoal.runtime.model.linear import ReplicatedLinear
+from shoal.runtime.model.linear_attn_config import LinearAttnConfig
+from torch import nn
+
+
+class _Conv(nn.Module):
+    """Holds ``conv1d.weight [C, 1, K]`` under the checkpoint's name."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.weight = _param((channels, 1, kernel), dtype, device)
+
+
+class _GatedNorm(nn.Module):
+    """``norm.weight [Dv]``: RMS over each head's output, times weight (no Gemma offset)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, lin: LinearAttnConfig, hidden_size: int, eps: float,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.lin = lin
+        self.group = lin.num_v_heads // lin.num_k_heads  # value heads per key head
+        self.in_proj_qkvz = ReplicatedLinear(hidden_size, 2 * lin.key_dim + 2 * lin.value_dim,
+                                             False, dtype, device)
+        self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * lin.num_v_heads, False, dtype,
+                                           device)
+        self.conv1d = _Conv(lin.conv_dim, lin.conv_kernel, dtype, device)
+        # decay parameters in float32: exp(A_log) in a half dtype can overflow
+        self.dt_bias = _param((lin.num_v_heads,), torch.float32, device)
+        self.A_log = _param((lin.num_v_heads,), torch.float32, device)
+        self.norm = _GatedNorm(lin.head_v_dim, eps, dtype, device)
+        self.out_proj = ReplicatedLinear(lin.value_dim, hidden_size, False, dtype, device)
+
+    def _split(self, x: torch.Tensor):
+        """q, k [T, Hk*Dk], v, z [T, Hv, Dv], b, a [T, Hv] from the grouped projections."""
+        lin, tokens = self.lin, x.shape[0]
+        qkvz = self.in_proj_qkvz(x).view(tokens, lin.num_k_heads, -1)
+        width = self.group * lin.head_v_dim
+        q, k, v, z = torch.split(qkvz, [lin.head_k_dim, lin.head_k_dim, width, width], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(tokens, lin.num_k_heads, -1),
+                           [self.group, self.group], dim=-1)
+        return (q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1),
+                z.reshape(tokens, lin.num_v_heads, lin.head_v_dim),
+                b.reshape(tokens, -1), a.reshape(tokens, -1))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                rope: object = None) -> torch.Tensor:
+        lin = self.lin
+        conv_states, recurrent_states = state
+        slots = meta.state_slots
+        assert slots is not None, "a linear-attention layer needs AttentionMetadata.state_slots"
+        q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat([q, k, v], dim=-1)  # [T, C]: the conv's channels
+        weight = self.conv1d.weight[:, 0, :]
+        starts = meta.query_start_loc_cpu
+        rows = len(starts) - 1
+        decode = meta.max_query_len == 1 and x.shape[0] == rows
+        if decode:
+            windows = conv_states[slots]
+            mixed = causal_conv_step(mixed, windows, weight)
+            conv_states[slots] = windows
+        else:
+            mixed = torch.cat([causal_conv(mixed[s:e].T, conv_states[slot], weight).T
+                               for s, e, slot in zip(starts[:-1], starts[1:],
+                                                     meta.state_slots_cpu, strict=True)])
+        q, k, v = torch.split(mixed, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        tokens = x.shape[0]
+        # each key head serves ``group`` consecutive value heads
+        q = q.reshape(tokens, lin.num_k_heads, lin.head_k_dim).repeat_interleave(self.group, 1)
+        k = k.reshape(tokens, lin.num_k_heads, lin.head_k_dim).repeat_interleave(self.group, 1)
+        q = l2_normalise(q.float()) * lin.head_k_dim ** -0.5
+        k = l2_normalise(k.float())
+        v = v.reshape(tokens, lin.num_v_heads, lin.head_v_dim).float()
+        beta = b.float().sigmoid()
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            states = recurrent_states[slots]
+            out = recurrent_step(q, k, v, g, beta, states)
+            recurrent_states[slots] = states
+        else:
+            out = torch.empty_like(v)
+            for s, e, slot in zip(starts[:-1], starts[1:], meta.state_slots_cpu, strict=True):
+                out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                        v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
+                                        recurrent_states[slot]).transpose(0, 1)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(tokens, lin.value_dim))
