@@ -60,3 +60,13 @@ def test_startup_reports_state_bytes_and_turns_prefix_caching_off(caplog):
     assert f"3 slots (max_num_seqs) of {3 * (conv + recurrent)} bytes per request" in caplog.text
     assert "prefix caching disabled for Qwen3NextForCausalLM" in caplog.text
     assert not core.scheduler.kv.enable_prefix_caching
+
+
+def test_tensor_parallelism_is_refused_naming_the_linear_layers():
+    from shoal.runtime.distributed.shardability import shard_problems
+    from shoal.runtime.model.config import load_model_config
+
+    mc = load_model_config(cached_hybrid_model())
+    assert shard_problems(mc, 1) == []
+    assert any("Gated DeltaNet" in p and "tensor_parallel_size=1" in p
+               for p in shard_problems(mc, 2))
