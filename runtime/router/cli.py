@@ -222,6 +222,9 @@ def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request
+    from shoal.runtime.heap import keep_large_blocks_mapped
+
+    keep_large_blocks_mapped()  # request bodies go back to the OS when freed (heap.py)
     if args.epp:
         if args.pd_sidecar:
             raise SystemExit("shoal route: --pd-sidecar runs on the decode side, not in --epp")

@@ -67,7 +67,7 @@ def test_router_shares_only_the_block_hash_and_tokenization_with_the_engine() ->
     """The router is its own deployable: never the engine, worker, model or scheduler."""
     found = violations(ROOT / "runtime" / "router", r"shoal\.",
                        allowed=r"shoal\.contract\b|"
-                               r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|"
+                               r"shoal\.runtime\.(router\b|kv\.block_hash$|http_listener$|heap$|"
                                r"log_limits$|frontend\.(tokenizer|chat_template|prompts)$|"
                                r"distributed\.lifeline$)")
     assert found == []

@@ -14,7 +14,6 @@ import logging
 import signal
 
 from shoal.runtime.router.config import RouterConfig
-from shoal.runtime.router.epp import heap
 from shoal.runtime.router.epp.picker import EndpointPicker
 from shoal.runtime.router.epp.protocol import PROTOCOL_VERSION
 from shoal.runtime.router.epp.server import EppLimits, EppServer
@@ -46,7 +45,6 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[Endpoint
 
 async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
                     limits: EppLimits = EppLimits()) -> None:
-    heap.keep_large_blocks_mapped()  # request bodies go back to the OS when freed
     picker, fleet = build_picker(config, shed_limit)
     server = EppServer(picker, address, limits)
     await server.start()

@@ -21,13 +21,12 @@ Retry-After); at most ``max_streams`` streams are open (one more: 503 at its fir
 message); a stream has ``body_timeout_s`` from its start to its pick (then 408); and gRPC's
 own message cap is the body limit plus room for the envelope, so the transport never
 refuses a body the limit allows (gRPC's default would cap it at 4 MiB). Once a burst of
-buffered bodies has drained, their memory goes back to the OS (``heap.py``).
+buffered bodies has drained, their memory goes back to the OS (``runtime/heap.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from shoal.runtime.router.epp import heap
+from shoal.runtime.heap import BurstTrimmer
 from shoal.runtime.router.epp import protocol as wire
 from shoal.runtime.router.epp.picker import EndpointPicker, Pick
 
@@ -47,8 +46,6 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 ENVELOPE_BYTES = 64 << 10  # headers, metadata and protobuf framing around a body chunk
 BUSY_RETRY_AFTER_S = 1
-TRIM_AFTER_BYTES = 32 << 20  # buffered since the last trim, before the next is worth it
-TRIM_DELAY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,28 +67,18 @@ class BodyBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self.taken_since_trim = 0  # buffered since the heap was last trimmed (heap.py)
+        self.trimmer = BurstTrimmer()  # their memory back to the OS after a burst
 
     def take(self, size: int) -> bool:
         if self.used + size > self.limit:
             return False
         self.used += size
-        self.taken_since_trim += size
+        self.trimmer.held(size)
         return True
 
     def give(self, size: int) -> None:
         self.used -= size
-
-    def drained_after_burst(self) -> bool:
-        """No body is buffered now, and a large burst was since the last trim."""
-        return not self.used and self.taken_since_trim >= TRIM_AFTER_BYTES
-
-    def trim_if_drained(self) -> bool:
-        """Give the freed pages back to the OS (malloc keeps them otherwise: heap.py)."""
-        if not self.drained_after_burst():
-            return False
-        self.taken_since_trim = 0
-        return heap.trim()
+        self.trimmer.released(size)
 
 
 @dataclass
@@ -209,8 +196,6 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         self.limits = limits
         self.budget = BodyBudget(limits.max_buffered_bytes)
         self.streams = 0
-        self._trim_scheduled = False
-        self._last_close = 0.0
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[
@@ -251,32 +236,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         finally:
             self.streams -= 1
             exchange.close()
-            self._after_stream()
-
-    def _after_stream(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # the generator finalized outside the loop (shutdown)
-            return
-        self._last_close = loop.time()
-        if self.budget.drained_after_burst() and not self._trim_scheduled:
-            # gRPC frees a call's buffers after its handler returns, and a burst's streams
-            # end over a while: trim once none has ended for TRIM_DELAY_S
-            self._trim_scheduled = True
-            loop.call_later(TRIM_DELAY_S, self._trim)
-
-    def _trim(self) -> None:
-        quiet_for = asyncio.get_running_loop().time() - self._last_close
-        if self.budget.drained_after_burst() and quiet_for < TRIM_DELAY_S:
-            asyncio.get_running_loop().call_later(TRIM_DELAY_S - quiet_for, self._trim)
-            return
-        self._trim_scheduled = False
-        if self.budget.drained_after_burst():
-            # a cancelled stream's frames may hold its last chunk in a cycle; a full pass,
-            # since a stream open for long may have aged past the young generations (once
-            # per drained burst of TRIM_AFTER_BYTES, not per request)
-            gc.collect()
-        self.budget.trim_if_drained()
+            # gRPC frees the call's buffers after this returns: the trim waits for quiet
+            self.budget.trimmer.touch()
 
 
 class EppServer:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
+from shoal.runtime.heap import BurstTrimmer
 from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.policies.base import SPILL_LOAD_CAP, Decision, RoutingPolicy
@@ -121,6 +122,7 @@ class RouterApp:
         # tokenizer from its endpoints (--tokenizer-from-engine) gets the engine's
         self._sidecar = isinstance(prefill, HeaderPrefill)
         self.hold = hold  # scale from zero: wait for a replica instead of a 503
+        self.bodies = BurstTrimmer()  # request bodies' memory back to the OS after a burst
         self.policy = policy
         self.session: aiohttp.ClientSession | None = None  # made on startup, inside the loop
         self.settings = settings
@@ -217,7 +219,9 @@ class RouterApp:
         try:
             body = await read_body(receive)
         except ClientGone:
+            self.bodies.touch()
             return
+        self.bodies.held(len(body))
         relay = asyncio.create_task(self._forward(scope, body, send, received_at, tenant))
         watcher = asyncio.create_task(wait_disconnect(receive))
         try:
@@ -231,6 +235,7 @@ class RouterApp:
                 await relay
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+            self.bodies.released(len(body))
         if relay.done() and not relay.cancelled() and relay.result() is ClientStalled:
             await abort_connection(scope)
 
