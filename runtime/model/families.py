@@ -97,6 +97,11 @@ FAMILIES: dict[str, Family] = {
     # (1 + weight) RMS norms; Qwen2-MoE's experts with a sigmoid-gated shared expert
     "qwen3_next": Family(norm_weight_offset=1.0, qk_norm="per_head", linear_attention=True,
                          attention_output_gate=True),
+    # Qwen3.5's text model: the same layers with the Gated DeltaNet projections stored apart
+    # (linear_attn_config.py) and a dense MLP; its multimodal rope (mrope_section) rotates
+    # text positions exactly as plain rope does, all three position streams being equal
+    "qwen3_5_text": Family(norm_weight_offset=1.0, qk_norm="per_head", linear_attention=True,
+                           attention_output_gate=True),
 }
 
 # multimodal wrappers whose language model is one of the families above (served text-only)

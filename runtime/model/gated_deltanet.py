@@ -8,7 +8,8 @@ whenever its request starts from position 0, so recompute after preemption start
 
 Per token: ``in_proj_qkvz`` gives q, k, v and the output gate z (laid out per key-head
 group, as the checkpoint stores them), ``in_proj_ba`` the write strength b and the decay
-input a; q/k/v pass a depthwise causal conv + SiLU, then the gated delta rule
+input a (Qwen3.5 stores the four apart: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``); q/k/v pass a depthwise causal conv + SiLU, then the gated delta rule
 (``delta_rule.py``: a chunked scan for prefill rows, the one-token update when the whole
 step decodes); the output is RMS-normalised per head, times ``silu(z)``, and projected back.
 """
@@ -60,10 +61,17 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.lin = lin
         self.group = lin.num_v_heads // lin.num_k_heads  # value heads per key head
-        self.in_proj_qkvz = ReplicatedLinear(hidden_size, 2 * lin.key_dim + 2 * lin.value_dim,
-                                             False, dtype, device)
-        self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * lin.num_v_heads, False, dtype,
-                                           device)
+        if lin.separate_projections:  # Qwen3.5
+            self.in_proj_qkv = ReplicatedLinear(hidden_size, lin.conv_dim, False, dtype, device)
+            self.in_proj_z = ReplicatedLinear(hidden_size, lin.value_dim, False, dtype, device)
+            self.in_proj_b = ReplicatedLinear(hidden_size, lin.num_v_heads, False, dtype, device)
+            self.in_proj_a = ReplicatedLinear(hidden_size, lin.num_v_heads, False, dtype, device)
+        else:  # Qwen3-Next
+            self.in_proj_qkvz = ReplicatedLinear(hidden_size,
+                                                 2 * lin.key_dim + 2 * lin.value_dim, False,
+                                                 dtype, device)
+            self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * lin.num_v_heads, False, dtype,
+                                               device)
         self.conv1d = _Conv(lin.conv_dim, lin.conv_kernel, dtype, device)
         # decay parameters in float32: exp(A_log) in a half dtype can overflow
         self.dt_bias = _param((lin.num_v_heads,), torch.float32, device)
@@ -72,15 +80,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = ReplicatedLinear(lin.value_dim, hidden_size, False, dtype, device)
 
     def _split(self, x: torch.Tensor):
-        """q, k [T, Hk*Dk], v, z [T, Hv, Dv], b, a [T, Hv] from the grouped projections."""
+        """The conv's input q|k|v [T, C], z [T, Hv, Dv], b, a [T, Hv]."""
         lin, tokens = self.lin, x.shape[0]
+        if lin.separate_projections:
+            return (self.in_proj_qkv(x),
+                    self.in_proj_z(x).view(tokens, lin.num_v_heads, lin.head_v_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        # Qwen3-Next: each key head's group holds its q, k, then its value heads' v and z
         qkvz = self.in_proj_qkvz(x).view(tokens, lin.num_k_heads, -1)
         width = self.group * lin.head_v_dim
         q, k, v, z = torch.split(qkvz, [lin.head_k_dim, lin.head_k_dim, width, width], dim=-1)
         b, a = torch.split(self.in_proj_ba(x).view(tokens, lin.num_k_heads, -1),
                            [self.group, self.group], dim=-1)
-        return (q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1),
-                z.reshape(tokens, lin.num_v_heads, lin.head_v_dim),
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)],
+                          dim=-1)
+        return (mixed, z.reshape(tokens, lin.num_v_heads, lin.head_v_dim),
                 b.reshape(tokens, -1), a.reshape(tokens, -1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
@@ -90,8 +104,7 @@ class GatedDeltaNet(nn.Module):
         conv_states, recurrent_states = state
         slots = meta.state_slots
         assert slots is not None, "a linear-attention layer needs AttentionMetadata.state_slots"
-        q, k, v, z, b, a = self._split(x)
-        mixed = torch.cat([q, k, v], dim=-1)  # [T, C]: the conv's channels
+        mixed, z, b, a = self._split(x)  # mixed [T, C]: the conv's channels, q|k|v
         weight = self.conv1d.weight[:, 0, :]
         starts = meta.query_start_loc_cpu
         rows = len(starts) - 1

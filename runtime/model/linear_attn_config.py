@@ -26,6 +26,9 @@ class LinearAttnConfig:
     head_v_dim: int
     conv_kernel: int
     linear_layers: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or full attention
+    # Qwen3.5: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, q|k|v side by side; Qwen3-Next:
+    # in_proj_qkvz / in_proj_ba, columns grouped per key head
+    separate_projections: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -77,4 +80,5 @@ def parse_linear_attn_config(text, architecture: str) -> LinearAttnConfig | None
         num_k_heads=k_heads, num_v_heads=v_heads,
         head_k_dim=int(text.linear_key_head_dim), head_v_dim=int(text.linear_value_head_dim),
         conv_kernel=int(text.linear_conv_kernel_dim),
-        linear_layers=tuple(t == "linear_attention" for t in types))
+        linear_layers=tuple(t == "linear_attention" for t in types),
+        separate_projections=text.model_type == "qwen3_5_text")

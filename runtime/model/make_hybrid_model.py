@@ -9,6 +9,11 @@ renormalised with a sigmoid-gated shared expert, layer 1 dense (``mlp_only_layer
 decay parameters are drawn so that some heads remember for tens of tokens and some forget
 fast, so a wrong state carried between chunks or steps shows in the output.
 
+``qwen3_5``: Qwen3.5's text model (``Qwen3_5ForCausalLM``) of the same shape: the Gated
+DeltaNet projections stored apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``), a dense MLP, and its multimodal rope sections (text positions rotate as
+plain rope).
+
 The tokenizer is the one ``make_model`` trains, so the checkpoints serve over HTTP too.
 """
 
@@ -24,7 +29,7 @@ from shoal.runtime.model.make_model import (
     shared_config,
 )
 
-HYBRID_ARCHS = ("qwen3_next",)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
 FORMAT_VERSION = 1
 
 
@@ -34,18 +39,25 @@ def hybrid_hf_config(arch: str):  # -> transformers.Qwen3NextConfig
     if arch not in HYBRID_ARCHS:
         raise ValueError(f"unknown hybrid checkpoint {arch!r}; choose one of "
                          f"{', '.join(HYBRID_ARCHS)}")
-    return Qwen3NextConfig(
+    common = dict(
         vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        max_position_embeddings=1024, tie_word_embeddings=False, **shared_config())
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**common, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    return Qwen3NextConfig(
+        **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[1], max_position_embeddings=1024, tie_word_embeddings=False,
+        mlp_only_layers=[1],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25},
-        **shared_config())
+                         "partial_rotary_factor": 0.25})
 
 
 def make_hybrid_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -54,7 +66,12 @@ def make_hybrid_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 
     out = empty_dir(out_dir)
     config = hybrid_hf_config(arch)
-    model = random_model(config, seed)
+    model_class = None
+    if arch == "qwen3_5":  # the text model alone (no vision tower)
+        from transformers import Qwen3_5ForCausalLM
+
+        model_class = Qwen3_5ForCausalLM
+    model = random_model(config, seed, model_class)
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, param in model.named_parameters():

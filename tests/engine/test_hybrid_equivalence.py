@@ -1,22 +1,25 @@
-"""Qwen3-Next (Gated DeltaNet linear attention with per-request state, gated full attention
-over the paged KV cache, MoE with a sigmoid-gated shared expert) through the real engine:
-greedy output token for token equal to transformers' ``Qwen3NextForCausalLM`` (float32,
-CPU) with requests of different lengths arriving together and staggered, prefill chunked
-small (states carried across chunks), preemption forced by a tiny KV cache (the state
-restarts from zero on recompute), and fewer state slots than requests (max_num_seqs)."""
+"""Qwen3-Next and Qwen3.5's text model (Gated DeltaNet linear attention with per-request
+state, gated full attention over the paged KV cache; Qwen3-Next's MoE with a sigmoid-gated
+shared expert) through the real engine: greedy output token for token equal to
+transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` (float32, CPU) with
+requests of different lengths arriving together and staggered, prefill chunked small
+(states carried across chunks), preemption forced by a tiny KV cache (the state restarts
+from zero on recompute), and fewer state slots than requests (max_num_seqs)."""
 
 from __future__ import annotations
 
 import logging
 import random
 
-from shoal.runtime.model.make_hybrid_model import cached_hybrid_model
+import pytest
+from shoal.runtime.model.make_hybrid_model import HYBRID_ARCHS, cached_hybrid_model
 
 from tests.engine.test_hf_equivalence import check, engine, random_prompt, run
 
 
-def test_qwen3_next_everything_at_once_matches_hf(hf_greedy, assert_matches_hf):
-    model_dir = cached_hybrid_model()
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_everything_at_once_matches_hf(arch, hf_greedy, assert_matches_hf):
+    model_dir = cached_hybrid_model(arch)
     rng = random.Random(7)
     arrivals = [(2 * i, f"r{i}", random_prompt(rng, rng.randint(1, 60)), rng.randint(8, 24))
                 for i in range(6)]
@@ -32,9 +35,10 @@ def test_qwen3_next_everything_at_once_matches_hf(hf_greedy, assert_matches_hf):
     assert check(hf_greedy(model_dir), assert_matches_hf, arrivals, outputs) <= 1
 
 
-def test_decode_batches_of_mixed_lengths_match_hf(hf_greedy, assert_matches_hf):
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_decode_batches_of_mixed_lengths_match_hf(arch, hf_greedy, assert_matches_hf):
     """Everything prefilled in one step (one scan per row), then batched one-token updates."""
-    model_dir = cached_hybrid_model()
+    model_dir = cached_hybrid_model(arch)
     rng = random.Random(8)
     arrivals = [(0, f"r{i}", random_prompt(rng, n), 20) for i, n in enumerate((1, 3, 9, 30, 70))]
     outputs = run(engine(model_dir, block_size=8, max_model_len=128), arrivals)
