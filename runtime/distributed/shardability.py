@@ -15,11 +15,11 @@ def shard_problems(config: ModelConfig, world_size: int) -> list[str]:
     if world_size < 1:
         return [f"tensor_parallel_size must be at least 1, got {world_size}"]
     problems = []
-    if config.linear_attn is not None and world_size > 1:
-        # the Gated DeltaNet layers' projections and per-request state are not split over
-        # ranks yet (their q/k/v/z columns interleave per key-head group)
-        problems.append("linear-attention (Gated DeltaNet) layers are not supported with "
-                        "tensor parallelism yet: use tensor_parallel_size=1")
+    lin = config.linear_attn
+    if lin is not None and lin.num_k_heads % world_size:
+        # Gated DeltaNet layers split whole key heads (and their value heads) over ranks
+        problems.append(f"{lin.num_k_heads} linear-attention key heads "
+                        f"(linear_num_key_heads) do not divide across {world_size} ranks")
     if config.num_heads % world_size:
         problems.append(f"{config.num_heads} attention heads do not divide across "
                         f"{world_size} ranks")

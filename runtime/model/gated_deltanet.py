@@ -16,6 +16,8 @@ step decodes); the output is RMS-normalised per head, times ``silu(z)``, and pro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from shoal.runtime.attention.backend import AttentionMetadata
@@ -27,8 +29,15 @@ from shoal.runtime.model.delta_rule import (
     recurrent_step,
 )
 from shoal.runtime.model.layers import _param
-from shoal.runtime.model.linear import ReplicatedLinear
+from shoal.runtime.model.linear import (
+    ReplicatedLinear,
+    RowParallelLinear,
+    _copy,
+    _read,
+    _set_loader,
+)
 from shoal.runtime.model.linear_attn_config import LinearAttnConfig
+from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
 
@@ -55,29 +64,62 @@ class _GatedNorm(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
+def _rank_rows(parallel: ParallelContext, segments: list[int]):
+    """A loader taking this rank's share of each segment of a tensor's first dimension
+    (checkpoint sizes), concatenated: q|k|v channels split by heads, each part apart."""
+
+    def load(param: nn.Parameter, st_slice, _shard: object) -> None:
+        parts, at = [], 0
+        for size in segments:
+            start, end = parallel.shard_range(size)
+            parts.append(_read(st_slice, 0, at + start, at + end))
+            at += size
+        _copy(param.data, parts[0] if len(parts) == 1 else torch.cat(parts),
+              "linear-attention rows")
+
+    return load
+
+
 class GatedDeltaNet(nn.Module):
+    """Tensor parallelism splits the key heads (and with them their value heads) over the
+    ranks: every projection into the heads is cut by rows, each rank keeps its heads' state,
+    and ``out_proj`` is row-parallel (one all-reduce per layer), as attention is split."""
+
     def __init__(self, lin: LinearAttnConfig, hidden_size: int, eps: float,
-                 dtype: torch.dtype, device: torch.device | str):
+                 parallel: ParallelContext, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.lin = lin
+        world = parallel.world_size
+        full = lin
+        # this rank's heads; ``linear_layers`` stays global (it indexes the model's layers)
+        self.lin = lin = replace(lin, num_k_heads=lin.num_k_heads // world,
+                                 num_v_heads=lin.num_v_heads // world)
         self.group = lin.num_v_heads // lin.num_k_heads  # value heads per key head
+        qkv_segments = [full.key_dim, full.key_dim, full.value_dim]
+
+        def rows(size: int, segments: list[int]) -> ReplicatedLinear:
+            layer = ReplicatedLinear(hidden_size, size, False, dtype, device)
+            _set_loader(layer.weight, _rank_rows(parallel, segments))
+            return layer
+
         if lin.separate_projections:  # Qwen3.5
-            self.in_proj_qkv = ReplicatedLinear(hidden_size, lin.conv_dim, False, dtype, device)
-            self.in_proj_z = ReplicatedLinear(hidden_size, lin.value_dim, False, dtype, device)
-            self.in_proj_b = ReplicatedLinear(hidden_size, lin.num_v_heads, False, dtype, device)
-            self.in_proj_a = ReplicatedLinear(hidden_size, lin.num_v_heads, False, dtype, device)
-        else:  # Qwen3-Next
-            self.in_proj_qkvz = ReplicatedLinear(hidden_size,
-                                                 2 * lin.key_dim + 2 * lin.value_dim, False,
-                                                 dtype, device)
-            self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * lin.num_v_heads, False, dtype,
-                                               device)
+            self.in_proj_qkv = rows(lin.conv_dim, qkv_segments)
+            self.in_proj_z = rows(lin.value_dim, [full.value_dim])
+            self.in_proj_b = rows(lin.num_v_heads, [full.num_v_heads])
+            self.in_proj_a = rows(lin.num_v_heads, [full.num_v_heads])
+        else:  # Qwen3-Next: whole key-head groups are contiguous rows
+            self.in_proj_qkvz = rows(2 * lin.key_dim + 2 * lin.value_dim,
+                                     [2 * full.key_dim + 2 * full.value_dim])
+            self.in_proj_ba = rows(2 * lin.num_v_heads, [2 * full.num_v_heads])
         self.conv1d = _Conv(lin.conv_dim, lin.conv_kernel, dtype, device)
+        _set_loader(self.conv1d.weight, _rank_rows(parallel, qkv_segments))
         # decay parameters in float32: exp(A_log) in a half dtype can overflow
         self.dt_bias = _param((lin.num_v_heads,), torch.float32, device)
         self.A_log = _param((lin.num_v_heads,), torch.float32, device)
+        for param in (self.dt_bias, self.A_log):
+            _set_loader(param, _rank_rows(parallel, [full.num_v_heads]))
         self.norm = _GatedNorm(lin.head_v_dim, eps, dtype, device)
-        self.out_proj = ReplicatedLinear(lin.value_dim, hidden_size, False, dtype, device)
+        self.out_proj = RowParallelLinear(full.value_dim, hidden_size, False, parallel, dtype,
+                                          device)
 
     def _split(self, x: torch.Tensor):
         """The conv's input q|k|v [T, C], z [T, Hv, Dv], b, a [T, Hv]."""

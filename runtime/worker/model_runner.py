@@ -40,7 +40,9 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # captured by Worker.warmup on CUDA
-        lin = model.config.linear_attn
+        # this rank's linear-attention heads (tensor parallelism splits them)
+        lin = next((layer.linear_attn.lin for layer in model.model.layers
+                    if getattr(layer, "mixer_name", None) == "linear_attn"), None)
         # one slot per request that may run at once (max_num_seqs): made once, kept across
         # init_kv_cache calls (the memory profile re-sizes only the KV cache)
         self.states = StateCache(lin, state_slots, dtype, device) if lin is not None else None

@@ -46,7 +46,8 @@ SETUP, PLAN, CALL, PING, STOP = b"S", b"P", b"C", b"H", b"Q"
 READY, REPLY, RESULT, DONE, PONG, ERROR = b"r", b"y", b"s", b"d", b"h", b"e"
 STEP_FAILED = b"f"
 
-CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block", "profile_num_kv_blocks"})
+CALLABLE = frozenset({"init_kv_cache", "warmup", "kv_bytes_per_block", "profile_num_kv_blocks",
+                      "state_bytes_per_request"})
 
 
 @dataclass

@@ -66,11 +66,11 @@ def test_startup_reports_state_bytes_and_turns_prefix_caching_off(caplog):
     assert not core.scheduler.kv.enable_prefix_caching
 
 
-def test_tensor_parallelism_is_refused_naming_the_linear_layers():
+def test_tensor_parallelism_splits_whole_key_heads_or_is_refused_naming_them():
     from shoal.runtime.distributed.shardability import shard_problems
     from shoal.runtime.model.config import load_model_config
 
-    mc = load_model_config(cached_hybrid_model())
-    assert shard_problems(mc, 1) == []
-    assert any("Gated DeltaNet" in p and "tensor_parallel_size=1" in p
-               for p in shard_problems(mc, 2))
+    mc = load_model_config(cached_hybrid_model())  # 2 key heads, 4 value heads
+    assert shard_problems(mc, 1) == [] and shard_problems(mc, 2) == []
+    assert any("2 linear-attention key heads (linear_num_key_heads) do not divide across 4"
+               in p for p in shard_problems(mc, 4))
