@@ -179,6 +179,10 @@ class EngineCore:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
                              "between tensor-parallel engines is not supported yet)")
+        if self._hybrid:  # blocks move, but not the linear layers' per-request state
+            raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} keeps "
+                             "linear-attention state outside the KV blocks; moving it between "
+                             "engines is not supported")
         if transfer.consumes and not self.config.enable_prefix_caching:
             raise ValueError(f"--kv-transfer-config kv_role {transfer.kv_role} needs prefix "
                              "caching: pulled blocks enter the prefix cache")

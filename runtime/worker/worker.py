@@ -123,6 +123,9 @@ class Worker:
         if self.model_config().mla is not None:
             raise ValueError(f"{self.model_config().architecture}: LoRA adapters on multi-head "
                              "latent attention are not supported (--enable-lora)")
+        if self.model_config().linear_attn is not None:
+            raise ValueError(f"{self.model_config().architecture}: LoRA adapters on a hybrid "
+                             "model's linear-attention layers are not supported (--enable-lora)")
         made = attach_lora(model, config.max_loras, config.max_lora_rank, self.dtype,
                            self.device)
         return LoraManager(made, len(model.model.layers),

@@ -74,3 +74,15 @@ def test_tensor_parallelism_splits_whole_key_heads_or_is_refused_naming_them():
     assert shard_problems(mc, 1) == [] and shard_problems(mc, 2) == []
     assert any("2 linear-attention key heads (linear_num_key_heads) do not divide across 4"
                in p for p in shard_problems(mc, 4))
+
+
+def test_lora_and_kv_transfer_are_refused_naming_the_linear_layers():
+    from shoal.runtime.kv_transfer.params import KVTransferConfig
+
+    model_dir = cached_hybrid_model()
+    with pytest.raises(ValueError, match="LoRA adapters on a hybrid model"):
+        engine(model_dir, max_model_len=64, num_kv_blocks=16, enable_lora=True)
+    with pytest.raises(ValueError, match="linear-attention state outside the KV blocks"):
+        engine(model_dir, max_model_len=64, num_kv_blocks=16,
+               kv_transfer_config=KVTransferConfig(kv_connector="TcpConnector",
+                                                   kv_role="kv_producer"))
