@@ -12,8 +12,10 @@ of 128) with ``--layers`` layers and the test tokenizer's 1024-token vocabulary,
 it is quantized by ``make_quant_model`` (compressed-tensors int4 group 128 through the
 compressed-tensors library; FP8 in 128x128 blocks). Each (mode, batch) generates ``--tokens``
 tokens for ``batch`` prompts of 8 tokens, greedy, ignoring EOS, after one warm-up call; tok/s
-counts generated tokens over the call's wall time (the short prefill included). The machine's
-load moves every row: compare rows of one run.
+counts generated tokens over the call's wall time (the short prefill included). Every
+engine is loaded first; then, ``--rounds`` times, each (batch, mode) runs once with the modes
+taking turns, and the median round is reported (with the process's CPU time per token). The
+machine's load moves every row: compare rows of one run.
 
     .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
         [--modes f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32]
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -95,10 +98,9 @@ def resident_bytes(model) -> int:
     return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)
 
 
-def run(mode: str, model_dir: Path, dtype: str, batches: list[int], tokens: int) -> dict:
+def start(mode: str, model_dir: Path, dtype: str, batches: list[int]):
     from shoal.runtime.llm import LLM
     from shoal.runtime.model import loader
-    from shoal.runtime.sampling_params import SamplingParams
 
     keeps = loader.keeps_gguf_quantized
     if mode == "gguf-f32":
@@ -111,20 +113,20 @@ def run(mode: str, model_dir: Path, dtype: str, batches: list[int], tokens: int)
         loader.keeps_gguf_quantized = keeps  # type: ignore[assignment]
     model = llm.engine.executor.worker.runner.model  # type: ignore[attr-defined]
     print(f"{mode:>11} resident weights {resident_bytes(model) / 2**20:.1f} MiB", flush=True)
+    return llm
+
+
+def timed(llm, batch: int, tokens: int) -> tuple[float, float]:
+    """(tok/s over the call's wall time, the process's CPU seconds per generated token)."""
+    from shoal.runtime.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], params)  # warm-up
-    rows = {}
-    for batch in batches:
-        prompts = [[3 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-        rows[batch] = produced / elapsed
-        print(f"{mode:>11} batch {batch:>3}: {rows[batch]:8.1f} tok/s ({elapsed:.2f} s)",
-              flush=True)
-    del llm
-    return rows
+    prompts = [[3 + (i * 7 + j) % 1000 for j in range(8)] for i in range(batch)]
+    wall, cpu = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return produced / wall, cpu / produced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +135,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--modes", default=DEFAULT_MODES)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every (batch, mode), modes taking turns within a "
+                             "round; the median round is reported")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
     dense = dense_checkpoint(args.layers)
-    results = {}
-    for mode in args.modes.split(","):
+    # every engine loaded first, then the modes take turns: a neighbour's load moves them
+    # all alike within a round
+    engines = {}
+    for mode in modes:
         fmt, dtype = MODES[mode]
-        results[mode] = run(mode, checkpoint(dense, fmt), dtype, batches, args.tokens)
+        engines[mode] = start(mode, checkpoint(dense, fmt), dtype, batches)
+        timed(engines[mode], 1, 4)  # warm-up
+    samples: dict[str, dict[int, list[tuple[float, float]]]] = {
+        m: {b: [] for b in batches} for m in modes}
+    for round_index in range(args.rounds):
+        for batch in batches:
+            for mode in modes:
+                rate, cpu = timed(engines[mode], batch, args.tokens)
+                samples[mode][batch].append((rate, cpu))
+                print(f"round {round_index} {mode:>11} batch {batch:>3}: {rate:8.1f} tok/s, "
+                      f"{cpu * 1e3:7.1f} CPU ms/token", flush=True)
+    results = {m: {b: statistics.median(r for r, _ in samples[m][b]) for b in batches}
+               for m in modes}
+    cpu_ms = {m: {b: statistics.median(c for _, c in samples[m][b]) * 1e3 for b in batches}
+              for m in modes}
+    for mode in modes:
+        print(f"{mode:>11} median: " + ", ".join(
+            f"b{b} {results[mode][b]:.1f} tok/s ({cpu_ms[mode][b]:.1f} CPU ms/token)"
+            for b in batches))
     # the Qwen3-shaped modes against its dense float32 and bf16 runs; the GGUF ones against
     # the dequantized file
     for base_name in ("f32", "bf16", "gguf-f32"):
@@ -151,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ratios = ", ".join(f"b{b} {rows[b] / results[base_name][b]:.2f}x" for b in batches)
             print(f"{mode:>11} vs {base_name}: {ratios}")
-    print(json.dumps({"load_average": os.getloadavg(), "results": results}))
+    print(json.dumps({"load_average": os.getloadavg(), "results": results, "cpu_ms": cpu_ms}))
     return 0
 
 
