@@ -144,22 +144,20 @@ class GatedDeltaNet(nn.Module):
                 rope: object = None) -> torch.Tensor:
         lin = self.lin
         conv_states, recurrent_states = state
-        slots = meta.state_slots
-        assert slots is not None, "a linear-attention layer needs AttentionMetadata.state_slots"
+        assert meta.state_slots is not None and meta.state_slots_cpu is not None, \
+            "a linear-attention layer needs AttentionMetadata.state_slots"
+        rows = _Rows(meta)
         mixed, z, b, a = self._split(x)  # mixed [T, C]: the conv's channels, q|k|v
         weight = self.conv1d.weight[:, 0, :]
-        starts = meta.query_start_loc_cpu
-        rows = len(starts) - 1
-        decode = meta.max_query_len == 1 and x.shape[0] == rows
-        if decode:
-            windows = conv_states[slots]
-            mixed = causal_conv_step(mixed, windows, weight)
-            conv_states[slots] = windows
-        else:
-            mixed = torch.cat([causal_conv(mixed[s:e].T, conv_states[slot], weight).T
-                               for s, e, slot in zip(starts[:-1], starts[1:],
-                                                     meta.state_slots_cpu, strict=True)])
-        q, k, v = torch.split(mixed, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        conv_out = torch.empty_like(mixed) if rows.spans else mixed
+        if rows.single_slots is not None:  # one-token rows together: gather, step, scatter
+            windows = conv_states[rows.single_slots]
+            conv_out[rows.single_tokens] = causal_conv_step(mixed[rows.single_tokens], windows,
+                                                            weight)
+            conv_states[rows.single_slots] = windows
+        for s, e, slot in rows.spans:  # prefill chunks: each from its own window
+            conv_out[s:e] = causal_conv(mixed[s:e].T, conv_states[slot], weight).T
+        q, k, v = torch.split(conv_out, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         tokens = x.shape[0]
         # each key head serves ``group`` consecutive value heads
         q = q.reshape(tokens, lin.num_k_heads, lin.head_k_dim).repeat_interleave(self.group, 1)
@@ -169,15 +167,36 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(tokens, lin.num_v_heads, lin.head_v_dim).float()
         beta = b.float().sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        if decode:
-            states = recurrent_states[slots]
-            out = recurrent_step(q, k, v, g, beta, states)
-            recurrent_states[slots] = states
-        else:
-            out = torch.empty_like(v)
-            for s, e, slot in zip(starts[:-1], starts[1:], meta.state_slots_cpu, strict=True):
-                out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                        v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
-                                        recurrent_states[slot]).transpose(0, 1)
+        out = torch.empty_like(v)
+        if rows.single_slots is not None:
+            at, states = rows.single_tokens, recurrent_states[rows.single_slots]
+            out[at] = recurrent_step(q[at], k[at], v[at], g[at], beta[at], states)
+            recurrent_states[rows.single_slots] = states
+        for s, e, slot in rows.spans:
+            out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                    v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
+                                    recurrent_states[slot]).transpose(0, 1)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(tokens, lin.value_dim))
+
+
+class _Rows:
+    """The step's rows by kind: one-token rows (decodes, the odd one-token chunk) run the
+    batched recurrent update together; a row of several tokens runs the chunked scan. A
+    mixed step would otherwise pad each decode row to a whole 64-token scan block."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+        assert slots is not None and meta.state_slots is not None
+        self.single_slots: torch.Tensor | None = None
+        self.single_tokens: torch.Tensor | slice = slice(None)
+        if meta.max_query_len == 1:  # pure decode: every token is its row's only one
+            self.single_slots, self.spans = meta.state_slots, []
+            return
+        single = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
+        self.spans = [(starts[i], starts[i + 1], slots[i]) for i in range(len(slots))
+                      if starts[i + 1] - starts[i] > 1]
+        if single:
+            device = meta.state_slots.device
+            self.single_slots = torch.tensor([slots[i] for i in single], device=device)
+            self.single_tokens = torch.tensor([starts[i] for i in single], device=device)
