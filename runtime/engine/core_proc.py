@@ -193,7 +193,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                       num_kv_blocks=core.stats().num_kv_blocks,
                       eos_token_ids=list(core.model_config.eos_token_ids),
                       vocab_size=core.model_config.vocab_size,
-                      quantization=getattr(core.model_config.quantization, "name", ""))
+                      quantization=served_quantization(config, core.model_config))
         EngineLoop(core, inputs, send, config.kv_events_endpoint, progress,
                    kv_events_topic(config.kv_events_topic, config.served_model_name
                                    or config.model)).run()
@@ -356,6 +356,15 @@ class EngineLoop:
             self._last_stats, self._stats_dirty = now, False
         self.send(CoreMessageType.OUTPUTS,
                   EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time()))
+
+
+def served_quantization(config: EngineConfig, model_config: object) -> str:
+    """What /v1/models and the metrics report: the checkpoint's method, or ``gguf`` for a
+    GGUF file (vLLM's name for them, whether its blocks stay quantized here or not)."""
+    from shoal.runtime.model_source import gguf_file
+
+    name = getattr(getattr(model_config, "quantization", None), "name", "")
+    return name or ("gguf" if gguf_file(config.model) is not None else "")
 
 
 def main(argv: list[str] | None = None) -> None:

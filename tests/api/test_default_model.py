@@ -244,6 +244,9 @@ def test_fp8_kv_cache_agrees_with_the_full_precision_cache_teacher_forced(llm, g
 def test_shoal_serve_without_a_model_answers_paris(default_server) -> None:
     models = default_server.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+    # what vLLM reports for a GGUF checkpoint, here also where its blocks stay quantized
+    assert models["data"][0]["quantization"] == "gguf"
+    assert 'quantization="gguf"' in default_server.get("/metrics").text
     response = httpx.post(f"{default_server.v1}/chat/completions", timeout=120, json={
         "model": SERVED_NAME, "temperature": 0, "max_tokens": 16,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
