@@ -13,10 +13,13 @@ weights the block reads (the experts its tokens chose) as a rate, next to the ra
 this thread reads all the experts' weights in a batched GEMV (``torch.bmm``, one row each).
 
 ``--against REF`` times REF's ``moe_grouped.py`` (``git show``) in the same process too,
-calls alternating, and reports the ratio of the medians.
+calls alternating, and reports the ratio of the medians. In float32 the native kernel
+(``moe_experts_cpu.py``, what the native cpu backend runs) is timed too, alternating, with
+its speedup over the grouped path (``native x``). ``--threads`` sets torch's pool (the
+kernel's too); CPU time then counts every thread's.
 
     .venv/bin/python bench/moe_experts.py [--dtype bfloat16] [--tokens 1 8 64 256]
-        [--repeats 9] [--against REF]
+        [--repeats 9] [--against REF] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from shoal.kernels import moe_grouped
+from shoal.kernels import moe_experts_cpu, moe_grouped
+from shoal.kernels.native_cpu import unavailable_reason
 
 EXPERTS, HIDDEN, SIZE, TOP_K = 64, 1024, 256, 8
 
@@ -78,8 +82,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--against", metavar="REF")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     w13 = (torch.randn(EXPERTS, 2 * SIZE, HIDDEN) * 0.03).to(dtype)
@@ -87,12 +92,15 @@ def main() -> None:
     versions = {"this": moe_grouped.grouped_experts}
     if args.against:
         versions[args.against] = _module_at(args.against).grouped_experts
+    if dtype == torch.float32 and unavailable_reason() is None:
+        versions["native"] = moe_experts_cpu.experts
     weight_bytes = (w13.nbytes + w2.nbytes) // EXPERTS  # one expert's
     v13, v2 = torch.ones(EXPERTS, HIDDEN, 1, dtype=dtype), torch.ones(EXPERTS, SIZE, 1,
                                                                        dtype=dtype)
     read_ms = statistics.median(_cpu_ms(lambda: (torch.bmm(w13, v13), torch.bmm(w2, v2)))
                                 for _ in range(args.repeats))
-    print(f"{args.dtype}, E={EXPERTS} H={HIDDEN} I={SIZE} top-{TOP_K}, one thread, "
+    print(f"{args.dtype}, E={EXPERTS} H={HIDDEN} I={SIZE} top-{TOP_K}, {args.threads} "
+          f"thread(s), "
           f"median CPU ms of {args.repeats}; every expert's weights read by a batched GEMV "
           f"at {weight_bytes * EXPERTS / read_ms / 1e6:.1f} GB/s")
     for tokens in args.tokens:
@@ -119,6 +127,9 @@ def main() -> None:
         if args.against:
             ratio = statistics.median(times[args.against]) / statistics.median(times["this"])
             cells.append(f"{ratio:.2f}x")
+        if "native" in versions:
+            ratio = statistics.median(times["this"]) / statistics.median(times["native"])
+            cells.append(f"native {ratio:.2f}x")
         print(f"T={tokens:5d}  " + "  ".join(cells))
     sys.stdout.flush()
 

@@ -40,7 +40,8 @@ ExpertShard = tuple[int, str] | str  # (expert, "gate" | "up" | "down"), or "fus
 def _kernels(device: torch.device | str, dtype: torch.dtype, kernels: Kernels | None) -> Kernels:
     """What ``ops.choose_kernels`` picked for the model (plain torch when built alone): its
     SiLU-and-mul, and its MoE path (the Triton kernel with the triton attention backend on
-    CUDA, else torch's grouped GEMM)."""
+    CUDA, the native kernel in float32 with the native cpu backend, else torch's grouped
+    GEMM)."""
     return kernels or kernels_for(device, dtype, "torch")
 
 
@@ -153,6 +154,10 @@ class FusedExperts(nn.Module):
             from shoal.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        if self.impl == "native_cpu":  # SiLU experts without biases (gpt-oss is "grouped")
+            from shoal.kernels import moe_experts_cpu
+
+            return moe_experts_cpu.experts(x, self.gate_up_proj, self.down_proj, weights, ids)
         # the down bias once over the ranks' partial sums: on rank 0 only
         b2 = self.down_proj_bias if self.rank == 0 else None
         return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,

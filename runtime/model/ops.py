@@ -14,6 +14,8 @@ they run on. The rule:
   kernels for this CPU (AMX, AVX512-BF16, AVX-NE-CONVERT: ``linear.pack_cpu_linear_weights``);
   elsewhere bfloat16 linears on the native kernel (``shoal.kernels.linear_bf16_cpu``: the
   weight kept in bfloat16, widened as it is read) where the native library runs;
+- the native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) for float32 MoE
+  blocks where the native ``cpu`` backend runs;
 - torch everywhere else, and for every shape a kernel does not take (an activation other
   than SiLU, partial or interleaved rotary, a 3-d norm input).
 """
@@ -58,7 +60,9 @@ class KernelChoice:
     qk_norm_rotary: str
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
-    moe: str = "grouped"  # "triton" (shoal/kernels/fused_moe.py) | "grouped" (torch._grouped_mm)
+    # "triton" (shoal/kernels/fused_moe.py) | "native_cpu" (moe_experts_cpu.py, float32) |
+    # "grouped" (torch._grouped_mm)
+    moe: str = "grouped"
     lora: str = "masked"  # "triton" (shoal/kernels/lora_batched.py) | "masked" (torch matmuls)
 
 
@@ -84,7 +88,11 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         rotary="native_cpu" if native_ops else "torch",
         qk_norm_rotary="triton" if triton else "native_cpu"
         if native_ops and dtype == torch.bfloat16 else "torch",
-        linear=linear, attention=attention, moe="triton" if triton else "grouped",
+        linear=linear, attention=attention,
+        # the native experts kernel is float32 only (bfloat16 keeps torch's grouped GEMM,
+        # whose bfloat16 rounding the bfloat16 equivalence tests follow)
+        moe="triton" if triton else "native_cpu"
+        if native and device_type == "cpu" and dtype == torch.float32 else "grouped",
         lora="triton" if triton else "masked")
 
 

@@ -1,5 +1,6 @@
 """The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``,
-``kv_fp8_cpu.c``, ``cpu_ops_bf16.c``, ``int_matmul_cpu.c``):
+``kv_fp8_cpu.c``, ``cpu_ops_bf16.c``, ``int_matmul_cpu.c``,
+``moe_experts_cpu.c``):
 prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
@@ -41,7 +42,8 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the lib
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c",
-                             "kv_fp8_cpu.c", "cpu_ops_bf16.c", "int_matmul_cpu.c"))
+                             "kv_fp8_cpu.c", "cpu_ops_bf16.c", "int_matmul_cpu.c",
+                             "moe_experts_cpu.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # libmvec (vector expf) where glibc ships it; plain libm otherwise
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
@@ -71,6 +73,8 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_int_matmul_f32": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                     _i64, _ptr, _i64]),
     "shoal_int_dequant_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr]),
+    "shoal_moe_experts_f32": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                                             _ptr, _ptr, _ptr]),
 }
 
 

@@ -1,0 +1,116 @@
+"""The native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) against float64 math,
+one (token, expert) pair at a time, for 1 to 300 tokens, uneven expert loads and experts
+that no token chose.
+
+The kernel sums in float32 in its own order, so results are compared with a tolerance
+relative to the output's size, never bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels import moe_experts_cpu
+from shoal.kernels.moe_grouped import grouped_experts
+from shoal.kernels.native_cpu import SIGNATURES, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"native library: {unavailable_reason()}")
+
+
+def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    scale = want.abs().max().item() + 1e-30
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2e-5 * scale, f"max error {err:.3g} for outputs up to {scale:.3g}"
+
+
+def _problem(rng: torch.Generator, tokens: int, experts: int, hidden: int, inter: int,
+             top_k: int, skewed: bool):
+    x = torch.randn(tokens, hidden, generator=rng)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=rng) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=rng) / inter ** 0.5
+    logits = torch.randn(tokens, experts, generator=rng)
+    if skewed:  # most tokens go to the low experts: one heavy expert, several idle ones
+        logits += torch.linspace(6.0, -6.0, experts)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return x, w13, w2, weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 17, 64, 300])
+def test_matches_float64_for_1_to_300_tokens(rng, tokens: int) -> None:
+    x, w13, w2, weights, ids = _problem(rng, tokens, 8, 64, 24, 2, skewed=tokens % 2 == 1)
+    assert moe_experts_cpu.supports(x, w13, w2)
+    _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+           _reference(x, w13, w2, weights, ids))
+
+
+def test_uneven_loads_and_idle_experts_at_the_bench_shape(rng) -> None:
+    """Hidden 1024, 64 experts of 256, top-8 (make_moe_model's bench size): one expert
+    carrying nearly every token, others none."""
+    x, w13, w2, weights, ids = _problem(rng, 37, 64, 1024, 256, 8, skewed=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=64)
+    assert (counts == 0).any() and counts.max() >= 30
+    _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+           _reference(x, w13, w2, weights, ids))
+
+
+def test_a_token_routed_twice_to_an_expert_and_unsorted_ids(rng) -> None:
+    x, w13, w2, _, _ = _problem(rng, 5, 4, 16, 8, 3, skewed=False)
+    ids = torch.tensor([[3, 0, 3], [1, 1, 1], [0, 2, 3], [2, 2, 0], [3, 3, 3]])
+    weights = torch.rand(5, 3, generator=rng)
+    _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+           _reference(x, w13, w2, weights, ids))
+
+
+def test_shapes_the_kernel_does_not_take_run_the_grouped_path(rng) -> None:
+    x, w13, w2, weights, ids = _problem(rng, 6, 4, 20, 12, 2, skewed=False)  # H, I not x8
+    assert not moe_experts_cpu.supports(x, w13, w2)
+    torch.testing.assert_close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+                               grouped_experts(x, w13, w2, weights, ids))
+    bf16 = [t.bfloat16() for t in _problem(rng, 3, 4, 16, 8, 2, skewed=False)[:3]]
+    assert not moe_experts_cpu.supports(*bf16)
+    empty = moe_experts_cpu.experts(torch.zeros(0, 64), *_problem(rng, 1, 4, 64, 8, 2,
+                                                                  False)[1:3],
+                                    torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
+    assert empty.shape == (0, 64)
+
+
+def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch) -> None:
+    """The loops other CPUs get (built for baseline x86-64, no AVX2/FMA intrinsics): the
+    library is built with -march=native, so on this pool's CPUs only this build runs them."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(moe_experts_cpu.__file__).with_name("moe_experts_cpu.c")
+    library = tmp_path / "portable.so"
+    subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared",
+                    "-std=c11", str(source), "-o", str(library), "-lm"], check=True,
+                   timeout=300)
+    portable = ctypes.CDLL(str(library))
+    function = portable.shoal_moe_experts_f32
+    function.restype, function.argtypes = SIGNATURES["shoal_moe_experts_f32"]
+    monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
+    for tokens in (1, 4, 50):
+        x, w13, w2, weights, ids = _problem(rng, tokens, 8, 64, 24, 2, skewed=True)
+        _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+               _reference(x, w13, w2, weights, ids))
