@@ -68,6 +68,30 @@ def greedy() -> Callable[..., EngineCoreRequest]:
     return greedy_request
 
 
+@pytest.fixture
+def tp2_equals_tp1(make_engine, run_to_completion
+                   ) -> Callable[[Path, list[list[int]]], tuple[EngineCore, EngineCore, dict]]:
+    """Greedy requests (request i: prompt i, 10 + 3i tokens) on a TP=1 and a TP=2 engine of
+    the same checkpoint; asserts every request's tokens agree and returns (tp1, tp2, the TP=2
+    outputs) for the caller's own checks of what each rank holds."""
+
+    def run(model_dir: Path, prompts: list[list[int]]
+            ) -> tuple[EngineCore, EngineCore, dict[str, list[EngineCoreOutput]]]:
+        requests = [greedy_request(f"r{i}", p, max_tokens=10 + 3 * i)
+                    for i, p in enumerate(prompts)]
+        tp1 = make_engine(model_dir, tp=1, max_model_len=128)
+        single = run_to_completion(tp1, requests)
+        tp2 = make_engine(model_dir, tp=2, max_model_len=128)
+        tensor_parallel = run_to_completion(tp2, requests)
+        for req_id, outs in single.items():
+            want = [t for o in outs for t in o.new_token_ids]
+            got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]
+            assert got == want, f"{req_id}: TP=2 diverged from TP=1"
+        return tp1, tp2, tensor_parallel
+
+    return run
+
+
 def wait_until_gone(pids: list[int], timeout_s: float) -> list[int]:
     """Pids still alive (zombies count as gone) after waiting up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -14,17 +14,9 @@ from tests.tp.test_tp_equivalence import PROMPTS
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_deepseek_v3_greedy_tokens_equal_tp1(make_engine, run_to_completion, greedy):
-    model_dir = cached_mla_model("deepseek_v3")
-    requests = [greedy(f"r{i}", p, max_tokens=10 + 3 * i) for i, p in enumerate(PROMPTS)]
-    tp1_engine = make_engine(model_dir, tp=1, max_model_len=128)
-    single = run_to_completion(tp1_engine, requests)
-    tp2_engine = make_engine(model_dir, tp=2, max_model_len=128)
-    tensor_parallel = run_to_completion(tp2_engine, requests)
-    for req_id, outs in single.items():
-        want = [t for o in outs for t in o.new_token_ids]
-        got = [t for o in tensor_parallel[req_id] for t in o.new_token_ids]
-        assert got == want, f"{req_id}: TP=2 diverged from TP=1"
+def test_tp2_deepseek_v3_greedy_tokens_equal_tp1(tp2_equals_tp1):
+    tp1_engine, tp2_engine, tensor_parallel = tp2_equals_tp1(cached_mla_model("deepseek_v3"),
+                                                             PROMPTS)
     assert sum(o.num_cached_tokens for outs in tensor_parallel.values() for o in outs) > 0
     # every rank caches the whole latent: the per-block bytes are TP=1's
     assert tp2_engine.executor.kv_bytes_per_block() == tp1_engine.executor.kv_bytes_per_block()
