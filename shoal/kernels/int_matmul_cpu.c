@@ -9,6 +9,12 @@
    - scales, offsets: float32 [n, k / group], W[n, k] = code * scale + offset for the group
      of column k. group is a multiple of 32. Every integer format folds into this (a zero
      point z: offset = -z * scale; GGUF Q4_1's min is the offset itself).
+   - bits == 6: GGUF Q6_K super-blocks as the file stores them (row n: k / 256 blocks of 210
+     bytes: ql[128] low nibbles, qh[64] high 2-bit pairs, int8 scales[16] per 16 columns, fp16
+     d), scales and offsets unused. Its scales come per 16 columns, and folding them into
+     float32 groups would double its 6.56 bits a weight, so the blocks are decoded in
+     dequant_row instead: W = (d * scale) * (q - 32), one rounding as the gguf package's
+     dequantization.
 
    Why this shape: decode multiplies a few rows (1-64) by every weight, so the weights'
    bytes and their unpacking are the cost. A tile of NR weight rows x KC columns is unpacked
@@ -33,15 +39,80 @@
 #define KC 512    /* columns per tile: NR * KC float32 = 8 KiB, in L1 */
 #define SUB 32    /* columns per packed sub-block */
 #define PARALLEL_MIN 65536  /* weights below which one thread does it all */
+#define QK 256    /* Q6_K: columns per super-block */
+#define Q6K_BYTES 210
+
+static int64_t row_bytes_of(int64_t bits, int64_t k) {
+    return bits == 4 ? k / 2 : bits == 6 ? k / QK * Q6K_BYTES : k;
+}
+
+/* IEEE binary16 -> float32 (exact) */
+static float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact */
+        f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float32 [32] <- Q6_K row columns [col, col + 32) (col a multiple of 32). Within a block's
+   half of 128 columns, the quarter qd takes ql's low (qd < 2) or high nibbles of bytes
+   (qd & 1) * 32 + l and bits 2 qd of qh[l]: llama.cpp's dequantize_row_q6_K. */
+static void dequant_q6k(const uint8_t *row, int64_t col, float *d) {
+    const uint8_t *blk = row + col / QK * Q6K_BYTES;
+    const int64_t p = col % QK, half = p / 128, qd = (p % 128) / 32;
+    const uint8_t *ql = blk + 64 * half + (qd & 1) * 32, *qh = blk + 128 + 32 * half;
+    const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 2 * qd;
+    const float dd = half_to_float(blk + 208);
+    const float s0 = dd * (float)sc[0], s1 = dd * (float)sc[1];
+    const int nshift = qd >= 2 ? 4 : 0, hshift = 2 * (int)qd;
+#ifdef SHOAL_AVX2
+    const __m256i vl = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i vh = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(vl, _mm_cvtsi32_si128(nshift)),
+                                         _mm256_set1_epi8(0x0f));
+    const __m256i two = _mm256_and_si256(_mm256_srl_epi16(vh, _mm_cvtsi32_si128(hshift)),
+                                         _mm256_set1_epi8(0x03));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(two, 4)),
+                                      _mm256_set1_epi8(32));
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 v0 = _mm256_set1_ps(s0), v1 = _mm256_set1_ps(s1);
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), v0));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), v0));
+    _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), v1));
+    _mm256_storeu_ps(d + 24, _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), v1));
+#else
+    for (int l = 0; l < 32; ++l) {
+        const int q = (((ql[l] >> nshift) & 15) | ((qh[l] >> hshift) & 3) << 4) - 32;
+        d[l] = (l < 16 ? s0 : s1) * (float)q;
+    }
+#endif
+}
 
 /* float32 [KC] <- weight row n's columns [k0, k0 + len) (len a multiple of SUB) */
 static void dequant_row(const uint8_t *codes, const float *scales, const float *offsets,
                         int64_t n, int64_t k, int64_t group, int64_t bits, int64_t k0,
                         int64_t len, float *dst) {
     const int64_t groups = k / group;
-    const int64_t row_bytes = bits == 4 ? k / 2 : k;
+    const int64_t row_bytes = row_bytes_of(bits, k);
     for (int64_t j = 0; j < len; j += SUB) {
         const int64_t col = k0 + j;
+        if (bits == 6) {
+            dequant_q6k(codes + n * row_bytes, col, dst + j);
+            continue;
+        }
         const float s = scales[n * groups + col / group];
         const float o = offsets[n * groups + col / group];
         const uint8_t *src = codes + n * row_bytes + (bits == 4 ? col / 2 : col);
@@ -170,7 +241,7 @@ void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const 
                           int64_t group, int64_t bits, float *out, int64_t out_stride) {
     const int64_t tiles = (n + NR - 1) / NR;
 #ifdef SHOAL_AVX2
-    if (rows == 1) {
+    if (rows == 1 && bits != 6) {
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
         for (int64_t t = 0; t < tiles; ++t)
             gemv_rows(x, codes, scales, offsets, t * NR, t * NR + NR < n ? t * NR + NR : n, k,

@@ -5,7 +5,9 @@ The layout (``IntPacked``) is the kernel's: ``codes`` uint8 ``[n, k / 2]`` (4-bi
 each 32-column sub-block holding column i in its low nibble and column 16 + i in its high
 one: GGUF's Q4_0/Q4_1 order) or ``[n, k]`` (8-bit, unsigned); ``scales`` and ``offsets``
 float32 ``[n, k / group]`` with ``W = code * scale + offset``. ``k`` and ``group`` are
-multiples of 32.
+multiples of 32. ``bits == Q6_K`` (6): GGUF Q6_K super-blocks as the file stores them,
+``codes`` uint8 ``[n, k / 256 * 210]``, ``group`` 256, ``scales`` and ``offsets`` empty
+``[n, 0]`` (the blocks carry theirs; the kernel decodes them).
 
 Few rows (decode) run the kernel, which unpacks a tile of weights into float32 once for all
 the rows; more than ``GEMM_MIN_ROWS`` (prefill) dequantize a band of output features at a
@@ -21,6 +23,9 @@ import torch
 from shoal.kernels.native_cpu import load
 
 SUB = 32  # columns per packed sub-block
+Q6_K = 6  # ``bits`` of GGUF Q6_K super-blocks kept as stored
+QK = 256  # columns per K-quant super-block
+Q6K_BYTES = 210
 # rows from which a dequantized band + torch's GEMM beats the kernel. Measured (Zen 3, 2
 # threads, load 3.6-4.5), kernel / dequantize + GEMM: 6144x1024 int4 at 64 rows 17.7 / 72.5 ms,
 # 128 rows 38.4 / 112, 256 rows 88.3 / 129; 1024x3072 at 128 rows 23.4 / 47.0, 256 48.4 / 45.7
@@ -42,18 +47,28 @@ class IntPacked:
     def out_features(self) -> int:
         return int(self.codes.shape[0])
 
+    @property
+    def row_bytes(self) -> int:
+        k = self.in_features
+        return k // QK * Q6K_BYTES if self.bits == Q6_K else k * self.bits // 8
+
     def check(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
-        if self.bits not in (4, 8) or k % SUB or g % SUB or k % g:
+        if self.bits == Q6_K:
+            if g != QK or k % QK:
+                raise ValueError(f"int matmul: Q6_K takes columns in super-blocks of {QK}, "
+                                 f"got {k} columns in groups of {g}")
+        elif self.bits not in (4, 8) or k % SUB or g % SUB or k % g:
             raise ValueError(f"int matmul: {self.bits}-bit, {k} columns in groups of {g}: "
                              f"needs 4 or 8 bits and columns and groups multiples of {SUB}")
         if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (
-                n, k * self.bits // 8) or not self.codes.is_contiguous():
-            raise ValueError(f"codes must be contiguous uint8 [{n}, {k * self.bits // 8}]")
+                n, self.row_bytes) or not self.codes.is_contiguous():
+            raise ValueError(f"codes must be contiguous uint8 [{n}, {self.row_bytes}]")
+        groups = 0 if self.bits == Q6_K else k // g
         for name, t in (("scales", self.scales), ("offsets", self.offsets)):
-            if t.dtype != torch.float32 or tuple(t.shape) != (n, k // g) or \
+            if t.dtype != torch.float32 or tuple(t.shape) != (n, groups) or \
                     not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous float32 [{n}, {k // g}]")
+                raise ValueError(f"{name} must be contiguous float32 [{n}, {groups}]")
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -92,13 +92,69 @@ def write_gguf(model_dir: Path, out: Path, arch: str, quant: str = "Q8_0",
 
 
 def _blocks(values: np.ndarray, qtype) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
+    if qtype == Q.Q4_K:
+        return quantize_q4_k(values)
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(values)
     try:
         return quants.quantize(values, qtype)
     except NotImplementedError:  # types without a quantizer: zero blocks of the right size
         block, type_size = quants.GGML_QUANT_SIZES[qtype]
         return np.zeros((values.shape[0], values.shape[1] // block * type_size), np.uint8)
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] -> Q4_K blocks [rows, cols / 256 * 144] in llama.cpp's block_q4_K layout
+    (the gguf package dequantizes it, it has no quantizer): per 32 columns an asymmetric
+    4-bit range (min/max, not llama.cpp's search: any values decode the same way)."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(rows, cols // 256, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - low) / 15
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = ((-low).max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, d[..., None], out=np.zeros_like(scale),
+                                   where=d[..., None] > 0)), 0, 63).astype(np.uint8)
+    mins = np.clip(np.rint(np.divide(-low, dmin[..., None], out=np.zeros_like(low),
+                                     where=dmin[..., None] > 0)), 0, 63).astype(np.uint8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.rint(np.divide(x + (dmin[..., None] * mins)[..., None], step,
+                          out=np.zeros_like(x), where=step > 0))
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(rows, cols // 256, 4, 2, 32)
+    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (mins[..., :4] & 63) | ((mins[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4)], axis=-1)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, cols // 256, 128)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] -> Q6_K blocks [rows, cols / 256 * 210] (block_q6_K: ql, qh, int8
+    scales per 16 columns, fp16 d): symmetric 6-bit per 16 columns."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(rows, cols // 256, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, d[..., None], out=np.zeros_like(scale),
+                                   where=d[..., None] > 0)), -128, 127).astype(np.int8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.rint(np.divide(x, step, out=np.zeros_like(x), where=step != 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(rows, cols // 256, 2, 4, 32)
+    ql = np.concatenate([q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
+                         q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], axis=-1)
+    qh = (q[..., 0, :] >> 4) | (q[..., 1, :] >> 4) << 2 | (q[..., 2, :] >> 4) << 4 | \
+        (q[..., 3, :] >> 4) << 6
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64),
+                             sc.view(np.uint8), _f16_bytes(d)], axis=-1)
+    return blocks.reshape(rows, -1)
 
 
 def _write_tokenizer(writer, model_dir: Path, tok: dict, tok_config: dict, config: dict,

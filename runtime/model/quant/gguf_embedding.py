@@ -1,11 +1,11 @@
-"""A GGUF file's token embedding and LM head kept in their blocks (Q4_0/Q4_1/Q8_0), on CPU
+"""A GGUF file's token embedding and LM head kept in their blocks (``gguf_int``'s types), on CPU
 where the linear layers are (``gguf_int``).
 
 In a small model the vocabulary is a large share of the weights (SmolLM2-135M: 49152 x 576,
 28M of its 135M, a Q8_0 table tied to the LM head). Dequantized it took float32 twice: the
 embedding table and oneDNN's packed copy of it for the LM head. Kept, the table is the int
-kernel's layout once: the embedding dequantizes the rows of the batch's token ids (the same
-``code * scale + offset`` the kernel computes, so the same values), and the LM head
+kernel's layout once: the embedding dequantizes the rows of the batch's token ids with the
+kernel's own dequantization (so the same values the LM head multiplies), and the LM head
 multiplies through the kernel. A table of any other type is dequantized as before.
 """
 
@@ -20,7 +20,7 @@ from shoal.runtime.model.quant.gguf_int import gguf_packed
 from shoal.runtime.model.quant.spec import QuantizationError
 from torch import nn
 
-from shoal.kernels.int_matmul_cpu import SUB, IntPacked, int_matmul, unpack_int4
+from shoal.kernels.int_matmul_cpu import IntPacked, dequantize, int_matmul
 
 
 class GgufVocab:
@@ -29,7 +29,7 @@ class GgufVocab:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.staged: IntPacked | torch.Tensor | None = None
-        self.bits = self.in_features = 0
+        self.bits = self.group = self.in_features = 0
 
     def stage(self, module: VocabParallelEmbedding) -> nn.Parameter:
         """A placeholder parameter whose loader keeps the file's tensor as stored."""
@@ -59,7 +59,7 @@ class GgufVocab:
                 module.weight = weight
                 module.quant = None
             return
-        self.bits, self.in_features = staged.bits, staged.in_features
+        self.bits, self.group, self.in_features = staged.bits, staged.group, staged.in_features
         # the layout's tensors are buffers of each module (one storage, counted once)
         meta = nn.Parameter(torch.empty(staged.out_features, staged.in_features,
                                         dtype=self.dtype, device="meta"), requires_grad=False)
@@ -71,19 +71,15 @@ class GgufVocab:
 
     def _packed(self, module: Any) -> IntPacked:
         return IntPacked(module.int_packed_codes, module.int_packed_scales,
-                         module.int_packed_offsets, self.bits, SUB, self.in_features)
+                         module.int_packed_offsets, self.bits, self.group, self.in_features)
 
     def embed(self, module: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``input_ids``, dequantized to the model dtype."""
         w = self._packed(module)
         ids = input_ids.reshape(-1)
-        codes = w.codes.index_select(0, ids)
-        if w.bits == 4:
-            codes = unpack_int4(codes)
-        blocks = codes.reshape(len(ids), -1, SUB).float()
-        rows = blocks * w.scales.index_select(0, ids).unsqueeze(-1) + \
-            w.offsets.index_select(0, ids).unsqueeze(-1)
-        return rows.reshape(*input_ids.shape, w.in_features).to(self.dtype)
+        rows = IntPacked(w.codes.index_select(0, ids), w.scales.index_select(0, ids),
+                         w.offsets.index_select(0, ids), w.bits, w.group, w.in_features)
+        return dequantize(rows).reshape(*input_ids.shape, w.in_features).to(self.dtype)
 
     def logits(self, module: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
         return int_matmul(hidden, self._packed(module))
