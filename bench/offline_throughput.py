@@ -230,15 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model_dir) if args.model_dir else cached_model(args.arch, size)
     mc = load_model_config(model_dir)
     work = make_workload(count, mc.vocab_size, prompt_range, output_range)  # type: ignore[arg-type]
-    floor = Floor.measure(mc, max(thread_counts))  # the floor of the widest setting
+    floor = Floor.measure(mc, max(thread_counts), getattr(torch, args.dtype))  # widest setting
     prompt_lens = [len(p) for p in work.prompts]
     compute_s, kv_s = floor.split(Work.of_requests(prompt_lens, work.output_lens))
     floor_s = compute_s + kv_s
     print(f"model {model_dir.name} in {args.dtype}; {count} requests, {sum(prompt_lens)} prompt + "
           f"{work.output_tokens} output tokens; torch threads {torch.get_num_threads()}; load "
           f"average {peers.load_average()}")
-    print(f"{floor.describe()} -> floor {floor_s:.1f} s (matmuls {compute_s:.1f} s + decode "
-          f"K/V reads {kv_s:.1f} s; bench/floor.py)")
+    print(f"{floor.describe()} -> floor {floor_s:.1f} s (matmuls or weight reads {compute_s:.1f} s + "
+          f"decode K/V reads {kv_s:.1f} s; bench/floor.py)")
 
     rows: list[dict] = []
 

@@ -229,6 +229,25 @@ class ServerProcess:
             total += times.user + times.system
         return total
 
+    def resident_bytes(self) -> list[tuple[int, str, int]]:
+        """(pid, name, resident set bytes) of each process of the server's tree, largest first:
+        the largest holds the weights (ours: the engine-core process; vLLM's: its EngineCore)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        rows = []
+        for proc in procs:
+            try:
+                cmd = " ".join(proc.cmdline()[1:4]) or proc.name()
+                rows.append((proc.pid, proc.name() + ": " + cmd[:60], proc.memory_info().rss))
+            except psutil.NoSuchProcess:
+                continue
+        return sorted(rows, key=lambda row: -row[2])
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -256,11 +275,27 @@ def wait_until_quiet(servers: list[ServerProcess], timeout_s: float, cores: floa
             return False
 
 
+def checkpoint_parameters(model_dir: Path) -> int:
+    """Elements of every tensor in the directory's safetensors files (from their headers)."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    return total
+
+
 def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num_seqs: int,
-                      max_num_batched_tokens: int, max_model_len: int) -> ServerProcess:
+                      max_num_batched_tokens: int, max_model_len: int,
+                      dtype: str = "float32") -> ServerProcess:
     port = free_port()
     cmd = [str(peer.python), str(VLLM_CLI), "serve", str(model_dir),
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", served_name, "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens),
            "--max-model-len", str(max_model_len), "--seed", "0"]
@@ -270,7 +305,7 @@ def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num
 def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
                        max_num_batched_tokens: int, max_model_len: int,
                        threads: int = 0, pin_cores: str = "",
-                       kv_cache_gib: int = 2) -> ServerProcess:
+                       kv_cache_gib: int = 2, dtype: str = "float32") -> ServerProcess:
     """``threads``: OMP_NUM_THREADS (0: unset, every core); ``pin_cores``: bind the engine's
     OpenMP threads to these cores (GOMP_CPU_AFFINITY, e.g. "0"), like vLLM's ``auto`` binding,
     which leaves the other core to the API process (it runs no OpenMP)."""
@@ -280,7 +315,7 @@ def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
            "--log-level", "warning", "--shutdown-timeout", "1",
            "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens),
-           "--max-model-len", str(max_model_len), "--dtype", "float32",
+           "--max-model-len", str(max_model_len), "--dtype", dtype,
            "--kv-cache-memory", str(kv_cache_gib << 30)]  # the peer's VLLM_CPU_KVCACHE_SPACE
     env = dict(os.environ)
     name = "shoal"

@@ -23,11 +23,12 @@ Per server and workload: output tokens/s (from each stream's usage), TTFT and in
 latency p50/p99 (client side: gaps between chunks that carry text), the CPU time the server's
 process tree spent per output token (steadier than wall time on a shared machine), for bursts
 the share of the workload's CPU floor measured before the servers start (``bench/floor.py``)
-and the load average when it ran. vLLM runs with each thread binding in ``--vllm-bind`` and
+and the load average when it ran; per server, once warm, the resident memory of each of its
+processes and the largest one's bytes per checkpoint parameter. vLLM runs with each thread binding in ``--vllm-bind`` and
 Shoal at each OMP thread count in ``--threads`` (one server each, all up at once); the better
 of each is its figure (by tok/s) and the ratios compare those two. The machine is shared: figures are noisy.
 
-    .venv/bin/python bench/serve_load.py --peer vllm [--workloads burst,poisson,chat]
+    .venv/bin/python bench/serve_load.py --peer vllm [--dtype bfloat16] [--workloads burst,poisson,chat]
         [--concurrency 1,16,48,128,256] [--new-tokens 64,128] [--rates 1,2,4] [--json out.json]
 """
 
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 from shoal.runtime.model.config import load_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -271,6 +273,19 @@ def print_table(results: list[Result]) -> None:
           "shared 2-core machine: noisy)")
 
 
+def print_memory(memory: dict[str, list[tuple[int, str, int]]], parameters: int) -> None:
+    """Each server's processes by resident memory once warm; the largest holds the weights
+    (and the KV cache, where its pages were touched: the same --kv-cache-gib for every server),
+    so its bytes per parameter are an upper bound on what the weights cost."""
+    print(f"resident memory once warm ({parameters / 1e6:.1f} M checkpoint parameters):")
+    for name, rows in memory.items():
+        if not rows:
+            continue
+        print(f"  {name}: largest {rows[0][2] / 2**20:.0f} MiB = "
+              f"{rows[0][2] / parameters:.2f} bytes/parameter ({rows[0][1]}); all: "
+              + ", ".join(f"{rss / 2**20:.0f}" for _, _, rss in rows) + " MiB", flush=True)
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -284,6 +299,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the cached llama bench model")
     parser.add_argument("--peer", default="vllm", choices=["vllm", "none"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both servers' --dtype (and the floor's weight and K/V size)")
     parser.add_argument("--vllm-venv", default=peers.DEFAULT_VLLM_VENV)
     parser.add_argument("--vllm-bind", default="auto,0-1",
                         help="VLLM_CPU_OMP_THREADS_BIND values to measure (comma-separated)")
@@ -342,7 +359,8 @@ def main() -> int:
 
     # Measured before any server starts, with every core. Bursts only: Poisson runs are
     # paced by their arrivals and chat prompts hit the prefix cache (less work than the floor's).
-    floor = Floor.measure(load_model_config(model_dir), threads=len(os.sched_getaffinity(0)))
+    floor = Floor.measure(load_model_config(model_dir), threads=len(os.sched_getaffinity(0)),
+                          dtype=getattr(torch, args.dtype))
     print(f"{floor.describe()}; floors (bench/floor.py):", flush=True)
     for workload in workloads:
         if workload.concurrency:
@@ -356,10 +374,12 @@ def main() -> int:
         for setting in args.threads.split(","):
             threads, _, cores = setting.strip().partition("@")
             servers.append(peers.start_shoal_server(model_dir, SERVED_NAME, *limits,
-                                                    int(threads), cores, args.kv_cache_gib))
+                                                    int(threads), cores, args.kv_cache_gib,
+                                                    args.dtype))
         if args.peer == "vllm":
             for peer in peers.vllm_peers(args.vllm_venv, args.vllm_bind, args.kv_cache_gib):
-                servers.append(peers.start_vllm_server(peer, model_dir, SERVED_NAME, *limits))
+                servers.append(peers.start_vllm_server(peer, model_dir, SERVED_NAME, *limits,
+                                                       args.dtype))
         for server in servers:
             print(f"{server.name}: starting ({server.log.name})", flush=True)
         for server in servers:
@@ -370,7 +390,10 @@ def main() -> int:
         for server in servers:  # the first requests are slow on both (compile, allocator)
             for _ in range(2):
                 asyncio.run(drive(server.url, warm))
-        print(f"model {model_dir.name}; load average {peers.load_average()}", flush=True)
+        memory = {server.name: server.resident_bytes() for server in servers}
+        print_memory(memory, peers.checkpoint_parameters(model_dir))
+        print(f"model {model_dir.name} in {args.dtype}; load average {peers.load_average()}",
+              flush=True)
         results: list[Result] = []
         for index, workload in enumerate(workloads):
             order = servers if index % 2 == 0 else servers[::-1]
@@ -385,7 +408,9 @@ def main() -> int:
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": model_dir.name, "startup_seconds": {s.name: s.startup_seconds
+            "model": model_dir.name, "dtype": args.dtype,
+            "parameters": peers.checkpoint_parameters(model_dir),
+            "resident_bytes": memory, "startup_seconds": {s.name: s.startup_seconds
                                                          for s in servers},
             "matmul_flops_per_s": {str(k): v for k, v in floor.matmul_flops_per_s.items()},
             "read_bytes_per_s": floor.read_bytes_per_s,

@@ -60,3 +60,18 @@ def test_the_floor_is_matmul_time_plus_kv_read_time(floor):
     work = floor.Work(tokens=10, decode_contexts=3)  # 2880 FLOPs, 48 bytes
     assert rates.split(work) == pytest.approx((2880 / 2e3, 1.0))  # the best matmul rate
     assert rates.seconds(work) == pytest.approx(1.44 + 1.0)
+
+
+def test_a_workload_reads_every_weight_once_per_pass_of_its_longest_output(floor):
+    work = floor.Work.of_requests([3, 5], [2, 4])
+    assert work.passes == 4
+    # per pass: the layer's 144 weights + the LM head's 4 x 10, 2 bytes each in bfloat16
+    assert work.weight_bytes(MC, dtype_bytes=2) == 4 * (144 + 40) * 2
+
+
+def test_weight_reads_bound_the_floor_where_they_outlast_the_matmuls(floor):
+    rates = floor.Floor(MC, {128: 1e3}, read_bytes_per_s=184.0, dtype_bytes=2)
+    # 2 passes read 2 x 184 x 2 bytes (4 s) against 2 x 144 FLOPs (0.29 s)
+    assert rates.split(floor.Work(tokens=1, passes=2))[0] == pytest.approx(4.0)
+    # K/V at the dtype's size: 3 contexts x 2 (K and V) x 1 layer x 1 head x 2 dims x 2 bytes
+    assert rates.split(floor.Work(decode_contexts=3))[1] == pytest.approx(24 / 184.0)
