@@ -50,8 +50,9 @@ class Generation:
                  eos_token_ids: list[int], priority: int = 0,
                  cache_salt: str | None = None, kv_blocks: int = 0,
                  adapter: str | None = None,
-                 kv_transfer: KVTransferParams | None = None) -> None:
+                 kv_transfer: KVTransferParams | None = None, every_step: bool = False) -> None:
         self.client = client
+        self.every_step = every_step  # OutputProcessor's: a delta for every step's tokens
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.request_id = request_id
@@ -138,7 +139,7 @@ class Generation:
 
     async def _follow(self, req: _EngineRequest) -> None:
         assert req.stream is not None
-        processor = OutputProcessor(self.tokenizer, req.choice)
+        processor = OutputProcessor(self.tokenizer, req.choice, self.every_step)
         try:
             while True:
                 output = await req.stream.get()

@@ -206,6 +206,15 @@ def check_template_inputs(state: ServerState, parts: dict[str, object]) -> None:
                 f"reaches {limit} bytes at {name}, so at least that many tokens", name)
 
 
+def streams_every_token(body: SamplingFields | EmbeddingRequest) -> bool:
+    """A stream that asked for token ids or logprobs gets each step's tokens as they are
+    made (vLLM's chunks), not held until they make text."""
+    logprobs = getattr(body, "logprobs", None)
+    return bool(getattr(body, "stream", False)) and (
+        bool(getattr(body, "return_token_ids", False))
+        or (logprobs is not None and logprobs is not False))
+
+
 def start_generation(request: Request, state: ServerState, prefix: str,
                      prompts: list[PromptInput], params: SamplingParams,
                      body: SamplingFields | EmbeddingRequest) -> Generation:
@@ -218,7 +227,7 @@ def start_generation(request: Request, state: ServerState, prefix: str,
     generation = Generation(state.client, state.tokenizer, state.metrics,
                             f"{prefix}-{uuid.uuid4().hex}", prompts, params,
                             state.eos_token_ids, body.priority, cache_salt, adapter=adapter,
-                            kv_transfer=kv_transfer)
+                            kv_transfer=kv_transfer, every_step=streams_every_token(body))
     limits = state.request_limits
     try:
         for engine_request in generation.engine_requests():

@@ -125,7 +125,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     pending_echo = set(range(len(generation.choices))) if body.echo else set()
 
     def chunks(delta: ChoiceDelta) -> list[dict]:
-        if not delta.text and delta.finish_reason is None:
+        if not delta.text and delta.finish_reason is None and not (
+                generation.every_step and delta.token_ids):
             return []  # held back (partial character or possible stop string)
         text = delta.text
         echo_now = delta.index in pending_echo

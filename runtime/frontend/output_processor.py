@@ -8,7 +8,9 @@ logprobs, cached-token count and prompt logprobs, detokenizes incrementally
 finished: a stop string the detokenizer found (the engine does not know it, so the caller
 aborts the engine request: ``abort_engine``), else the engine's own reason (length, a stop
 token, abort). Each ``add`` returns the delta to hand out, or None while all of its text is
-held back (its tokens then travel with the next delta).
+held back (its tokens then travel with the next delta) -- unless ``every_step``: a stream whose
+client asked for each token's id or logprob gets every step's tokens when they are made, with
+empty text where the text is held back or there is none, as vLLM streams them.
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def fan_out(request_id: str, prompts: list[PromptInput],
 class OutputProcessor:
     """One choice's engine outputs, in order, turned into its text and deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, choice: Choice) -> None:
+    def __init__(self, tokenizer: Tokenizer, choice: Choice, every_step: bool = False) -> None:
         self.choice = choice
+        self.every_step = every_step
         self.detokenizer = IncrementalDetokenizer(tokenizer, choice.params)
         self.abort_engine = False  # a stop string ended it while the engine still runs it
         self._carry_ids: list[int] = []
@@ -114,7 +117,7 @@ class OutputProcessor:
         self._carry_ids.extend(output.new_token_ids)
         if output.new_logprobs:
             self._carry_logprobs.extend(output.new_logprobs)
-        if not text and not choice.finished:
+        if not text and not choice.finished and not (self.every_step and self._carry_ids):
             return None  # held back: these tokens travel with the next text
         delta = ChoiceDelta(choice.index, text, self._carry_ids, self._carry_logprobs or None,
                             choice.finish_reason, choice.stop_reason)

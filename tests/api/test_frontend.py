@@ -99,6 +99,19 @@ def test_the_output_processor_carries_held_back_tokens_and_aborts_on_a_stop_stri
     assert processor.add(output([5])) is None  # after the end: ignored
 
 
+def test_every_step_hands_out_each_steps_tokens_even_while_their_text_is_held_back(tokenizer):
+    """A stream that asked for token ids or logprobs: each step's tokens when they are made
+    (empty text while held back), as vLLM streams them; the text is the same."""
+    (choice,) = fan_out("r", [PromptInput([1])], [SamplingParams(stop=["STOPWORD"])])
+    processor = OutputProcessor(tokenizer, choice, every_step=True)
+    token_ids = tokenizer.encode("a STOPWORD b")
+    deltas = [processor.add(output([t])) for t in token_ids]
+    assert None not in deltas[:len(choice.token_ids)]
+    assert [d.token_ids for d in deltas if d is not None] == [[t] for t in choice.token_ids]
+    assert "".join(d.text for d in deltas if d is not None) == choice.text == "a "
+    assert any(d is not None and not d.text and d.finish_reason is None for d in deltas)
+
+
 def test_the_output_processor_takes_the_engines_finish_reason(tokenizer):
     (choice,) = fan_out("r", [PromptInput([1])], [SamplingParams()])
     processor = OutputProcessor(tokenizer, choice)

@@ -91,6 +91,32 @@ def test_a_stop_string_split_across_tokens_is_honoured_streaming_and_not(client,
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stream_asking_for_token_ids_gets_each_token_while_its_text_is_held_back(
+        client, server, tokenizer):
+    """vLLM streams every step's tokens (empty text where the text is held back): a client
+    asking for token ids or logprobs sees each token when it is made, not with later text."""
+    kwargs = dict(model=server.model, prompt="class Foo:", temperature=0, max_tokens=24,
+                  extra_body={"return_token_ids": True})
+    full = client.completions.create(**kwargs).choices[0]
+    ids = full.model_extra["token_ids"]
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert "".join(pieces) == full.text
+    # a stop string that starts where token k's text starts (so all of it is held back) and
+    # ends inside token k + 1, its first occurrence
+    k = next(i for i in range(1, len(pieces) - 1)
+             if pieces[i].strip() and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1]
+             and full.text.index(pieces[i] + pieces[i + 1][0]) == len("".join(pieces[:i])))
+    stop = pieces[k] + pieces[k + 1][0]
+    for extra in ({"logprobs": 0}, {}):
+        streamed = list(client.completions.create(**kwargs, stop=[stop], stream=True,
+                                                  **extra))
+        assert "".join(c.choices[0].text for c in streamed) == "".join(pieces[:k])
+        per_chunk = [c.choices[0].model_extra["token_ids"] for c in streamed]
+        assert per_chunk == [[t] for t in ids[:k + 2]]  # token k: its own chunk
+        assert streamed[k].choices[0].text == "" and streamed[-1].choices[0].finish_reason \
+            == "stop"
+
+
 def test_logprobs_in_completions_and_chat(client, server):
     out = client.completions.create(model=server.model, prompt="x = ", max_tokens=4,
                                     temperature=0, logprobs=3)
