@@ -20,7 +20,8 @@ so a short run is possible):
   TTFT.
 
 Per server and workload: output tokens/s (from each stream's usage), TTFT and inter-token
-latency p50/p99 (client side: gaps between chunks that carry text), the CPU time the server's
+latency p50/p99 (client side: gaps between chunks that carry tokens; ``return_token_ids``
+asks both servers for a chunk per step, text or not), the CPU time the server's
 process tree spent per output token (steadier than wall time on a shared machine), for bursts
 the share of the workload's CPU floor measured before the servers start (``bench/floor.py``)
 and the load average when it ran; per server, once warm, the resident memory of each of its
@@ -154,7 +155,10 @@ async def one_request(http: httpx.AsyncClient, url: str, request: Request) -> Re
     result = RequestResult()
     body = {"model": SERVED_NAME, "prompt": request.prompt, "max_tokens": request.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True},
+            # each token when it is made, text or not (ids past a test tokenizer's vocabulary
+            # make none): both servers then send a chunk per step
+            "return_token_ids": True}
     start = last = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as response:
@@ -167,7 +171,7 @@ async def one_request(http: httpx.AsyncClient, url: str, request: Request) -> Re
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
