@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -79,6 +79,8 @@ class ModeResult:
     transfers: int = 0  # P/D: the decode engine's pulls in the run
     transfer_failures: int = 0
     transfer_share: float = float("nan")  # pull seconds over the long requests' TTFT
+    # CPU seconds each of the mode's servers (process tree) and this client spent in the run
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Mode:
     name: str
     front: peers.ServerProcess  # where the client sends its requests
     decode: peers.ServerProcess | None = None  # P/D: whose transfer metrics are read
+    servers: list[peers.ServerProcess] = field(default_factory=list)  # whose CPU is counted
 
 
 def start_engine(name: str, model_dir: Path, cores: str, threads: int,
@@ -166,7 +169,11 @@ def run_mode(mode: Mode, work: Interference, vocab: int, seed: int, round_: int)
     names = ("shoal:kv_transfer_seconds_total", "shoal:kv_transfers_total",
              "shoal:kv_transfer_failures_total")
     before = [metric(mode.decode.url, n) for n in names] if mode.decode else []
+    cpu_before = {s.name: s.cpu_seconds() for s in mode.servers}
+    client_before = sum(os.times()[:2])
     streams, longs, wall = asyncio.run(drive(mode.front.url, work, vocab, seed))
+    cpu = {s.name: s.cpu_seconds() - cpu_before[s.name] for s in mode.servers}
+    cpu["client"] = sum(os.times()[:2]) - client_before
     ok_streams = [r for r in streams if r.error is None]
     ok_longs = [r for r in longs if r.error is None]
     gaps = [g for r in ok_streams for g in r.gaps]
@@ -178,7 +185,7 @@ def run_mode(mode: Mode, work: Interference, vocab: int, seed: int, round_: int)
         max(gaps, default=float("nan")), percentile(short_ttfts, 50),
         percentile(short_ttfts, 99), percentile(long_ttfts, 50), percentile(long_ttfts, 99),
         len(ok_streams), len(ok_longs), len(streams) + len(longs) - len(ok_streams) - len(ok_longs),
-        load)
+        load, cpu_seconds=cpu)
     if mode.decode:
         seconds, pulls, failures = (metric(mode.decode.url, n) - b
                                     for n, b in zip(names, before, strict=True))
@@ -194,7 +201,9 @@ def run_mode(mode: Mode, work: Interference, vocab: int, seed: int, round_: int)
           f"{result.long_requests} long)  load {load}"
           + (f"  transfers {result.transfers} (failed {result.transfer_failures}), "
              f"{100 * result.transfer_share:.1f}% of long TTFT" if mode.decode else "")
-          + (f"  errors: {errors[:2]}" if errors else ""), flush=True)
+          + (f"  errors: {errors[:2]}" if errors else "")
+          + "\n    CPU s over " + f"{wall:.0f} s wall: "
+          + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items()), flush=True)
     return result
 
 
@@ -263,7 +272,7 @@ def main() -> int:
         if "unified" in wanted:
             unified = start_engine("unified", model_dir, "0,1", 2, args)
             started.append(unified)
-            modes.append(Mode("unified", unified))
+            modes.append(Mode("unified", unified, servers=[unified]))
         if "pd" in wanted:
             prefill = start_engine("prefill", model_dir, "0", 1, args, "kv_producer")
             decode = start_engine("decode", model_dir, "1", 1, args, "kv_consumer")
@@ -272,7 +281,7 @@ def main() -> int:
                 engine.wait_up()
             router = start_router(model_dir, decode, prefill, args.pd_threshold)
             started.append(router)
-            modes.append(Mode("pd", router, decode))
+            modes.append(Mode("pd", router, decode, servers=[prefill, decode, router]))
         for server in started:
             server.wait_up()
             print(f"{server.name}: up after {server.startup_seconds:.0f} s ({server.log.name})",

@@ -43,6 +43,7 @@ ENGINE_PORT = 8000
 ENGINE_METRICS_PORT = 8002  # /metrics (and probes) without the API key, for Prometheus
 ROUTER_PORT = 8080
 EPP_PORT = 9002  # ext_proc gRPC, the inference extension's usual picker port
+EPP_METRICS_PORT = 9090  # the picker's Prometheus /metrics, where the extension's has it
 KV_TRANSFER_PORT = 14579  # prefill engines serve KV blocks here; decode engines pull
 KV_EVENTS_PORT = 5557  # engines publish KV-cache events here; the router subscribes
 ENGINE_CONTAINER = "engine"

@@ -18,6 +18,7 @@ from shoal.operator.names import (
     COMPONENT_ENGINE,
     COMPONENT_EPP,
     ENGINE_PORT,
+    EPP_METRICS_PORT,
     EPP_PORT,
     PD_SIDECAR_PORT,
     Owner,
@@ -111,7 +112,7 @@ def epp_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         if proxy_only in args:
             i = args.index(proxy_only)
             del args[i:i + 2]
-    return [*args, "--epp"]
+    return [*args, "--epp", "--epp-metrics-port", str(EPP_METRICS_PORT)]
 
 
 def render_epp_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
@@ -119,7 +120,8 @@ def render_epp_deployment(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
     return shoal_process_deployment(owner, spec, epp_name(owner), COMPONENT_EPP, 1, {
         "name": "epp",
         "args": epp_args(owner, spec),
-        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, **PROBE_TIMING},
         "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, **PROBE_TIMING},
     })
@@ -134,7 +136,9 @@ def render_epp_service(owner: Owner) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": selector_labels(owner, COMPONENT_EPP),
             "ports": [{"name": "grpc-ext-proc", "port": EPP_PORT, "targetPort": EPP_PORT,
-                       "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}],
+                       "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+                      {"name": "metrics", "port": EPP_METRICS_PORT, "targetPort": "metrics",
+                       "protocol": "TCP"}],
         },
     }
 

@@ -132,6 +132,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--epp-body-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="--epp: a stream's request must arrive (headers and body) "
                              "within this, else 408 (default 30)")
+    parser.add_argument("--epp-metrics-port", type=int, default=None, metavar="PORT",
+                        help="--epp: serve the picker's Prometheus /metrics over HTTP on this "
+                             "port of --host (the inference extension's is 9090): P/D "
+                             "decisions and each pool's queue and KV usage by role "
+                             "(default: none)")
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="engine base URL, e.g. http://10.0.0.5:8000 (repeatable; "
                              "static discovery)")
@@ -257,7 +262,7 @@ def _serve_epp(args: argparse.Namespace) -> int:
                            max_streams=args.epp_max_streams,
                            body_timeout_s=args.epp_body_timeout)
         asyncio.run(serve_epp(config_from_args(args), f"{host}:{args.port or 9002}",
-                              args.epp_shed_limit, limits))
+                              args.epp_shed_limit, limits, args.epp_metrics_port))
     except (ValueError, OSError, RuntimeError) as exc:
         raise SystemExit(f"shoal route --epp: {exc}") from exc
     return 0

@@ -196,8 +196,14 @@ def test_the_router_sends_long_uncached_prompts_through_a_prefill_engine(pd, rou
     assert sample(p_after, "shoal:prompt_tokens_total") - \
         sample(p_before, "shoal:prompt_tokens_total") == len(long_prompt)
     decisions = httpx.get(router + "/metrics", timeout=5).text
-    assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="remote"') == 1
-    assert sample(decisions, "shoal:router_pd_decisions_total", 'decision="local"') == 1
+    assert sample(decisions, "shoal:router_pd_decisions_total",
+                  'decision="remote",reason="uncached_prompt"') == 1
+    assert sample(decisions, "shoal:router_pd_decisions_total",
+                  'decision="local",reason="short_prompt"') == 1
+    # both pools' queue and KV usage, by role, as the router's scrapes saw them
+    for url, role in ((prefill.base_url, "prefill"), (decode.base_url, "decode")):
+        assert f'shoal:router_replica_kv_cache_usage_perc{{replica="{url}",role="{role}"}}' \
+            in decisions
     want = httpx.post(prefill.v1 + "/completions", timeout=120, json={
         **body, "prompt": long_prompt, "cache_salt": "reference"}).json()["choices"][0]
     assert got == want["token_ids"]

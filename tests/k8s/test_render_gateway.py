@@ -127,6 +127,9 @@ def test_shoal_picker_runs_the_router_as_an_epp_with_its_own_account() -> None:
     assert isinstance(args, argparse.Namespace)
     assert (args.epp, args.port, args.discovery, args.service, args.engine_port) == (
         True, 9002, "kubernetes", "chat-engine", 8000)
+    # the picker's /metrics (P/D decisions, queues by role) where the extension's EPP has it
+    assert args.epp_metrics_port == 9090
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
     assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
     # the picker builds from exactly these flags (precise mode, the engine's tokenizer ...)
     from shoal.runtime.router.cli import config_from_args
@@ -137,6 +140,7 @@ def test_shoal_picker_runs_the_router_as_an_epp_with_its_own_account() -> None:
     assert picker.policy.name == "cache-affinity"
     service = by_kind(children)["Service"]
     assert service["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    assert service["spec"]["ports"][1]["targetPort"] == "metrics"
     assert by_kind(children)["Role"]["rules"][0]["resources"] == ["endpointslices"]
 
 

@@ -86,8 +86,8 @@ ROUTER_LAYERS = {
     "policies": r"$^",  # pure decisions over snapshots
     "replicas": r"policies\b",  # the fleet as the router sees it: discovery, health, load
     # the HTTP face, and the gateway's Endpoint Picker: never each other
-    "proxy": r"(policies|replicas|config|edge_auth|fleet_view)\b",
-    "epp": r"(policies|replicas|config|edge_auth|fleet_view)\b",
+    "proxy": r"(policies|replicas|config|edge_auth|fleet_view|pd_metrics)\b",
+    "epp": r"(policies|replicas|config|edge_auth|fleet_view|pd_metrics)\b",
     "local": r"cli$",  # `shoal fleet`: launches `shoal route`, knows only its flags
 }
 OPERATOR_LAYERS = {

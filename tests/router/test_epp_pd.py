@@ -72,6 +72,7 @@ class PdFleet:
     sidecar: str
     channel: grpc.Channel
     spawn: Callable[..., subprocess.Popen]  # stopped with the fixture's other processes
+    epp_metrics: str  # the picker's /metrics (--epp-metrics-port)
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +106,13 @@ def pd_fleet(tiny_qwen3, tmp_path_factory):
         wait_until(lambda: http_ok(f"{sidecar}/ready"), timeout=60, what="sidecar ready")
         # the picker scores the sidecar's address (its /ready follows the decode engine's)
         # and picks prefill engines from --prefill-backend; precise keys from the tokenizer
+        metrics_port = free_port("127.0.0.1")
         channel = start_epp(lambda argv: spawn(argv), free_port, [sidecar],
                             "--prefill-backend", prefill, "--pd-threshold", "40",
-                            "--tokenizer", str(tiny_qwen3))
-        yield PdFleet(prefill, decode, sidecar, channel, spawn)
+                            "--tokenizer", str(tiny_qwen3),
+                            "--epp-metrics-port", str(metrics_port))
+        yield PdFleet(prefill, decode, sidecar, channel, spawn,
+                      f"http://127.0.0.1:{metrics_port}")
         channel.close()
     finally:
         for proc in procs:
@@ -138,6 +142,15 @@ def test_the_picker_names_a_prefill_engine_and_the_sidecar_runs_it(pd_fleet):
     assert set_headers["x-gateway-destination-endpoint"].split(",")[0] == endpoint(sidecar)
     assert set_headers[PREFILLER] == endpoint(prefill)
     assert removed == []
+    # the picker's /metrics: the decision and why, and both pools' queue and KV by role
+    picked = metrics(pd_fleet.epp_metrics)
+    assert sample(picked, "shoal:router_pd_decisions_total",
+                  'decision="remote",reason="uncached_prompt"') >= 1
+    for url, role in ((sidecar, "decode"), (prefill, "prefill")):
+        assert f'shoal:router_replica_kv_cache_usage_perc{{replica="{url}",role="{role}"}}' \
+            in picked
+        assert f'shoal:router_replica_num_requests_waiting{{replica="{url}",role="{role}"}}' \
+            in picked
 
     # Envoy's part: the request goes to the destination with the picker's headers
     d_before, s_before = metrics(decode), metrics(sidecar)
@@ -152,8 +165,9 @@ def test_the_picker_names_a_prefill_engine_and_the_sidecar_runs_it(pd_fleet):
 
     assert delta('source="external_kv_transfer"') == 5 * 16  # 5 full blocks before the last
     assert delta('source="local_compute"') == 90 - 5 * 16  # none of the transferred tokens
-    assert sample(metrics(sidecar), "shoal:router_pd_decisions_total", 'decision="remote"') \
-        == sample(s_before, "shoal:router_pd_decisions_total", 'decision="remote"') + 1
+    remote = 'decision="remote",reason="picker_named"'
+    assert sample(metrics(sidecar), "shoal:router_pd_decisions_total", remote) \
+        == sample(s_before, "shoal:router_pd_decisions_total", remote) + 1
     # one engine computing the whole request (another salt: nothing reused from the above)
     want = httpx.post(prefill + "/v1/completions", timeout=120, json={
         **long_prompt, "cache_salt": "reference"}).json()["choices"][0]["token_ids"]
@@ -184,6 +198,8 @@ def test_short_prompts_get_no_prefill_header_and_a_clients_own_is_not_followed(p
     answer, _ = pick_buffered(channel, "/v1/completions", short)
     set_headers, removed = header_mutation(answer)
     assert PREFILLER not in set_headers and removed == [PREFILLER]
+    assert sample(metrics(pd_fleet.epp_metrics), "shoal:router_pd_decisions_total",
+                  'decision="local",reason="short_prompt"') >= 1
 
     # full duplex too: the answer to the headers carries the same mutation
     stream = EnvoyStream(channel)
@@ -207,7 +223,7 @@ def test_short_prompts_get_no_prefill_header_and_a_clients_own_is_not_followed(p
         - sample(before, "shoal:prompt_tokens_by_source_total", 'source="local_compute"')
     assert computed == 60
     assert sample(metrics(sidecar), "shoal:router_pd_decisions_total",
-                  'decision="refused"') == 1
+                  'decision="refused",reason="not_allowed"') == 1
     assert http_ok(f"{prefill}/ready")
 
 
@@ -235,7 +251,8 @@ def test_a_prefill_engine_the_sidecar_cannot_reach_leaves_the_prompt_to_the_deco
     computed = sample(after, "shoal:prompt_tokens_by_source_total", 'source="local_compute"') \
         - sample(before, "shoal:prompt_tokens_by_source_total", 'source="local_compute"')
     assert computed == 70
-    assert sample(metrics(sidecar), "shoal:router_pd_decisions_total", 'decision="failed"') == 1
+    assert sample(metrics(sidecar), "shoal:router_pd_decisions_total",
+                  'decision="failed",reason="prefill_error"') == 1
     want = httpx.post(decode + "/v1/completions", timeout=120, json={
         **body, "cache_salt": "reference"}).json()["choices"][0]["token_ids"]
     assert response.json()["choices"][0]["token_ids"] == want

@@ -9,8 +9,8 @@ from shoal.runtime.router.config import RouterConfig
 from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot
 from shoal.runtime.router.policies.pd_decider import (
     least_loaded,
+    pd_choice,
     uncached_tokens,
-    wants_remote_prefill,
 )
 from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
 from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillOutcome, prefill_request
@@ -29,20 +29,23 @@ def test_uncached_tokens_are_the_prompt_less_the_blocks_the_decode_replica_holds
     assert uncached_tokens(keys(640, precise=False), 2, CONFIG) == (640 - 128) // 4
 
 
-@pytest.mark.parametrize("units, matched, threshold, remote", [
-    (300, 0, 256, True),  # long and uncached: a prefill replica computes it
-    (300, 16, 256, False),  # mostly cached on the decode replica: it computes the rest
-    (200, 0, 256, False),  # short: straight to decode
-    (257, 0, 256, True),
+@pytest.mark.parametrize("units, matched, threshold, remote, reason", [
+    (300, 0, 256, True, "uncached_prompt"),  # long and uncached: a prefill replica computes it
+    (300, 16, 256, False, "cached_prefix"),  # mostly cached on the decode replica
+    (200, 0, 256, False, "short_prompt"),  # short: straight to decode
+    (257, 0, 256, True, "uncached_prompt"),
+    (256, 0, 256, False, "short_prompt"),
 ])
 def test_a_prefill_replica_computes_only_long_uncached_prompts(units, matched, threshold,
-                                                              remote):
-    decision = Decision("http://d", matched_blocks=matched)
-    assert wants_remote_prefill(keys(units), decision, CONFIG, threshold) is remote
+                                                              remote, reason):
+    choice = pd_choice(keys(units), Decision("http://d", matched_blocks=matched), CONFIG,
+                       threshold)
+    assert (choice.remote, choice.reason) == (remote, reason)
 
 
 def test_a_body_the_router_cannot_key_goes_straight_to_decode():
-    assert not wants_remote_prefill(None, Decision("http://d"), CONFIG, 0)
+    choice = pd_choice(None, Decision("http://d"), CONFIG, 0)
+    assert (choice.remote, choice.reason) == (False, "unkeyed_body")
 
 
 def test_the_prefill_leg_is_the_request_with_one_token_not_streamed():

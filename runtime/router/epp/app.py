@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 
+from prometheus_client import start_http_server
 from shoal.runtime.router.config import RouterConfig
 from shoal.runtime.router.epp.picker import EndpointPicker
 from shoal.runtime.router.epp.protocol import PROTOCOL_VERSION
@@ -44,11 +45,16 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[Endpoint
 
 
 async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
-                    limits: EppLimits = EppLimits()) -> None:
+                    limits: EppLimits = EppLimits(), metrics_port: int | None = None) -> None:
     picker, fleet = build_picker(config, shed_limit)
     server = EppServer(picker, address, limits)
     await server.start()
     log.info("endpoint picker (ext_proc, protocol %s) on %s", PROTOCOL_VERSION, address)
+    metrics = None
+    if metrics_port is not None:  # scrapes read counters and the pools' last scrapes only
+        host = address.rsplit(":", 1)[0].strip("[]")
+        metrics, _ = start_http_server(metrics_port, addr=host, registry=picker.registry)
+        log.info("endpoint picker metrics on http://%s:%d/metrics", host, metrics_port)
 
     def install(fetched: PromptTokenizer) -> None:
         picker.tokenizer = fetched
@@ -68,6 +74,9 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
         await server.set_ready(True)
         await stop.wait()
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         await server.stop()
         await fleet.stop()
         if picker.prefill_pool is not None:

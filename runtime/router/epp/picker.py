@@ -24,10 +24,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
 from shoal.runtime.router.epp.protocol import Refusal
+from shoal.runtime.router.pd_metrics import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    RolePoolCollector,
+    pd_decisions_counter,
+)
 from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot, RoutingPolicy
 from shoal.runtime.router.policies.lora_affinity import adapter_for_keys, model_of, prefer_adapter
-from shoal.runtime.router.policies.pd_decider import least_loaded, wants_remote_prefill
+from shoal.runtime.router.policies.pd_decider import REASON_NO_PREFILL, least_loaded, pd_choice
 from shoal.runtime.router.policies.request_keys import (
     KeyConfig,
     MalformedBody,
@@ -89,6 +97,14 @@ class EndpointPicker:
         self.shed_limit = shed_limit
         self.prefill_pool = prefill_pool  # P/D: None, every prompt is computed where it decodes
         self.pd_threshold = pd_threshold
+        # what the picker's /metrics (--epp-metrics-port) serves
+        self.registry = CollectorRegistry()
+        self.pd_decisions = pd_decisions_counter(self.registry)
+        roles = RolePoolCollector()
+        roles.add(ROLE_BOTH if prefill_pool is None else ROLE_DECODE, pool)
+        if prefill_pool is not None:
+            roles.add(ROLE_PREFILL, prefill_pool)
+        self.registry.register(roles)
         pool.on_change.append(policy.sync)
         policy.sync(set(pool.replicas))
 
@@ -150,11 +166,15 @@ class EndpointPicker:
         """P/D: the prefill replica for this prompt, or None (decode computes it)."""
         if self.prefill_pool is None or path.split("?", 1)[0] not in KEYED_PATHS:
             return None
-        if not wants_remote_prefill(keys, decode, self.key_config, self.pd_threshold):
+        choice = pd_choice(keys, decode, self.key_config, self.pd_threshold)
+        if not choice.remote:
+            self.pd_decisions.labels("local", choice.reason).inc()
             return None
         candidates = self.prefill_pool.available()
         if not candidates:  # the decode endpoint computes the prompt, as the proxy's fallback
+            self.pd_decisions.labels("failed", REASON_NO_PREFILL).inc()
             return None
+        self.pd_decisions.labels("remote", choice.reason).inc()
         replica = self.prefill_pool.replicas[
             least_loaded([r.snapshot() for r in candidates]).url]
         replica.in_flight += 1

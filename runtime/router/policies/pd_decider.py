@@ -13,6 +13,7 @@ blocks'; with approximate keys, characters over ``CHARS_PER_TOKEN``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot
 from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
@@ -27,11 +28,32 @@ def uncached_tokens(keys: RequestKeys, matched_blocks: int, config: KeyConfig) -
     return max(0, keys.num_units - matched_blocks * config.chars_per_block) // CHARS_PER_TOKEN
 
 
-def wants_remote_prefill(keys: RequestKeys | None, decision: Decision, config: KeyConfig,
-                         threshold: int) -> bool:
+# why a prompt did or did not get a prefill leg: the ``reason`` label of
+# ``shoal:router_pd_decisions`` (the proxy's and the Endpoint Picker's /metrics)
+REASON_UNCACHED = "uncached_prompt"  # remote: more uncached tokens than the threshold
+REASON_SHORT = "short_prompt"  # local: the whole prompt is within the threshold
+REASON_CACHED = "cached_prefix"  # local: long, but the decode replica holds enough of it
+REASON_NO_KEYS = "unkeyed_body"  # local: a body the router cannot read (the engine judges it)
+REASON_NO_PREFILL = "no_prefill_replica"  # local: worth it, but no prefill replica is ready
+REASON_PREFILL_ERROR = "prefill_error"  # failed: the prefill leg failed, decode computes it
+
+
+@dataclass(frozen=True)
+class PDChoice:
+    remote: bool  # a prefill replica computes the prompt
+    reason: str  # one of the REASON_* above
+
+
+def pd_choice(keys: RequestKeys | None, decision: Decision, config: KeyConfig,
+              threshold: int) -> PDChoice:
     """No keys (a body the router cannot read): no P/D, the decode replica answers it."""
-    return keys is not None and uncached_tokens(keys, decision.matched_blocks,
-                                                config) > threshold
+    if keys is None:
+        return PDChoice(False, REASON_NO_KEYS)
+    if uncached_tokens(keys, decision.matched_blocks, config) > threshold:
+        return PDChoice(True, REASON_UNCACHED)
+    if uncached_tokens(keys, 0, config) > threshold:
+        return PDChoice(False, REASON_CACHED)
+    return PDChoice(False, REASON_SHORT)
 
 
 def least_loaded(replicas: Sequence[ReplicaSnapshot]) -> ReplicaSnapshot:

@@ -35,7 +35,7 @@ from shoal.runtime.http_listener import abort_connection
 from shoal.runtime.router.edge_auth import EdgeAuth
 from shoal.runtime.router.policies.base import SPILL_LOAD_CAP, Decision, RoutingPolicy
 from shoal.runtime.router.policies.lora_affinity import adapter_for_keys, model_of, prefer_adapter
-from shoal.runtime.router.policies.pd_decider import wants_remote_prefill
+from shoal.runtime.router.policies.pd_decider import pd_choice
 from shoal.runtime.router.policies.request_keys import (
     KeyConfig,
     PromptTokenizer,
@@ -128,6 +128,9 @@ class RouterApp:
         self.settings = settings
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics(pool)
+        if prefill is not None:  # a sidecar decodes; a proxy's prefill pool is watched too
+            self.metrics.watch_prefill_pool(
+                prefill.pool if isinstance(prefill, PrefillStage) else None)
         self.failed = FailedRequests(settings.quarantine_window)
         self._on_startup = on_startup
         self._on_shutdown = on_shutdown
@@ -380,17 +383,16 @@ class RouterApp:
             return body
         assert self.session is not None
         if isinstance(self.prefill, HeaderPrefill):  # a sidecar: the picker has decided
-            sidecar = await self.prefill.run(self.session, path, body, headers, named,
+            outcome = await self.prefill.run(self.session, path, body, headers, named,
                                              self.settings.first_byte_timeout)
-            self.metrics.pd_decisions.labels(sidecar.decision if sidecar else "local").inc()
-            return sidecar.body if sidecar else body
-        if not wants_remote_prefill(keys, decision, self.settings.key_config,
-                                    self.prefill.threshold):
-            self.metrics.pd_decisions.labels("local").inc()
-            return body
-        outcome = await self.prefill.run(self.session, path, body, headers,
-                                         self.settings.first_byte_timeout)
-        self.metrics.pd_decisions.labels(outcome.decision).inc()
+        else:
+            choice = pd_choice(keys, decision, self.settings.key_config, self.prefill.threshold)
+            if not choice.remote:
+                self.metrics.pd_decisions.labels("local", choice.reason).inc()
+                return body
+            outcome = await self.prefill.run(self.session, path, body, headers,
+                                             self.settings.first_byte_timeout, choice.reason)
+        self.metrics.pd_decisions.labels(outcome.decision, outcome.reason).inc()
         return outcome.body
 
     @staticmethod

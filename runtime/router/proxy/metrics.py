@@ -11,6 +11,13 @@ from collections.abc import Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from shoal.runtime.router.pd_metrics import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    RolePoolCollector,
+    pd_decisions_counter,
+)
 from shoal.runtime.router.replicas.kv_events import EventStreamState
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
@@ -75,6 +82,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self._pool_collector = _PoolCollector(pool)
         self.registry.register(self._pool_collector)
+        self.roles = RolePoolCollector()
+        self.roles.add(ROLE_BOTH, pool)
+        self.registry.register(self.roles)
         self.decision_seconds = Histogram(
             "shoal:router_decision_seconds", "Request received to upstream request sent",
             buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -106,14 +116,17 @@ class RouterMetrics:
         self.quarantined = Counter(
             "shoal:router_quarantined", "Repeats of a failed request refused because the "
             "replica it failed on is out of rotation", registry=self.registry)
-        self.pd_decisions = Counter(
-            "shoal:router_pd_decisions", "P/D: requests whose prompt a prefill replica "
-            "computed (remote), the decode replica computed because it held enough of it or "
-            "it was short (local), or because the prefill leg failed (failed)", ["decision"],
-            registry=self.registry)
+        self.pd_decisions = pd_decisions_counter(self.registry)
         self.client_stalls = Counter("shoal:router_client_stalls", "Streams dropped because "
                                      "their client read nothing for the stall window",
                                      registry=self.registry)
+
+    def watch_prefill_pool(self, prefill: ReplicaPool | None) -> None:
+        """P/D: the main pool decodes; the prefill pool's replicas are exported too (a
+        sidecar has none: the picker watches them)."""
+        self.roles.pools = [(ROLE_DECODE, pool) for _, pool in self.roles.pools]
+        if prefill is not None:
+            self.roles.add(ROLE_PREFILL, prefill)
 
     def watch_kv_events(self, states: Mapping[str, EventStreamState]) -> None:
         """Export the KV-event subscriber's per-replica stream counters (precise mode)."""

@@ -31,7 +31,11 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
-from shoal.runtime.router.policies.pd_decider import least_loaded
+from shoal.runtime.router.policies.pd_decider import (
+    REASON_NO_PREFILL,
+    REASON_PREFILL_ERROR,
+    least_loaded,
+)
 from shoal.runtime.router.replicas.pool import ReplicaPool, normalize_url
 
 from shoal.contract.headers import PREFILLER_HEADER
@@ -55,7 +59,16 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class PrefillOutcome:
     body: bytes  # what the decode replica gets
-    decision: str  # remote | failed | refused (a sidecar header naming no allowed replica)
+    decision: str  # remote | local | failed | refused (a sidecar header naming no allowed
+    # replica): the labels of shoal:router_pd_decisions
+    reason: str  # why (pd_decider.REASON_* and the sidecar's below)
+
+
+# the sidecar's reasons (``--pd-sidecar``: the picker decided, this hop carries it out)
+REASON_PICKER_NAMED = "picker_named"  # remote: the picker's header named a prefill replica
+REASON_NO_HEADER = "no_header"  # local: the picker named none (short or cached prompt)
+REASON_NOT_ALLOWED = "not_allowed"  # refused: the header named no --prefill-backend
+REASON_ALREADY_SPLIT = "already_split"  # local: the body carries kv_transfer_params already
 
 
 def splittable(body: bytes) -> dict[str, Any] | None:
@@ -72,9 +85,11 @@ def splittable(body: bytes) -> dict[str, Any] | None:
 
 async def prefill_leg(session: aiohttp.ClientSession, url: str, path: str,
                       request: dict[str, Any], body: bytes, headers: CIMultiDict,
-                      timeout_s: float) -> tuple[PrefillOutcome, BaseException | None]:
+                      timeout_s: float, reason: str,
+                      ) -> tuple[PrefillOutcome, BaseException | None]:
     """Run the prefill on ``url``; the decode replica's body either way, and the transport
-    error when there was one (the caller decides whether it ejects the replica)."""
+    error when there was one (the caller decides whether it ejects the replica). ``reason``:
+    why the leg was taken, for a leg that succeeds."""
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(f"{url}{path}",
@@ -85,14 +100,14 @@ async def prefill_leg(session: aiohttp.ClientSession, url: str, path: str,
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("prefill on %s failed (%r): the decode replica computes the prompt",
                     url, exc)
-        return PrefillOutcome(body, "failed"), exc
+        return PrefillOutcome(body, "failed", REASON_PREFILL_ERROR), exc
     params = _params_of(payload) if status == 200 else None
     if params is None:
         log.warning("prefill on %s answered %d without kv_transfer_params: the decode "
                     "replica computes the prompt", url, status)
-        return PrefillOutcome(body, "failed"), None
+        return PrefillOutcome(body, "failed", REASON_PREFILL_ERROR), None
     return PrefillOutcome(json.dumps({**request, "kv_transfer_params": params}).encode(),
-                          "remote"), None
+                          "remote", reason), None
 
 
 class PrefillStage:
@@ -105,19 +120,20 @@ class PrefillStage:
         self.threshold = threshold
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: bytes,
-                  headers: CIMultiDict, timeout_s: float) -> PrefillOutcome:
+                  headers: CIMultiDict, timeout_s: float, reason: str) -> PrefillOutcome:
+        """``reason``: why the decider wants the leg (the outcome's when it succeeds)."""
         request = splittable(body)
         if request is None:
-            return PrefillOutcome(body, "failed")
+            return PrefillOutcome(body, "local", REASON_ALREADY_SPLIT)
         candidates = self.pool.available()
         if not candidates:
             log.warning("no prefill replica ready: the decode replica computes the prompt")
-            return PrefillOutcome(body, "failed")
+            return PrefillOutcome(body, "failed", REASON_NO_PREFILL)
         replica = self.pool.replicas[least_loaded([r.snapshot() for r in candidates]).url]
         replica.in_flight += 1
         try:
             outcome, error = await prefill_leg(session, replica.url, path, request, body,
-                                               headers, timeout_s)
+                                               headers, timeout_s, reason)
         finally:
             replica.in_flight -= 1
         if isinstance(error, aiohttp.ClientConnectorError):
@@ -147,24 +163,24 @@ class HeaderPrefill:
         if url not in self.allowed:
             log.warning("%s %r is not a --prefill-backend: the decode engine computes the "
                         "prompt", PREFILLER_HEADER, first)
-            return PrefillOutcome(b"", "refused")
+            return PrefillOutcome(b"", "refused", REASON_NOT_ALLOWED)
         return url
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: bytes,
                   headers: CIMultiDict, named: list[str],
-                  timeout_s: float) -> PrefillOutcome | None:
-        """``named``: the header's values. None: no prefill asked for; else the decode
-        engine's body and the decision."""
+                  timeout_s: float) -> PrefillOutcome:
+        """``named``: the header's values. The decode engine's body and the decision (local,
+        no_header: the picker asked for no prefill leg)."""
         target = self.target(named)
         if target is None:
-            return None
+            return PrefillOutcome(body, "local", REASON_NO_HEADER)
         if isinstance(target, PrefillOutcome):
-            return PrefillOutcome(body, target.decision)
+            return PrefillOutcome(body, target.decision, target.reason)
         request = splittable(body)
         if request is None:
-            return PrefillOutcome(body, "failed")
+            return PrefillOutcome(body, "local", REASON_ALREADY_SPLIT)
         outcome, _ = await prefill_leg(session, target, path, request, body, headers,
-                                       timeout_s)
+                                       timeout_s, REASON_PICKER_NAMED)
         return outcome
 
 
