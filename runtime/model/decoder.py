@@ -203,7 +203,7 @@ class DecoderLayer(nn.Module):
 
             assert lin is not None
             self.linear_attn = GatedDeltaNet(lin, config.hidden_size, config.rms_norm_eps,
-                                             parallel, dtype, device)
+                                             parallel, kernels, dtype, device)
         else:
             attention: type[nn.Module] = Attention
             if config.mla is not None:

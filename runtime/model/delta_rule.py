@@ -1,5 +1,8 @@
 """The gated delta rule and the causal conv of a Gated DeltaNet layer, in plain torch (CPU).
 
+``conv_rows`` and ``delta_rule_rows`` run them over a step's rows (each row's state in its
+slot); ``shoal/kernels/gated_delta_rule.py`` is the same on CUDA, chosen in ``ops``.
+
 Per value head, with the recurrent state ``S [key dim, value dim]`` and per token a decay
 ``g <= 0`` (log space), a write strength ``beta`` in (0, 1), L2-normalised ``k`` and ``q``
 (``q`` also scaled by ``key_dim ** -0.5``)::
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from shoal.runtime.attention.backend import AttentionMetadata
 
 CHUNK = 64
 
@@ -95,3 +99,62 @@ def causal_conv_step(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tenso
     full = torch.cat([windows.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
     windows.copy_(full[..., 1:])
     return F.silu((full * weight).sum(-1))
+
+
+class StepRows:
+    """The step's rows by kind: one-token rows (decodes, the odd one-token chunk) run the
+    batched recurrent update together; a row of several tokens runs the chunked scan. A
+    mixed step would otherwise pad each decode row to a whole scan block."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+        assert slots is not None and meta.state_slots is not None, \
+            "a linear-attention layer needs AttentionMetadata.state_slots"
+        self.single_slots: torch.Tensor | None = None
+        self.single_tokens: torch.Tensor | slice = slice(None)
+        if meta.max_query_len == 1:  # pure decode: every token is its row's only one
+            self.single_slots, self.spans = meta.state_slots, []
+            return
+        single = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
+        self.spans = [(starts[i], starts[i + 1], slots[i]) for i in range(len(slots))
+                      if starts[i + 1] - starts[i] > 1]
+        if single:
+            device = meta.state_slots.device
+            self.single_slots = torch.tensor([slots[i] for i in single], device=device)
+            self.single_tokens = torch.tensor([starts[i] for i in single], device=device)
+
+
+def conv_rows(mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+    """``silu(conv)`` over the step's rows: ``mixed [T, C]``, ``conv_states [slots, C, K-1]``
+    (the rows' windows updated in place), ``weight [C, K]``."""
+    rows = StepRows(meta)
+    out = torch.empty_like(mixed) if rows.spans else mixed
+    if rows.single_slots is not None:  # one-token rows together: gather, step, scatter
+        windows = conv_states[rows.single_slots]
+        out[rows.single_tokens] = causal_conv_step(mixed[rows.single_tokens], windows, weight)
+        conv_states[rows.single_slots] = windows
+    for s, e, slot in rows.spans:  # prefill chunks: each from its own window
+        out[s:e] = causal_conv(mixed[s:e].T, conv_states[slot], weight).T
+    return out
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, states: torch.Tensor, meta: AttentionMetadata
+                    ) -> torch.Tensor:
+    """The gated delta rule over the step's rows: ``q``/``k [T, Hk, Dk]`` per key head
+    (normalised, q scaled), ``v [T, Hv, Dv]``, ``g``/``beta [T, Hv]`` float32, ``states
+    [slots, Hv, Dk, Dv]`` (the rows' states updated in place). Returns ``o [T, Hv, Dv]``."""
+    rows = StepRows(meta)
+    group = v.shape[1] // q.shape[1]  # each key head serves ``group`` consecutive value heads
+    q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
+    out = torch.empty_like(v)
+    if rows.single_slots is not None:
+        at, picked = rows.single_tokens, states[rows.single_slots]
+        out[at] = recurrent_step(q[at], k[at], v[at], g[at], beta[at], picked)
+        states[rows.single_slots] = picked
+    for s, e, slot in rows.spans:
+        out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
+                                states[slot]).transpose(0, 1)
+    return out

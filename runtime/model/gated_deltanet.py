@@ -9,9 +9,11 @@ whenever its request starts from position 0, so recompute after preemption start
 Per token: ``in_proj_qkvz`` gives q, k, v and the output gate z (laid out per key-head
 group, as the checkpoint stores them), ``in_proj_ba`` the write strength b and the decay
 input a (Qwen3.5 stores the four apart: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``); q/k/v pass a depthwise causal conv + SiLU, then the gated delta rule
-(``delta_rule.py``: a chunked scan for prefill rows, the one-token update when the whole
-step decodes); the output is RMS-normalised per head, times ``silu(z)``, and projected back.
+``in_proj_a``); q/k/v pass a depthwise causal conv + SiLU, then the gated delta rule (a
+chunked scan for prefill rows, the one-token update for decode rows); the output is
+RMS-normalised per head, times ``silu(z)``, and projected back. The conv and the rule run
+as ``ops`` chose them: ``delta_rule.py`` in torch, or the Triton kernels of
+``shoal/kernels/gated_delta_rule.py``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from shoal.runtime.attention.backend import AttentionMetadata
-from shoal.runtime.model.delta_rule import (
-    causal_conv,
-    causal_conv_step,
-    chunked_scan,
-    l2_normalise,
-    recurrent_step,
-)
+from shoal.runtime.model.delta_rule import l2_normalise
 from shoal.runtime.model.layers import _param
 from shoal.runtime.model.linear import (
     ReplicatedLinear,
@@ -37,6 +33,7 @@ from shoal.runtime.model.linear import (
     _set_loader,
 )
 from shoal.runtime.model.linear_attn_config import LinearAttnConfig
+from shoal.runtime.model.ops import Kernels
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
@@ -86,8 +83,10 @@ class GatedDeltaNet(nn.Module):
     and ``out_proj`` is row-parallel (one all-reduce per layer), as attention is split."""
 
     def __init__(self, lin: LinearAttnConfig, hidden_size: int, eps: float,
-                 parallel: ParallelContext, dtype: torch.dtype, device: torch.device | str):
+                 parallel: ParallelContext, kernels: Kernels, dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
+        self.ops = kernels.linear_attention
         world = parallel.world_size
         full = lin
         # this rank's heads; ``linear_layers`` stays global (it indexes the model's layers)
@@ -144,59 +143,19 @@ class GatedDeltaNet(nn.Module):
                 rope: object = None) -> torch.Tensor:
         lin = self.lin
         conv_states, recurrent_states = state
-        assert meta.state_slots is not None and meta.state_slots_cpu is not None, \
+        assert meta.state_slots is not None, \
             "a linear-attention layer needs AttentionMetadata.state_slots"
-        rows = _Rows(meta)
         mixed, z, b, a = self._split(x)  # mixed [T, C]: the conv's channels, q|k|v
-        weight = self.conv1d.weight[:, 0, :]
-        conv_out = torch.empty_like(mixed) if rows.spans else mixed
-        if rows.single_slots is not None:  # one-token rows together: gather, step, scatter
-            windows = conv_states[rows.single_slots]
-            conv_out[rows.single_tokens] = causal_conv_step(mixed[rows.single_tokens], windows,
-                                                            weight)
-            conv_states[rows.single_slots] = windows
-        for s, e, slot in rows.spans:  # prefill chunks: each from its own window
-            conv_out[s:e] = causal_conv(mixed[s:e].T, conv_states[slot], weight).T
+        conv_out = self.ops.conv(mixed, conv_states, self.conv1d.weight[:, 0, :], meta)
         q, k, v = torch.split(conv_out, [lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         tokens = x.shape[0]
-        # each key head serves ``group`` consecutive value heads
-        q = q.reshape(tokens, lin.num_k_heads, lin.head_k_dim).repeat_interleave(self.group, 1)
-        k = k.reshape(tokens, lin.num_k_heads, lin.head_k_dim).repeat_interleave(self.group, 1)
-        q = l2_normalise(q.float()) * lin.head_k_dim ** -0.5
-        k = l2_normalise(k.float())
+        # per key head: the kernels map each value head to its key head
+        q = l2_normalise(q.reshape(tokens, lin.num_k_heads, lin.head_k_dim).float())
+        q = q * lin.head_k_dim ** -0.5
+        k = l2_normalise(k.reshape(tokens, lin.num_k_heads, lin.head_k_dim).float())
         v = v.reshape(tokens, lin.num_v_heads, lin.head_v_dim).float()
         beta = b.float().sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        out = torch.empty_like(v)
-        if rows.single_slots is not None:
-            at, states = rows.single_tokens, recurrent_states[rows.single_slots]
-            out[at] = recurrent_step(q[at], k[at], v[at], g[at], beta[at], states)
-            recurrent_states[rows.single_slots] = states
-        for s, e, slot in rows.spans:
-            out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                    v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
-                                    recurrent_states[slot]).transpose(0, 1)
+        out = self.ops.delta_rule(q, k, v, g, beta, recurrent_states, meta)
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(tokens, lin.value_dim))
-
-
-class _Rows:
-    """The step's rows by kind: one-token rows (decodes, the odd one-token chunk) run the
-    batched recurrent update together; a row of several tokens runs the chunked scan. A
-    mixed step would otherwise pad each decode row to a whole 64-token scan block."""
-
-    def __init__(self, meta: AttentionMetadata) -> None:
-        starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
-        assert slots is not None and meta.state_slots is not None
-        self.single_slots: torch.Tensor | None = None
-        self.single_tokens: torch.Tensor | slice = slice(None)
-        if meta.max_query_len == 1:  # pure decode: every token is its row's only one
-            self.single_slots, self.spans = meta.state_slots, []
-            return
-        single = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
-        self.spans = [(starts[i], starts[i + 1], slots[i]) for i in range(len(slots))
-                      if starts[i + 1] - starts[i] > 1]
-        if single:
-            device = meta.state_slots.device
-            self.single_slots = torch.tensor([slots[i] for i in single], device=device)
-            self.single_tokens = torch.tensor([starts[i] for i in single], device=device)

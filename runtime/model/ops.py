@@ -14,6 +14,8 @@ they run on. The rule:
   kernels for this CPU (AMX, AVX512-BF16, AVX-NE-CONVERT: ``linear.pack_cpu_linear_weights``);
   elsewhere bfloat16 linears on the native kernel (``shoal.kernels.linear_bf16_cpu``: the
   weight kept in bfloat16, widened as it is read) where the native library runs;
+- the Gated DeltaNet layers' conv and delta rule (``shoal.kernels.gated_delta_rule``) in
+  Triton where the other Triton kernels run, else in torch (``delta_rule.py``);
 - the native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) for float32 MoE
   blocks where the native ``cpu`` backend runs;
 - torch everywhere else, and for every shape a kernel does not take (an activation other
@@ -25,10 +27,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.util import find_spec
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from shoal.runtime.attention.backend_choice import fused_triton_ops
+
+if TYPE_CHECKING:
+    from shoal.runtime.attention.backend import AttentionMetadata
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,6 +70,8 @@ class KernelChoice:
     # "grouped" (torch._grouped_mm)
     moe: str = "grouped"
     lora: str = "masked"  # "triton" (shoal/kernels/lora_batched.py) | "masked" (torch matmuls)
+    # Gated DeltaNet: "triton" (shoal/kernels/gated_delta_rule.py) | "torch" (delta_rule.py)
+    linear_attention: str = "torch"
 
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
@@ -93,7 +101,8 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         # whose bfloat16 rounding the bfloat16 equivalence tests follow)
         moe="triton" if triton else "native_cpu"
         if native and device_type == "cpu" and dtype == torch.float32 else "grouped",
-        lora="triton" if triton else "masked")
+        lora="triton" if triton else "masked",
+        linear_attention="triton" if triton else "torch")
 
 
 def onednn_packs_bf16() -> bool:
@@ -109,11 +118,44 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype, attention: str) 
                                   device_type == "cpu" and onednn_packs_bf16()))
 
 
+@dataclass(frozen=True)
+class LinearAttentionOps:
+    """A Gated DeltaNet layer's two kernels over a step's rows (``delta_rule.conv_rows`` and
+    ``delta_rule.delta_rule_rows`` say what they take)."""
+
+    conv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+    delta_rule: Callable[..., torch.Tensor]
+
+
+def _triton_linear_attention() -> LinearAttentionOps:
+    from shoal.kernels import gated_delta_rule as gdr
+
+    def conv(mixed, conv_states, weight, meta):
+        return gdr.causal_conv(mixed, conv_states, weight, meta.query_start_loc,
+                               meta.state_slots)
+
+    def delta_rule(q, k, v, g, beta, states, meta):
+        if meta.max_query_len == 1:  # every row decodes: one token each
+            return gdr.recurrent_step(q, k, v, g, beta, states, meta.state_slots)
+        return gdr.chunked_scan(q, k, v, g, beta, states, meta.query_start_loc,
+                                meta.state_slots)
+
+    return LinearAttentionOps(conv, delta_rule)
+
+
+def _torch_linear_attention() -> LinearAttentionOps:
+    from shoal.runtime.model import delta_rule
+
+    return LinearAttentionOps(delta_rule.conv_rows, delta_rule.delta_rule_rows)
+
+
 class Kernels:
     """The chosen implementations, bound once; what the layers call."""
 
     def __init__(self, choice: KernelChoice) -> None:
         self.choice = choice
+        self.linear_attention = (_triton_linear_attention() if choice.linear_attention
+                                 == "triton" else _torch_linear_attention())
         self.native = None
         if "native_cpu" in (choice.norm, choice.silu_and_mul, choice.rotary):
             from shoal.kernels import cpu_ops

@@ -25,6 +25,7 @@ REGISTERED = (
     "shoal.kernels.qk_norm_rotary",
     "shoal.kernels.silu_and_mul",
     "shoal.kernels.lora_batched",
+    "shoal.kernels.gated_delta_rule",
     "shoal.kernels.gpu_check.fused_moe_variants",
 )
 
@@ -72,6 +73,31 @@ MODEL_SHAPES = (
     ModelShape("Qwen2.5-14B", 5120, 40, 8, 128, 13824),
     ModelShape("Llama-3-70B", 8192, 64, 8, 128, 28672),
 )
+
+
+@dataclass(frozen=True)
+class LinearAttnShape:
+    """A hybrid model's Gated DeltaNet layers (``linear_*`` in its config)."""
+
+    name: str
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+
+LINEAR_ATTN_SHAPES = (
+    LinearAttnShape("Qwen3-Next-80B-A3B", 16, 32, 128, 128, 4),
+    LinearAttnShape("Qwen3.5-2B", 16, 16, 128, 128, 4),
+    LinearAttnShape("Qwen3.5-27B", 16, 48, 128, 128, 4),
+    LinearAttnShape("Qwen3.5-397B-A17B", 16, 64, 128, 128, 4),
+)
+
+
+def sharded_linear_attn_shapes() -> list[tuple[LinearAttnShape, int]]:
+    """Every (hybrid model, tensor parallel size) whose key heads split over the ranks."""
+    return [(m, tp) for m in LINEAR_ATTN_SHAPES for tp in TP_SIZES if m.num_k_heads % tp == 0]
 
 
 def sharded_shapes() -> list[tuple[ModelShape, int]]:
