@@ -79,6 +79,11 @@ def dequantize_rows(weight: torch.Tensor, scale_rows: torch.Tensor, block_in: in
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                      block_in: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias``, one band of output rows at a time."""
+    if x.is_cuda:
+        from shoal.kernels.dequant_gemm import FP8, dequant_gemm
+
+        out = dequant_gemm(x, weight, scale_rows, None, FP8, block_in)
+        return out if bias is None else out + bias
     out_rows, in_features = weight.shape
     band = max(1, BAND_ELEMENTS // max(1, in_features))
     if band >= out_rows:

@@ -3,7 +3,8 @@
 - ``NativeInt``: the native weight-only int4/int8 kernel (``shoal.kernels.int_matmul_cpu``),
   wherever the native library builds and the columns and groups are multiples of 32: codes
   packed in its layout, a float32 scale and offset per group, GPTQ act-order's permuted
-  columns sorted once (the activations gathered to match). torch's packed ops below ran
+  columns sorted once (the activations gathered to match). On CUDA the same layout goes to
+  the Triton W4A16/W8A16 GEMM (``shoal.kernels.dequant_gemm``). torch's packed ops below ran
   10-50x slower than float32 ``F.linear`` on an AVX2 CPU (docs/benchmarks.md); they remain
   for a process without a C compiler.
 - ``Int4Packed``: torch's packed int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``; AVX2
@@ -52,20 +53,22 @@ def int4_group(weights: IntWeights) -> int | None:
 
 
 def native_fits(weights: IntWeights) -> bool:
-    """The native kernel takes these weights: on CPU, columns and groups multiples of 32,
-    act-order groups of equal size (so sorting makes each contiguous), the library built."""
+    """The packed layout's kernels take these weights: columns and groups multiples of 32,
+    act-order groups of equal size (so sorting makes each contiguous); on CPU the native
+    library built, on CUDA the Triton kernel."""
     from shoal.kernels.int_matmul_cpu import SUB
     from shoal.kernels.native_cpu import unavailable_reason
 
     in_features = weights.codes.shape[1]
-    if weights.codes.device.type != "cpu" or weights.bits not in (4, 8) or \
+    device = weights.codes.device.type
+    if device not in ("cpu", "cuda") or weights.bits not in (4, 8) or \
             in_features % SUB or weights.group_size % SUB:
         return False
     if weights.group_index is not None:
         counts = torch.bincount(weights.group_index, minlength=weights.scales.shape[1])
         if not bool((counts == weights.group_size).all()):
             return False
-    return unavailable_reason() is None
+    return device == "cuda" or unavailable_reason() is None
 
 
 def int_kernel(weights: IntWeights, dtype: torch.dtype = torch.float32) -> IntKernel:
@@ -127,6 +130,12 @@ class NativeInt:
         perm = getattr(layer, "int_packed_perm", None)
         if perm is not None:
             x = x[..., perm]
+        if x.is_cuda:
+            from shoal.kernels.dequant_gemm import INT4, INT8, dequant_gemm
+
+            return dequant_gemm(x, layer.int_packed_codes, layer.int_packed_scales,
+                                layer.int_packed_offsets, INT4 if self.bits == 4 else INT8,
+                                self.group)
         return int_matmul(x, IntPacked(layer.int_packed_codes, layer.int_packed_scales,
                                        layer.int_packed_offsets, self.bits, self.group,
                                        self.in_features))

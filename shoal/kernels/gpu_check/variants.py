@@ -27,6 +27,7 @@ REGISTERED = (
     "shoal.kernels.lora_batched",
     "shoal.kernels.gated_delta_rule",
     "shoal.kernels.gpu_check.fused_moe_variants",
+    "shoal.kernels.dequant_gemm",
 )
 
 # Hopper (sm_90): 227 KiB of shared memory per block, 64K registers per SM / block
