@@ -3,7 +3,8 @@ registers, never whole in memory. One Triton kernel for the formats the linear l
 
 - int4 / int8 (W4A16, W8A16): the layout of the CPU kernel (``int_matmul_cpu.IntPacked``):
   uint8 codes, 4-bit in sub-blocks of 32 columns (byte i: column i low nibble, column 16 + i
-  high), float32 scale and offset per group, ``W = code * scale + offset``. compressed-tensors,
+  high), a scale and offset per group (float32, or float16 / bfloat16 where exact),
+  ``W = code * scale + offset``. compressed-tensors,
   GPTQ and AWQ weights are unpacked into it once at load (``runtime/model/quant/int_kernels``).
 - FP8 block-scaled (W8A16): float8_e4m3fn weights with one float32 scale per row and block
   of ``block_in`` columns (``fp8_block``'s kept layout; per-channel FP8 is one block).
@@ -53,15 +54,15 @@ def _dequant_gemm_kernel(x_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
         s_at = s_rows + (kk // group)[:, None]
-        scale = tl.load(scales_ptr + s_at, mask=w_ok, other=0.0)
+        scale = tl.load(scales_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
         if FORMAT == 4:
             byte = tl.load(w_ptr + w_rows + (k0 // 2 + byte_in_step)[:, None], mask=w_ok,
                            other=0)
             code = ((byte.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32)
-            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0)
+            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
         elif FORMAT == 8:
             code = tl.load(w_ptr + w_rows + kk[:, None], mask=w_ok, other=0).to(tl.float32)
-            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0)
+            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptr + w_rows + kk[:, None], mask=w_ok, other=0.0).to(tl.float32)
             w = w * scale
@@ -102,7 +103,8 @@ def dequant_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  offsets: torch.Tensor | None, fmt: int, group: int) -> torch.Tensor:
     """``x [..., K]`` (fp16, bf16 or fp32) @ W.T -> ``[..., N]`` in x's dtype. ``weight``:
     uint8 ``[N, K / 2]`` (INT4), uint8 ``[N, K]`` (INT8) or float8_e4m3fn ``[N, K]`` (FP8);
-    ``scales`` (and ``offsets`` for the ints) float32 ``[N, ceil(K / group)]``."""
+    ``scales`` (and ``offsets`` for the ints, of the scales' dtype) ``[N, ceil(K / group)]``,
+    float32 (FP8) or float32 / float16 / bfloat16 (ints)."""
     n = weight.shape[0]
     k = x.shape[-1]
     width = k // 2 if fmt == INT4 else k
@@ -134,17 +136,20 @@ def gpu_variants() -> list:
     from shoal.kernels.gpu_check import variants as v
 
     out = []
-    for fmt, name, w_ty in ((INT4, "int4", "u8"), (INT8, "int8", "u8"), (FP8, "fp8", "fp8e4nv")):
+    formats = [(INT4, "int4", "u8", s_ty) for s_ty in ("fp32", "fp16", "bf16")] + \
+        [(INT8, "int8", "u8", s_ty) for s_ty in ("fp32", "fp16", "bf16")] + \
+        [(FP8, "fp8", "fp8e4nv", "fp32")]
+    for fmt, name, w_ty, s_ty in formats:
         for dtype in v.KV_DTYPES:
             ty = v.triton_type(dtype)
             for batch in v.BATCH_SIZES:
                 tiles = choose_tiles(batch, dtype)
                 constexprs = tiles.constexprs(fmt)
                 sig = v.signature(_dequant_gemm_kernel, constexprs,
-                                  dict(x_ptr=ty, w_ptr=w_ty, scales_ptr="fp32",
-                                       offsets_ptr="fp32", out_ptr=ty))
-                label = (f"dequant_gemm {name} {ty} m{tiles.block_m} n{tiles.block_n} "
-                         f"k{tiles.block_k}")
+                                  dict(x_ptr=ty, w_ptr=w_ty, scales_ptr=s_ty,
+                                       offsets_ptr=s_ty, out_ptr=ty))
+                label = (f"dequant_gemm {name} {ty} scales {s_ty} m{tiles.block_m} "
+                         f"n{tiles.block_n} k{tiles.block_k}")
                 out.append(v.KernelVariant(label, _dequant_gemm_kernel, sig, constexprs,
                                            num_warps=tiles.num_warps,
                                            num_stages=tiles.num_stages,

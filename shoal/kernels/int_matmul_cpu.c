@@ -6,9 +6,11 @@
      sub-block, byte i holding column i (low nibble) and column 16 + i (high nibble), which
      is GGUF's Q4_0/Q4_1 nibble order, so those blocks are copied in as they are; 8-bit: one
      unsigned byte per column.
-   - scales, offsets: float32 [n, k / group], W[n, k] = code * scale + offset for the group
-     of column k. group is a multiple of 32. Every integer format folds into this (a zero
-     point z: offset = -z * scale; GGUF Q4_1's min is the offset itself).
+   - scales, offsets: [n, k / group], W[n, k] = code * scale + offset for the group of
+     column k. group is a multiple of 32. Every integer format folds into this (a zero
+     point z: offset = -z * scale; GGUF Q4_1's min is the offset itself). float32, or
+     float16 / bfloat16 (scale_fmt 1 / 2) where the loader found both exact in it: at group
+     32 that is 1 bit a weight instead of 2.
    - bits == 6: GGUF Q6_K super-blocks as the file stores them (row n: k / 256 blocks of 210
      bytes: ql[128] low nibbles, qh[64] high 2-bit pairs, int8 scales[16] per 16 columns, fp16
      d), scales and offsets unused. Its scales come per 16 columns, and folding them into
@@ -65,6 +67,21 @@ static float half_to_float(const uint8_t *p) {
     return f;
 }
 
+/* scale or offset i of a float32 (0), float16 (1) or bfloat16 (2) array */
+static inline float scale_at(const void *p, int64_t i, int64_t fmt) {
+    if (fmt == 0) return ((const float *)p)[i];
+#if defined(SHOAL_AVX2) && defined(__F16C__)
+    if (fmt == 1) return _cvtsh_ss(((const uint16_t *)p)[i]);
+#endif
+    if (fmt == 2) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return half_to_float((const uint8_t *)p + 2 * i);
+}
+
 /* float32 [32] <- Q6_K row columns [col, col + 32) (col a multiple of 32). Within a block's
    half of 128 columns, the quarter qd takes ql's low (qd < 2) or high nibbles of bytes
    (qd & 1) * 32 + l and bits 2 qd of qh[l]: llama.cpp's dequantize_row_q6_K. */
@@ -102,9 +119,9 @@ static void dequant_q6k(const uint8_t *row, int64_t col, float *d) {
 }
 
 /* float32 [KC] <- weight row n's columns [k0, k0 + len) (len a multiple of SUB) */
-static void dequant_row(const uint8_t *codes, const float *scales, const float *offsets,
-                        int64_t n, int64_t k, int64_t group, int64_t bits, int64_t k0,
-                        int64_t len, float *dst) {
+static void dequant_row(const uint8_t *codes, const void *scales, const void *offsets,
+                        int64_t n, int64_t k, int64_t group, int64_t bits, int64_t sfmt,
+                        int64_t k0, int64_t len, float *dst) {
     const int64_t groups = k / group;
     const int64_t row_bytes = row_bytes_of(bits, k);
     for (int64_t j = 0; j < len; j += SUB) {
@@ -113,8 +130,8 @@ static void dequant_row(const uint8_t *codes, const float *scales, const float *
             dequant_q6k(codes + n * row_bytes, col, dst + j);
             continue;
         }
-        const float s = scales[n * groups + col / group];
-        const float o = offsets[n * groups + col / group];
+        const float s = scale_at(scales, n * groups + col / group, sfmt);
+        const float o = scale_at(offsets, n * groups + col / group, sfmt);
         const uint8_t *src = codes + n * row_bytes + (bits == 4 ? col / 2 : col);
         float *d = dst + j;
 #ifdef SHOAL_AVX2
@@ -194,9 +211,9 @@ static inline __attribute__((always_inline)) void tile(
    registers, never through the tile buffer, whose stores and reloads were a third of the
    instructions per weight when a single row uses them. The same weights (one FMA each from
    code, scale and offset), summed in another order. */
-static void gemv_rows(const float *x, const uint8_t *codes, const float *scales,
-                      const float *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
-                      int64_t bits, float *out) {
+static void gemv_rows(const float *x, const uint8_t *codes, const void *scales,
+                      const void *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
+                      int64_t bits, int64_t sfmt, float *out) {
     const int64_t groups = k / group;
     const int64_t row_bytes = bits == 4 ? k / 2 : k;
     const __m128i mask = _mm_set1_epi8(0x0f);
@@ -205,8 +222,8 @@ static void gemv_rows(const float *x, const uint8_t *codes, const float *scales,
         __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
         const uint8_t *row = codes + r * row_bytes;
         for (int64_t col = 0; col < k; col += SUB) {
-            const __m256 vs = _mm256_set1_ps(scales[r * groups + col / group]);
-            const __m256 vo = _mm256_set1_ps(offsets[r * groups + col / group]);
+            const __m256 vs = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
+            const __m256 vo = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
             __m128i a, b, c, e;
             if (bits == 4) {
                 const __m128i packed = _mm_loadu_si128((const __m128i *)(row + col / 2));
@@ -237,15 +254,16 @@ static void gemv_rows(const float *x, const uint8_t *codes, const float *scales,
 /* out [rows, n] (rows out_stride apart) = x [rows, k] (x_stride apart) @ W^T. k and group
    multiples of 32, group dividing k. */
 void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const uint8_t *codes,
-                          const float *scales, const float *offsets, int64_t n, int64_t k,
-                          int64_t group, int64_t bits, float *out, int64_t out_stride) {
+                          const void *scales, const void *offsets, int64_t n, int64_t k,
+                          int64_t group, int64_t bits, int64_t sfmt, float *out,
+                          int64_t out_stride) {
     const int64_t tiles = (n + NR - 1) / NR;
 #ifdef SHOAL_AVX2
     if (rows == 1 && bits != 6) {
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
         for (int64_t t = 0; t < tiles; ++t)
             gemv_rows(x, codes, scales, offsets, t * NR, t * NR + NR < n ? t * NR + NR : n, k,
-                      group, bits, out);
+                      group, bits, sfmt, out);
         return;
     }
 #endif
@@ -258,7 +276,7 @@ void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const 
             const int64_t len = k - k0 < KC ? k - k0 : KC;
             for (int64_t j = 0; j < NR; ++j) {
                 if (j < nr)
-                    dequant_row(codes, scales, offsets, n0 + j, k, group, bits, k0, len,
+                    dequant_row(codes, scales, offsets, n0 + j, k, group, bits, sfmt, k0, len,
                                 w + j * KC);
                 else  /* the last tile's missing rows: zeros, their sums never stored */
                     memset(w + j * KC, 0, sizeof(float) * (size_t)len);
@@ -282,10 +300,10 @@ void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const 
 
 /* float32 W[n0:n1, :] into out [n1 - n0, k]: the dequantized band a GEMM takes when there
    are many rows (prefill). */
-void shoal_int_dequant_f32(const uint8_t *codes, const float *scales, const float *offsets,
+void shoal_int_dequant_f32(const uint8_t *codes, const void *scales, const void *offsets,
                            int64_t n0, int64_t n1, int64_t k, int64_t group, int64_t bits,
-                           float *out) {
+                           int64_t sfmt, float *out) {
 #pragma omp parallel for schedule(static) if ((n1 - n0) * k >= PARALLEL_MIN)
     for (int64_t r = n0; r < n1; ++r)
-        dequant_row(codes, scales, offsets, r, k, group, bits, 0, k, out + (r - n0) * k);
+        dequant_row(codes, scales, offsets, r, k, group, bits, sfmt, 0, k, out + (r - n0) * k);
 }

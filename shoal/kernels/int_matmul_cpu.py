@@ -26,6 +26,7 @@ SUB = 32  # columns per packed sub-block
 Q6_K = 6  # ``bits`` of GGUF Q6_K super-blocks kept as stored
 QK = 256  # columns per K-quant super-block
 Q6K_BYTES = 210
+SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's sfmt
 # rows from which a dequantized band + torch's GEMM beats the kernel. Measured (Zen 3, 2
 # threads, load 3.6-4.5), kernel / dequantize + GEMM: 6144x1024 int4 at 64 rows 17.7 / 72.5 ms,
 # 128 rows 38.4 / 112, 256 rows 88.3 / 129; 1024x3072 at 128 rows 23.4 / 47.0, 256 48.4 / 45.7
@@ -37,8 +38,8 @@ NR_ALIGN = 16  # band rows a multiple of this
 @dataclass
 class IntPacked:
     codes: torch.Tensor  # uint8, see the module's docstring
-    scales: torch.Tensor  # float32 [n, k / group]
-    offsets: torch.Tensor  # float32 [n, k / group]
+    scales: torch.Tensor  # float32, float16 or bfloat16 [n, k / group]
+    offsets: torch.Tensor  # as scales
     bits: int
     group: int
     in_features: int
@@ -66,9 +67,26 @@ class IntPacked:
             raise ValueError(f"codes must be contiguous uint8 [{n}, {self.row_bytes}]")
         groups = 0 if self.bits == Q6_K else k // g
         for name, t in (("scales", self.scales), ("offsets", self.offsets)):
-            if t.dtype != torch.float32 or tuple(t.shape) != (n, groups) or \
-                    not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous float32 [{n}, {groups}]")
+            if t.dtype not in SCALE_FORMATS or t.dtype != self.scales.dtype or \
+                    tuple(t.shape) != (n, groups) or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous [{n}, {groups}], float32, float16 "
+                                 f"or bfloat16 as the scales")
+
+    @property
+    def scale_format(self) -> int:
+        return SCALE_FORMATS[self.scales.dtype]
+
+
+def compact(w: IntPacked) -> IntPacked:
+    """``w`` with its scales and offsets in float16 or bfloat16 where every one of both is
+    exact there (the weights stay bit for bit the same), else as they are."""
+    if w.scales.dtype != torch.float32 or not w.scales.numel():
+        return w
+    for dtype in (torch.float16, torch.bfloat16):
+        scales, offsets = w.scales.to(dtype), w.offsets.to(dtype)
+        if torch.equal(scales.float(), w.scales) and torch.equal(offsets.float(), w.offsets):
+            return IntPacked(w.codes, scales, offsets, w.bits, w.group, w.in_features)
+    return w
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -93,7 +111,7 @@ def dequantize(w: IntPacked, start: int = 0, end: int | None = None) -> torch.Te
     if end > start:
         load().shoal_int_dequant_f32(w.codes.data_ptr(), w.scales.data_ptr(),
                                      w.offsets.data_ptr(), start, end, w.in_features, w.group,
-                                     w.bits, out.data_ptr())
+                                     w.bits, w.scale_format, out.data_ptr())
     return out
 
 
@@ -120,7 +138,7 @@ def int_matmul(x: torch.Tensor, w: IntPacked) -> torch.Tensor:
         load().shoal_int_matmul_f32(x32.data_ptr(), x32.stride(0), x32.shape[0],
                                     w.codes.data_ptr(), w.scales.data_ptr(),
                                     w.offsets.data_ptr(), n, w.in_features, w.group, w.bits,
-                                    out.data_ptr(), out.stride(0))
+                                    w.scale_format, out.data_ptr(), out.stride(0))
     result = out if x.dtype == torch.float32 else out.to(x.dtype)
     return result.reshape(*lead, n)
 

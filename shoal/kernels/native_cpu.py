@@ -71,8 +71,9 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_qk_norm_rotary_bf16": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _ptr,
                                          _ptr, _i64, _i64]),
     "shoal_int_matmul_f32": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                                    _i64, _ptr, _i64]),
-    "shoal_int_dequant_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr]),
+                                    _i64, _i64, _ptr, _i64]),
+    "shoal_int_dequant_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                     _ptr]),
     "shoal_moe_experts_f32": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
                                              _ptr, _ptr, _ptr]),
 }

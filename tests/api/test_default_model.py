@@ -192,8 +192,8 @@ def test_linear_weights_stay_in_their_q4_1_blocks(llm, gguf: Path, monkeypatch) 
     kept, dequantized = resident_weight_bytes(model), resident_weight_bytes(dense)
     print(f"default model resident weights: {kept / 2**20:.1f} MiB kept quantized, "
           f"{dequantized / 2**20:.1f} MiB dequantized to float32 ({kept / dequantized:.3f}x)")
-    # the Q4_1 layers: 4-bit codes + a float32 scale and offset per 32 = 6 bits a weight; the
-    # Q8_0 table 10 bits, once, where dequantized it is float32 twice (the embedding and
+    # the Q4_1 layers: 4-bit codes + the file's fp16 scale and min per 32 = 5 bits a weight; the
+    # Q8_0 table 9 bits, once, where dequantized it is float32 twice (the embedding and
     # oneDNN's packed copy for the tied head)
     embed = model.model.embed_tokens
     assert embed.int_packed_codes.shape == (49152, 576) and model.lm_head.quant is embed.quant

@@ -21,6 +21,12 @@ def _close(out: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
     assert error <= tolerance * want.double().abs().max().item(), error
 
 
+def _unpacked(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    from shoal.kernels.int_matmul_cpu import unpack_int4
+
+    return unpack_int4(codes) if bits == 4 else codes
+
+
 def _int_weights(rng: torch.Generator, n: int, k: int, bits: int, group: int):
     codes = torch.randint(0, 1 << bits, (n, k), generator=rng).to(torch.uint8)
     scales = torch.rand(n, k // group, generator=rng) * 0.05 + 0.01
@@ -33,9 +39,15 @@ def _int_weights(rng: torch.Generator, n: int, k: int, bits: int, group: int):
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32)])
 @pytest.mark.parametrize("rows", [1, 20, 70])  # each tile height, partial
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int_weights_equal_the_dequantized_matmul(rng, bits, group, rows, dtype) -> None:
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_int_weights_equal_the_dequantized_matmul(rng, bits, group, rows, dtype,
+                                                  scale_dtype) -> None:
     n, k = 40, 192  # partial column tiles; 192 is one and a half int4 K steps
-    codes, scales, offsets, dense = _int_weights(rng, n, k, bits, group)
+    codes, scales, offsets, _ = _int_weights(rng, n, k, bits, group)
+    scales, offsets = scales.to(scale_dtype), offsets.to(scale_dtype)  # as compact keeps them
+    index = torch.arange(k) // group
+    dense = _unpacked(codes, bits).float() * scales.float()[:, index] + \
+        offsets.float()[:, index]
     x = torch.randn(rows, k, generator=rng).to(dtype)
     out = dequant_gemm(x, codes, scales, offsets, INT4 if bits == 4 else INT8, group)
     want = x.float() @ dense.to(dtype).float().t()

@@ -99,6 +99,34 @@ def test_gemm_path_and_kernel_agree(rng, monkeypatch) -> None:
     _close(by_kernel, int_matmul(x, w).double(), 2e-6)
 
 
+def _sixteen_bit(w: IntPacked, dtype: torch.dtype) -> tuple[IntPacked, IntPacked]:
+    """``w``'s scales and offsets rounded to ``dtype``: (kept in it, the same values in
+    float32)."""
+    scales, offsets = w.scales.to(dtype), w.offsets.to(dtype)
+    return (IntPacked(w.codes, scales, offsets, w.bits, w.group, w.in_features),
+            IntPacked(w.codes, scales.float(), offsets.float(), w.bits, w.group,
+                      w.in_features))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 64)])
+def test_16_bit_scales_give_the_same_weights(rng, dtype, bits, group) -> None:
+    from shoal.kernels.int_matmul_cpu import compact
+
+    w16, w32 = _sixteen_bit(_weights(rng, 40, 256, bits, group)[0], dtype)
+    w16.check()
+    assert torch.equal(dequantize(w16), dequantize(w32))
+    reference = dequantize(w32).double()
+    for rows in (1, 5, 300):  # one row, the tiles, the GEMM path
+        x = torch.randn(rows, 256, generator=rng)
+        _close(int_matmul(x, w16), x.double() @ reference.t(), 2e-6)
+    kept = compact(w32)  # exact in 16 bits: kept there, the same weights
+    assert kept.scales.dtype in (torch.float16, torch.bfloat16)
+    assert torch.equal(dequantize(kept), dequantize(w32))
+    w, _ = _weights(rng, 8, 64, 4, 32)
+    assert compact(w) is w  # random float32 scales are not
+
+
 @pytest.mark.parametrize("bad", ["bits", "columns", "group", "codes"])
 def test_layouts_the_kernel_cannot_read_are_refused(rng, bad: str) -> None:
     w, _ = _weights(rng, 8, 64, 4, 32)
@@ -138,3 +166,6 @@ def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch)
         for rows in (1, 2, 4, 300):  # one row, the tiles, the GEMM path
             x = torch.randn(rows, k, generator=rng)
             _close(int_matmul(x, w), x.double() @ reference.t(), 2e-6)
+        for dtype in (torch.float16, torch.bfloat16):  # 16-bit scales, no F16C
+            w16, w32 = _sixteen_bit(w, dtype)
+            assert torch.equal(dequantize(w16), dequantize(w32))

@@ -20,7 +20,7 @@ from shoal.runtime.model.quant.gguf_int import gguf_packed
 from shoal.runtime.model.quant.spec import QuantizationError
 from torch import nn
 
-from shoal.kernels.int_matmul_cpu import IntPacked, dequantize, int_matmul
+from shoal.kernels.int_matmul_cpu import IntPacked, compact, dequantize, int_matmul
 
 
 class GgufVocab:
@@ -59,6 +59,7 @@ class GgufVocab:
                 module.weight = weight
                 module.quant = None
             return
+        staged = compact(staged)
         self.bits, self.group, self.in_features = staged.bits, staged.group, staged.in_features
         # the layout's tensors are buffers of each module (one storage, counted once)
         meta = nn.Parameter(torch.empty(staged.out_features, staged.in_features,

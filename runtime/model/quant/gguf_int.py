@@ -44,6 +44,7 @@ from shoal.kernels.int_matmul_cpu import (
     QK,
     SUB,
     IntPacked,
+    compact,
     dequantize,
     int_matmul,
     pack_int4,
@@ -123,6 +124,7 @@ class NativeParts:
     are one flat buffer each (one storage, a view per part per call)."""
 
     def __init__(self, parts: list[IntPacked]) -> None:
+        parts = [compact(part) for part in parts]
         for part in parts:
             part.check()
         self.parts: list[IntPacked] | None = parts

@@ -2,7 +2,7 @@
 
 - ``NativeInt``: the native weight-only int4/int8 kernel (``shoal.kernels.int_matmul_cpu``),
   wherever the native library builds and the columns and groups are multiples of 32: codes
-  packed in its layout, a float32 scale and offset per group, GPTQ act-order's permuted
+  packed in its layout, a scale and offset per group (16-bit where exact), GPTQ act-order's permuted
   columns sorted once (the activations gathered to match). On CUDA the same layout goes to
   the Triton W4A16/W8A16 GEMM (``shoal.kernels.dequant_gemm``). torch's packed ops below ran
   10-50x slower than float32 ``F.linear`` on an AVX2 CPU (docs/benchmarks.md); they remain
@@ -95,7 +95,11 @@ def _sorted_columns(weights: IntWeights) -> tuple[torch.Tensor, torch.Tensor, to
 
 class NativeInt:
     def __init__(self, packed: IntPacked, perm: torch.Tensor | None = None) -> None:
-        """``perm``: the activations' columns in the order of the packed ones (act-order)."""
+        """``perm``: the activations' columns in the order of the packed ones (act-order).
+        Scales and offsets are kept in 16 bits where that is exact (``compact``)."""
+        from shoal.kernels.int_matmul_cpu import compact
+
+        packed = compact(packed)
         packed.check()
         self.packed: IntPacked | None = packed
         self.perm = perm
