@@ -1,8 +1,9 @@
 """P/D interference on CPU: one engine on both cores against a prefill engine on one core and
 a decode engine on the other, behind ``shoal route`` in P/D mode (issue 34's benchmark).
 
-Modes, every server a real ``shoal serve`` (all started first, each run waits until they are
-quiet):
+Modes, every server a real ``shoal serve`` (a mode's servers are started for its run and
+stopped after it, so an idle router's scrapes cost no other mode's run; each run waits until
+its servers are quiet):
 
 - ``unified``: one engine, ``OMP_NUM_THREADS=2``, ``taskset -c 0,1``;
 - ``pd``: a prefill engine (``kv_producer``, 1 thread, ``taskset -c 0``) and a decode engine
@@ -25,6 +26,7 @@ target: stream ITL p99 at least 2x better with P/D, tok/s within 15%.
 
     .venv/bin/python bench/pd_interference.py [--rounds 2] [--duration 60] [--json out.json]
     .venv/bin/python bench/pd_interference.py --smoke   # tiny model, seconds: it runs, no figures
+    .venv/bin/python bench/pd_interference.py --against main   # + mode pd@<main>: before/after
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -92,7 +95,8 @@ class Mode:
 
 
 def start_engine(name: str, model_dir: Path, cores: str, threads: int,
-                 args: argparse.Namespace, kv_role: str = "") -> peers.ServerProcess:
+                 args: argparse.Namespace, kv_role: str = "",
+                 base_env: dict[str, str] | None = None) -> peers.ServerProcess:
     port = peers.free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "shoal.cli", "serve", "--model",
            str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
@@ -104,19 +108,58 @@ def start_engine(name: str, model_dir: Path, cores: str, threads: int,
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "TcpConnector", "kv_role": kv_role, "kv_ip": "127.0.0.1",
             "kv_port": 0})]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**(base_env or os.environ), "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
     return peers.ServerProcess(name, cmd, port, env, "/ready")
 
 
 def start_router(model_dir: Path, decode: peers.ServerProcess, prefill: peers.ServerProcess,
-                 threshold: int) -> peers.ServerProcess:
+                 threshold: int, name: str = "router",
+                 base_env: dict[str, str] | None = None) -> peers.ServerProcess:
     port = peers.free_port()
     cmd = [sys.executable, "-m", "shoal.cli", "route", "--host", "127.0.0.1", "--port",
            str(port), "--backend", decode.url, "--prefill-backend", prefill.url,
            "--pd-threshold", str(threshold), "--tokenizer", str(model_dir),
            "--health-interval", "0.5", "--scrape-interval", "0.5", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return peers.ServerProcess("router", cmd, port, env, "/ready")
+    env = {**(base_env or os.environ), "OMP_NUM_THREADS": "1"}
+    return peers.ServerProcess(name, cmd, port, env, "/ready")
+
+
+def start_mode(name: str, model_dir: Path, args: argparse.Namespace,
+               base_env: dict[str, str] | None = None) -> Mode:
+    """A mode's servers, up (``unified``, or P/D: ``pd`` or ``pd@REF`` from ``base_env``)."""
+    if name == "unified":
+        unified = start_engine("unified", model_dir, "0,1", 2, args)
+        servers = [unified]
+        mode = Mode("unified", unified, servers=servers)
+    else:
+        prefill = start_engine(f"prefill[{name}]", model_dir, "0", 1, args, "kv_producer",
+                               base_env)
+        decode = start_engine(f"decode[{name}]", model_dir, "1", 1, args, "kv_consumer",
+                              base_env)
+        servers = [prefill, decode]
+        mode = Mode(name, decode, decode, servers=servers)
+    try:
+        for server in servers:
+            server.wait_up()
+        if name != "unified":
+            router = start_router(model_dir, servers[1], servers[0], args.pd_threshold,
+                                  f"router[{name}]", base_env)
+            servers.append(router)
+            mode.front = router
+            router.wait_up()
+    except BaseException:
+        stop_mode(mode)
+        raise
+    for server in servers:
+        print(f"  {server.name}: up after {server.startup_seconds:.0f} s ({server.log.name})",
+              flush=True)
+    return mode
+
+
+def stop_mode(mode: Mode) -> None:
+    for server in reversed(mode.servers):
+        server.stop()
 
 
 def random_ids(rng: random.Random, vocab: int, count: int) -> list[int]:
@@ -220,12 +263,14 @@ def print_summary(results: list[ModeResult]) -> None:
               f"  {r.load_average}")
     for round_ in sorted({r.round for r in results}):
         pair = {r.mode: r for r in results if r.round == round_}
-        if {"unified", "pd"} <= pair.keys():
-            unified, pd = pair["unified"], pair["pd"]
-            print(f"round {round_}: stream ITL p99 unified/pd "
+        unified = pair.get("unified")
+        for name, pd in pair.items():
+            if unified is None or name == "unified":
+                continue
+            print(f"round {round_} {name}: stream ITL p99 unified/P/D "
                   f"{unified.stream_itl_p99 / pd.stream_itl_p99:.2f}x (target >= 2x), "
-                  f"tok/s pd/unified {pd.tokens_per_s / unified.tokens_per_s:.2f} "
-                  f"(target >= 0.85), long TTFT p99 pd/unified "
+                  f"tok/s P/D/unified {pd.tokens_per_s / unified.tokens_per_s:.2f} "
+                  f"(target >= 0.85), long TTFT p99 P/D/unified "
                   f"{pd.long_ttft_p99 / unified.long_ttft_p99:.2f}x")
 
 
@@ -233,6 +278,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the cached llama bench model")
     parser.add_argument("--modes", default="unified,pd")
+    parser.add_argument("--against", default=None, metavar="REF",
+                        help="also run P/D on another commit's code (mode pd@REF: its "
+                        "engines and router), in the same rounds: before and after a change")
     parser.add_argument("--rounds", type=int, default=1, help="each round runs every mode, "
                         "the order alternating from one round to the next")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per run")
@@ -265,41 +313,32 @@ def main() -> int:
     work = Interference(args.streams, args.stream_prompt, args.stream_tokens, args.long_prompt,
                         args.long_tokens, args.long_period, args.duration)
     wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
-    started: list[peers.ServerProcess] = []
-    modes: list[Mode] = []
+    envs: dict[str, dict[str, str] | None] = {name: None for name in wanted}
+    if args.against:
+        import other_commit
+
+        ref = subprocess.run(["git", "-C", str(other_commit.REPO), "rev-parse", "--short",
+                              args.against], check=True, capture_output=True,
+                             text=True).stdout.strip()
+        envs[f"pd@{ref}"] = other_commit.env(other_commit.checkout(args.against))
     results: list[ModeResult] = []
-    try:
-        if "unified" in wanted:
-            unified = start_engine("unified", model_dir, "0,1", 2, args)
-            started.append(unified)
-            modes.append(Mode("unified", unified, servers=[unified]))
-        if "pd" in wanted:
-            prefill = start_engine("prefill", model_dir, "0", 1, args, "kv_producer")
-            decode = start_engine("decode", model_dir, "1", 1, args, "kv_consumer")
-            started += [prefill, decode]
-            for engine in (prefill, decode):
-                engine.wait_up()
-            router = start_router(model_dir, decode, prefill, args.pd_threshold)
-            started.append(router)
-            modes.append(Mode("pd", router, decode, servers=[prefill, decode, router]))
-        for server in started:
-            server.wait_up()
-            print(f"{server.name}: up after {server.startup_seconds:.0f} s ({server.log.name})",
-                  flush=True)
-        warm = Interference(2, args.stream_prompt, 8, args.long_prompt, 2, 0.5, 1.0)
-        for mode in modes:  # first requests are slow (allocator, first long prefill)
-            asyncio.run(drive(mode.front.url, warm, vocab, seed=10_000))
-        print(f"model {model_dir.name}; {work}; max_num_batched_tokens "
-              f"{args.max_num_batched_tokens}; load average {peers.load_average()}", flush=True)
-        for round_ in range(args.rounds):
-            order = modes if round_ % 2 == 0 else modes[::-1]
-            for mode in order:
-                if not peers.wait_until_quiet(started, timeout_s=20.0):
+    warm = Interference(2, args.stream_prompt, 8, args.long_prompt, 2, 0.5, 1.0)
+    print(f"model {model_dir.name}; {work}; max_num_batched_tokens "
+          f"{args.max_num_batched_tokens}; load average {peers.load_average()}", flush=True)
+    # each mode's servers are up for its own run only: an idle router still scrapes and
+    # checks health, which would cost the other modes' runs CPU
+    names = list(envs)
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            mode = start_mode(name, model_dir, args, envs[name])
+            try:
+                # first requests are slow (allocator, first long prefill)
+                asyncio.run(drive(mode.front.url, warm, vocab, seed=10_000))
+                if not peers.wait_until_quiet(mode.servers, timeout_s=20.0):
                     print("  (the servers were still busy after 20 s)", flush=True)
                 results.append(run_mode(mode, work, vocab, seed=round_ + 1, round_=round_ + 1))
-    finally:
-        for server in reversed(started):
-            server.stop()
+            finally:
+                stop_mode(mode)
     print_summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps({
