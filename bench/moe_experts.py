@@ -13,9 +13,9 @@ weights the block reads (the experts its tokens chose) as a rate, next to the ra
 this thread reads all the experts' weights in a batched GEMV (``torch.bmm``, one row each).
 
 ``--against REF`` times REF's ``moe_grouped.py`` (``git show``) in the same process too,
-calls alternating, and reports the ratio of the medians. In float32 the native kernel
-(``moe_experts_cpu.py``, what the native cpu backend runs) is timed too, alternating, with
-its speedup over the grouped path (``native x``). ``--threads`` sets torch's pool (the
+calls alternating, and reports the ratio of the medians. The native kernel
+(``moe_experts_cpu.py``, what the native cpu backend runs, float32 and bfloat16) is timed
+too, alternating, with its speedup over the grouped path (``native x``). ``--threads`` sets torch's pool (the
 kernel's too); CPU time then counts every thread's.
 
     .venv/bin/python bench/moe_experts.py [--dtype bfloat16] [--tokens 1 8 64 256]
@@ -92,7 +92,7 @@ def main() -> None:
     versions = {"this": moe_grouped.grouped_experts}
     if args.against:
         versions[args.against] = _module_at(args.against).grouped_experts
-    if dtype == torch.float32 and unavailable_reason() is None:
+    if unavailable_reason() is None:
         versions["native"] = moe_experts_cpu.experts
     weight_bytes = (w13.nbytes + w2.nbytes) // EXPERTS  # one expert's
     v13, v2 = torch.ones(EXPERTS, HIDDEN, 1, dtype=dtype), torch.ones(EXPERTS, SIZE, 1,

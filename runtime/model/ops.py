@@ -16,8 +16,8 @@ they run on. The rule:
   weight kept in bfloat16, widened as it is read) where the native library runs;
 - the Gated DeltaNet layers' conv and delta rule (``shoal.kernels.gated_delta_rule``) in
   Triton where the other Triton kernels run, else in torch (``delta_rule.py``);
-- the native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) for float32 MoE
-  blocks where the native ``cpu`` backend runs;
+- the native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) for float32 and
+  bfloat16 MoE blocks where the native ``cpu`` backend runs;
 - torch everywhere else, and for every shape a kernel does not take (an activation other
   than SiLU, partial or interleaved rotary, a 3-d norm input).
 """
@@ -66,8 +66,8 @@ class KernelChoice:
     qk_norm_rotary: str
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
-    # "triton" (shoal/kernels/fused_moe.py) | "native_cpu" (moe_experts_cpu.py, float32) |
-    # "grouped" (torch._grouped_mm)
+    # "triton" (shoal/kernels/fused_moe.py) | "native_cpu" (moe_experts_cpu.py, float32 and
+    # bfloat16) | "grouped" (torch._grouped_mm)
     moe: str = "grouped"
     lora: str = "masked"  # "triton" (shoal/kernels/lora_batched.py) | "masked" (torch matmuls)
     # Gated DeltaNet: "triton" (shoal/kernels/gated_delta_rule.py) | "torch" (delta_rule.py)
@@ -97,10 +97,8 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         qk_norm_rotary="triton" if triton else "native_cpu"
         if native_ops and dtype == torch.bfloat16 else "torch",
         linear=linear, attention=attention,
-        # the native experts kernel is float32 only (bfloat16 keeps torch's grouped GEMM,
-        # whose bfloat16 rounding the bfloat16 equivalence tests follow)
         moe="triton" if triton else "native_cpu"
-        if native and device_type == "cpu" and dtype == torch.float32 else "grouped",
+        if native_ops and device_type == "cpu" else "grouped",
         lora="triton" if triton else "masked",
         linear_attention="triton" if triton else "torch")
 

@@ -1,192 +1,283 @@
-/* The routed experts of a mixture-of-experts block on CPU, float32:
-   out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, j].
+/* The routed experts of a mixture-of-experts block on CPU, weights in float32 or bfloat16
+   (arithmetic in float32): out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]),
+   e = ids[t, j].
 
    Layout (runtime/model/moe.py stores it): w13 [E, 2I, H], each expert's I gate rows then
-   its I up rows; w2 [E, H, I]; both in [out, in] orientation, contiguous.
+   its I up rows; w2 [E, H, I]; both in [out, in] orientation, contiguous. x, the routing
+   weights and out are float32 (moe_experts_cpu.py widens and narrows bfloat16 activations).
 
    Why this shape: at decode each chosen expert sees a handful of tokens, so the cost is
-   streaming that expert's weights once. torch._grouped_mm calls the BLAS once per expert
-   on a few rows (5-22% of the dense GEMM rate, bench/moe_experts.py). Here the (token,
-   expert) pairs are counting-sorted by expert, then every tile of NR weight rows of an
-   expert is read once and multiplied into all of that expert's rows, MR rows at a time with
-   MR x NR vector accumulators (the int_matmul_cpu.c scheme, the weights already float32).
-   Work is split over (expert, output tile) pairs, not experts, so both cores stay busy with
-   one token and eight experts, and an expert with many tokens does not serialise.
+   streaming that expert's weights once; at prefill it sees dozens, so the cost is the
+   multiply, and an expert's weights should be read from cache, not memory, for each of its
+   tokens. The (token, expert) pairs are counting-sorted by expert; then a tile of NR weight
+   rows of an expert, KC columns long, is multiplied into all of that expert's rows, MR rows
+   at a time with MR x NR vector accumulators, before the next KC columns: the tile (8 KB in
+   float32, 4 KB in bfloat16) stays in L1 across the expert's rows, the rows' KC-wide pieces
+   come from L2, and the accumulators wait in a per-thread buffer between column blocks.
+   bfloat16 weights are widened to float32 in registers (a bfloat16 is the top half of a
+   float32), so they are read from memory at half the bytes. Work is split over (expert,
+   tile) pairs, not experts, so both cores stay busy with one token and eight experts, and an
+   expert with many tokens does not serialise.
 
    Three passes, each an OpenMP loop over torch's pool (see native_cpu.py):
-   1. gate and up tiles of each expert's rows, then silu(gate) * up * routing weight (the
-      down projection is linear, so the weight scales the I-wide activations, as
-      moe_grouped.py does);
+   1. the tile is two gate rows and the same two up rows, so silu(gate) * up * routing
+      weight is formed from the accumulators (the down projection is linear, so the weight
+      scales the I-wide activations, as moe_grouped.py does);
    2. the down projection of those activations, one H-wide row per pair;
    3. each token's k rows summed in its own routing order.
+
+   Scratch (the sort, the activations, the down outputs, the accumulators) is the caller's,
+   reused across calls: shoal_moe_experts_scratch_bytes says how much.
 
    AVX2 + FMA intrinsics where -march=native has them, the same loops in portable C
    elsewhere; H and I must be multiples of 8 (moe_experts_cpu.py checks, and keeps other
    shapes on the torch path). */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SHOAL_AVX2 1
 #endif
 
-#define NR 4   /* weight rows per tile (H and I are multiples of 8, so tiles are whole) */
-#define MR 3   /* activation rows per register block: 3 x 4 accumulators + 3 x + 1 w */
+#define NR 4    /* weight rows per tile */
+#define MR 3    /* activation rows per register block: 3 x 4 accumulators + 3 x + 1 w */
+#define KC 512  /* columns per block: NR x KC float32 weights is 8 KB, L1-resident */
+#define LANES 8 /* float32 per vector; an accumulator block is MR * NR * LANES floats */
+#define ALIGN 64
 
-/* outr[i][j] = xr[i][:len] . w[j * w_stride :][:len] for i < mr, j < NR. Inlined with mr
-   a constant, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(
-        const float *const *xr, const float *w, int64_t w_stride, int64_t len,
-        float *const *outr, const int mr) {
+typedef uint16_t bf16;
+
 #ifdef SHOAL_AVX2
-    __m256 acc[MR][NR];
+static inline __attribute__((always_inline)) __m256 load_w(const void *w, int64_t c,
+                                                           const int is_bf16) {
+    if (is_bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)w + c))),
+            16));
+    return _mm256_loadu_ps((const float *)w + c);
+}
+#else
+static inline float load_w1(const void *w, int64_t c, const int is_bf16) {
+    if (!is_bf16) return ((const float *)w)[c];
+    const uint32_t bits = (uint32_t)((const bf16 *)w)[c] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* Columns [c0, c1) of the dot products xr[i] . wr[j] for i < mr, j < NR, added to the
+   partial sums in acc (zero when first); when last, the sums go to outr[i][j], else back to
+   acc. Inlined with mr and is_bf16 constants, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+        const float *const *xr, const void *const *wr, int64_t c0, int64_t c1, float *acc,
+        int first, int last, float *const *outr, const int mr, const int is_bf16) {
+#ifdef SHOAL_AVX2
+    __m256 a[MR][NR];
     for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < len; c += 8) {
+        for (int j = 0; j < NR; ++j)
+            a[i][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (i * NR + j) * LANES);
+    for (int64_t c = c0; c < c1; c += LANES) {
         __m256 xv[MR];
         for (int i = 0; i < mr; ++i) xv[i] = _mm256_loadu_ps(xr[i] + c);
         for (int j = 0; j < NR; ++j) {
-            const __m256 wv = _mm256_loadu_ps(w + j * w_stride + c);
-            for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            const __m256 wv = load_w(wr[j], c, is_bf16);
+            for (int i = 0; i < mr; ++i) a[i][j] = _mm256_fmadd_ps(xv[i], wv, a[i][j]);
         }
     }
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < NR; ++j) {
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]),
-                                        _mm256_extractf128_ps(acc[i][j], 1));
+            if (!last) {
+                _mm256_store_ps(acc + (i * NR + j) * LANES, a[i][j]);
+                continue;
+            }
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[i][j]),
+                                        _mm256_extractf128_ps(a[i][j], 1));
             const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
             outr[i][j] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
         }
 #else
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < NR; ++j) {
-            float sum = 0.0f;
-            const float *xi = xr[i], *wj = w + j * w_stride;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < len; ++c) sum += xi[c] * wj[c];
-            outr[i][j] = sum;
+            float sum = first ? 0.0f : acc[i * NR + j];
+            const float *xi = xr[i];
+            for (int64_t c = c0; c < c1; ++c) sum += xi[c] * load_w1(wr[j], c, is_bf16);
+            if (last) outr[i][j] = sum;
+            else acc[i * NR + j] = sum;
         }
 #endif
 }
 
-/* For rows [0, rows): out_row(r)[0:NR] = in_row(r) . w[0:NR rows]. Rows are given as
-   pointer tables (pass 1 reads x's rows by token, in the expert's order). */
-static void rows_by_tile(const float *const *in, int64_t rows, const float *w, int64_t len,
-                         float *const *out) {
-    int64_t m = 0;
-    for (; m + MR <= rows; m += MR) tile(in + m, w, len, len, out + m, MR);
-    if (rows - m == 2) tile(in + m, w, len, len, out + m, 2);
-    else if (rows - m == 1) tile(in + m, w, len, len, out + m, 1);
+static inline __attribute__((always_inline)) void tile_mr(
+        const float *const *xr, const void *const *wr, int64_t c0, int64_t c1, float *acc,
+        int first, int last, float *const *outr, int mr, const int is_bf16) {
+    if (mr == MR) tile(xr, wr, c0, c1, acc, first, last, outr, MR, is_bf16);
+    else if (mr == 2) tile(xr, wr, c0, c1, acc, first, last, outr, 2, is_bf16);
+    else tile(xr, wr, c0, c1, acc, first, last, outr, 1, is_bf16);
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* x [T, H], ids [T, k] (int64), weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I],
-   out [T, H]. Ids outside [0, E) contribute nothing. Returns 0, or -1 when scratch memory
-   could not be allocated (the caller falls back). */
-int shoal_moe_experts_f32(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
-                          int64_t experts, int64_t top_k, const int64_t *ids,
-                          const float *weights, const float *w13, const float *w2,
-                          float *out) {
+/* The scratch the kernel's layout needs, 64-byte aligned pieces. */
+typedef struct {
+    int64_t *start, *pos, *src, *active, *fill;
+    float *act, *y, *acc;
+    int64_t acc_per_thread, bytes;
+} scratch_t;
+
+static int64_t up(int64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+static scratch_t carve(char *base, int64_t tokens, int64_t hidden, int64_t inter,
+                       int64_t experts, int64_t top_k, int threads) {
     const int64_t pairs = tokens * top_k;
-    int64_t *start = calloc((size_t)experts + 1, sizeof(int64_t));
-    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(pairs ? pairs : 1));  /* pair -> row */
-    int64_t *src = malloc(sizeof(int64_t) * (size_t)(pairs ? pairs : 1));  /* row -> pair */
-    int64_t *active = malloc(sizeof(int64_t) * (size_t)experts);
-    /* the activations [rows, I] and the down projection's outputs [rows, H] */
-    float *act = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1) * (size_t)inter);
-    float *y = malloc(sizeof(float) * (size_t)(pairs ? pairs : 1) * (size_t)hidden);
-    int rc = -1;
-    if (!start || !pos || !src || !active || !act || !y) goto done;
+    scratch_t s;
+    int64_t at = 0;
+#define TAKE(field, type, count)                                                            \
+    s.field = (type *)(base ? base + at : NULL);                                            \
+    at += up((int64_t)sizeof(type) * (count));
+    TAKE(start, int64_t, experts + 1)
+    TAKE(pos, int64_t, pairs)
+    TAKE(src, int64_t, pairs)
+    TAKE(active, int64_t, experts)
+    TAKE(fill, int64_t, experts)
+    TAKE(act, float, pairs * inter)
+    TAKE(y, float, pairs * hidden)
+    /* an expert holds at most every pair: one accumulator block per MR of them */
+    s.acc_per_thread = up((int64_t)sizeof(float) * ((pairs + MR - 1) / MR) * MR * NR * LANES)
+                       / (int64_t)sizeof(float);
+    TAKE(acc, float, s.acc_per_thread * threads)
+#undef TAKE
+    s.bytes = at + ALIGN;  /* room to align the base */
+    return s;
+}
+
+/* Bytes of scratch a call with these sizes needs on the calling thread's OpenMP pool. */
+int64_t shoal_moe_experts_scratch_bytes(int64_t tokens, int64_t hidden, int64_t inter,
+                                        int64_t experts, int64_t top_k) {
+    return carve(NULL, tokens, hidden, inter, experts, top_k, omp_get_max_threads()).bytes;
+}
+
+/* x [T, H] float32, ids [T, k] (int64), weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I]
+   (float32, or bfloat16 when is_bf16), out [T, H] float32. Ids outside [0, E) contribute
+   nothing. Returns 0, or -1 when scratch_bytes is short of what the call needs. */
+int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
+                      int64_t experts, int64_t top_k, const int64_t *ids, const float *weights,
+                      const void *w13, const void *w2, int64_t is_bf16, void *scratch,
+                      int64_t scratch_bytes, float *out) {
+    const int threads = omp_get_max_threads();
+    if (carve(NULL, tokens, hidden, inter, experts, top_k, threads).bytes > scratch_bytes)
+        return -1;
+    char *base = (char *)scratch + ((ALIGN - (uintptr_t)scratch % ALIGN) % ALIGN);
+    const scratch_t s = carve(base, tokens, hidden, inter, experts, top_k, threads);
+    const int64_t pairs = tokens * top_k;
+    const size_t wsize = is_bf16 ? sizeof(bf16) : sizeof(float);
 
     /* counting sort of the pairs by expert, in token order within an expert (stable) */
+    memset(s.start, 0, sizeof(int64_t) * (size_t)(experts + 1));
     for (int64_t p = 0; p < pairs; ++p) {
         const int64_t e = ids[p];
-        if (e >= 0 && e < experts) ++start[e + 1];
+        if (e >= 0 && e < experts) ++s.start[e + 1];
     }
-    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-    {
-        int64_t *fill = malloc(sizeof(int64_t) * (size_t)experts);
-        if (!fill) goto done;
-        for (int64_t e = 0; e < experts; ++e) fill[e] = start[e];
-        for (int64_t p = 0; p < pairs; ++p) {
-            const int64_t e = ids[p];
-            if (e >= 0 && e < experts) {
-                pos[p] = fill[e]++;
-                src[pos[p]] = p;
-            } else {
-                pos[p] = -1;
-            }
+    for (int64_t e = 0; e < experts; ++e) s.start[e + 1] += s.start[e];
+    for (int64_t e = 0; e < experts; ++e) s.fill[e] = s.start[e];
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t e = ids[p];
+        if (e >= 0 && e < experts) {
+            s.pos[p] = s.fill[e]++;
+            s.src[s.pos[p]] = p;
+        } else {
+            s.pos[p] = -1;
         }
-        free(fill);
     }
     int64_t n_active = 0;
     for (int64_t e = 0; e < experts; ++e)
-        if (start[e + 1] > start[e]) active[n_active++] = e;
+        if (s.start[e + 1] > s.start[e]) s.active[n_active++] = e;
 
-    /* pass 1: work items (active expert, tile of NR intermediate columns) */
-    const int64_t i_tiles = inter / NR;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t item = 0; item < n_active * i_tiles; ++item) {
-        const int64_t e = active[item / i_tiles], j0 = (item % i_tiles) * NR;
-        const int64_t r0 = start[e], r1 = start[e + 1];
-        const float *wg = w13 + (e * 2 * inter + j0) * hidden;
-        const float *wu = wg + inter * hidden;
-        const float *xin[MR];
-        float g[MR][NR], u[MR][NR];
-        float *go[MR] = {g[0], g[1], g[2]}, *uo[MR] = {u[0], u[1], u[2]};
-        for (int64_t r = r0; r < r1; r += MR) {
-            const int mr = r1 - r < MR ? (int)(r1 - r) : MR;
-            for (int i = 0; i < mr; ++i) {
-                xin[i] = x + (src[r + i] / top_k) * hidden;
-            }
-            rows_by_tile(xin, mr, wg, hidden, go);
-            rows_by_tile(xin, mr, wu, hidden, uo);
-            for (int i = 0; i < mr; ++i) {
-                const float wt = weights[src[r + i]];
-                float *a = act + (r + i) * inter + j0;
-                for (int j = 0; j < NR; ++j) a[j] = silu(g[i][j]) * u[i][j] * wt;
+    /* pass 1: work items (active expert, two intermediate columns: their gate and up rows);
+       chunks of 8 items write 16 activations, a whole cache line, per row */
+    const int64_t i_tiles = inter / 2;
+#pragma omp parallel
+    {
+        float *acc = s.acc + s.acc_per_thread * omp_get_thread_num();
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t item = 0; item < n_active * i_tiles; ++item) {
+            const int64_t e = s.active[item / i_tiles], j0 = (item % i_tiles) * 2;
+            const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+            const char *gate = (const char *)w13 + (size_t)((e * 2 * inter + j0) * hidden) * wsize;
+            const char *upw = gate + (size_t)(inter * hidden) * wsize;
+            const void *wr[NR] = {gate, gate + (size_t)hidden * wsize, upw,
+                                  upw + (size_t)hidden * wsize};
+            /* each row's gate j0, gate j0 + 1, up j0, up j0 + 1, once complete */
+            float gu[MR][NR];
+            for (int64_t c0 = 0; c0 < hidden; c0 += KC) {
+                const int64_t c1 = c0 + KC < hidden ? c0 + KC : hidden;
+                float *blk = acc;
+                for (int64_t r = r0; r < r1; r += MR, blk += MR * NR * LANES) {
+                    const int mr = r1 - r < MR ? (int)(r1 - r) : MR;
+                    const float *xr[MR];
+                    float *outr[MR];
+                    for (int i = 0; i < mr; ++i) {
+                        xr[i] = x + (s.src[r + i] / top_k) * hidden;
+                        outr[i] = gu[i];
+                    }
+                    const int last = c1 == hidden;
+                    if (is_bf16) tile_mr(xr, wr, c0, c1, blk, c0 == 0, last, outr, mr, 1);
+                    else tile_mr(xr, wr, c0, c1, blk, c0 == 0, last, outr, mr, 0);
+                    if (!last) continue;
+                    for (int i = 0; i < mr; ++i) {
+                        const float wt = weights[s.src[r + i]];
+                        float *a = s.act + (r + i) * inter + j0;
+                        a[0] = silu(gu[i][0]) * gu[i][2] * wt;
+                        a[1] = silu(gu[i][1]) * gu[i][3] * wt;
+                    }
+                }
             }
         }
-    }
 
-    /* pass 2: work items (active expert, tile of NR output features) */
-    const int64_t h_tiles = hidden / NR;
-#pragma omp parallel for schedule(dynamic, 8)
-    for (int64_t item = 0; item < n_active * h_tiles; ++item) {
-        const int64_t e = active[item / h_tiles], n0 = (item % h_tiles) * NR;
-        const int64_t r0 = start[e], r1 = start[e + 1];
-        const float *wd = w2 + (e * hidden + n0) * inter;
-        const float *ain[MR];
-        float *yo[MR];
-        for (int64_t r = r0; r < r1; r += MR) {
-            const int mr = r1 - r < MR ? (int)(r1 - r) : MR;
-            for (int i = 0; i < mr; ++i) {
-                ain[i] = act + (r + i) * inter;
-                yo[i] = y + (r + i) * hidden + n0;
+        /* pass 2: work items (active expert, NR output features); chunks of 16 items write
+           64 outputs per row */
+        const int64_t h_tiles = hidden / NR;
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t item = 0; item < n_active * h_tiles; ++item) {
+            const int64_t e = s.active[item / h_tiles], n0 = (item % h_tiles) * NR;
+            const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+            const char *down = (const char *)w2 + (size_t)((e * hidden + n0) * inter) * wsize;
+            const void *wr[NR];
+            for (int j = 0; j < NR; ++j) wr[j] = down + (size_t)(j * inter) * wsize;
+            for (int64_t c0 = 0; c0 < inter; c0 += KC) {
+                const int64_t c1 = c0 + KC < inter ? c0 + KC : inter;
+                float *blk = acc;
+                for (int64_t r = r0; r < r1; r += MR, blk += MR * NR * LANES) {
+                    const int mr = r1 - r < MR ? (int)(r1 - r) : MR;
+                    const float *ar[MR];
+                    float *yo[MR];
+                    for (int i = 0; i < mr; ++i) {
+                        ar[i] = s.act + (r + i) * inter;
+                        yo[i] = s.y + (r + i) * hidden + n0;
+                    }
+                    if (is_bf16) tile_mr(ar, wr, c0, c1, blk, c0 == 0, c1 == inter, yo, mr, 1);
+                    else tile_mr(ar, wr, c0, c1, blk, c0 == 0, c1 == inter, yo, mr, 0);
+                }
             }
-            rows_by_tile(ain, mr, wd, inter, yo);
         }
-    }
 
-    /* pass 3: each token's rows summed in its routing order */
-#pragma omp parallel for schedule(static) if (tokens * hidden >= 65536)
-    for (int64_t t = 0; t < tokens; ++t) {
-        float *o = out + t * hidden;
-        for (int64_t c = 0; c < hidden; ++c) o[c] = 0.0f;
-        for (int64_t j = 0; j < top_k; ++j) {
-            const int64_t r = pos[t * top_k + j];
-            if (r < 0) continue;
-            const float *yr = y + r * hidden;
+        /* pass 3: each token's rows summed in its routing order */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t) {
+            float *o = out + t * hidden;
+            for (int64_t c = 0; c < hidden; ++c) o[c] = 0.0f;
+            for (int64_t j = 0; j < top_k; ++j) {
+                const int64_t r = s.pos[t * top_k + j];
+                if (r < 0) continue;
+                const float *yr = s.y + r * hidden;
 #pragma omp simd
-            for (int64_t c = 0; c < hidden; ++c) o[c] += yr[c];
+                for (int64_t c = 0; c < hidden; ++c) o[c] += yr[c];
+            }
         }
     }
-    rc = 0;
-done:
-    free(start), free(pos), free(src), free(active), free(act), free(y);
-    return rc;
+    return 0;
 }

@@ -1,16 +1,24 @@
-"""The routed experts of an MoE block on CPU in float32 (``moe_experts_cpu.c`` in the native
-library): SiLU-and-mul experts, each chosen expert's weights streamed once for all its tokens.
+"""The routed experts of an MoE block on CPU, float32 or bfloat16 weights
+(``moe_experts_cpu.c`` in the native library): SiLU-and-mul experts, each chosen expert's
+weights read from memory once per step and from cache for each of its tokens.
 
 Same contract as ``moe_grouped.grouped_experts`` without biases and with SiLU:
 ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ (silu(g) * u))`` where ``[g | u] =
 w13[e] @ x[t]`` and ``e = topk_ids[t, j]``; ``w13 [E, 2I, H]``, ``w2 [E, H, I]``.
 
-``supports`` says which calls the kernel takes (float32 CPU tensors, contiguous weights, H
-and I multiples of 8); ``experts`` sends every other call to the grouped torch path, so a
-caller can use it unconditionally.
+The arithmetic is float32 whatever the weights: bfloat16 activations are widened on the way
+in and the output rounded once to bfloat16 on the way out (torch's grouped bfloat16 GEMMs
+round after each GEMM and the activation; both are within bfloat16 noise of HF's loop).
+
+``supports`` says which calls the kernel takes (CPU tensors of one dtype, float32 or
+bfloat16, contiguous weights, H and I multiples of 8); ``experts`` sends every other call to
+the grouped torch path, so a caller can use it unconditionally. The kernel's scratch (sorted
+pairs, activations, per-pair outputs) is kept per thread and grown, not allocated per call.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -18,13 +26,16 @@ from shoal.kernels.moe_grouped import grouped_experts
 from shoal.kernels.native_cpu import load
 
 ALIGN = 8  # the AVX2 loops take 8 float32 per step, with no tail
+DTYPES = (torch.float32, torch.bfloat16)
+
+_scratch = threading.local()
 
 
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """The kernel takes this call (else the grouped torch path runs)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return False
-    if any(t.dtype != torch.float32 for t in (x, w13, w2)):
+    if x.dtype not in DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False
     if w13.dim() != 3 or w2.dim() != 3 or not (w13.is_contiguous() and w2.is_contiguous()):
         return False
@@ -34,6 +45,16 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and inter % ALIGN == 0 and tuple(w2.shape) == (experts, hidden, inter))
 
 
+def _scratch_buffer(nbytes: int) -> torch.Tensor:
+    """This thread's scratch, at least ``nbytes``: grown (by a quarter more, so a step
+    slightly larger than the last does not reallocate), never shrunk."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8)
+        _scratch.buffer = buffer
+    return buffer
+
+
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
     """``[T, H]`` in x's dtype: the kernel where ``supports``, else ``grouped_experts``."""
@@ -41,15 +62,19 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
         return grouped_experts(x, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
-    xc = x.contiguous()
+    if tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype)
+    library = load()
+    xf = x.to(torch.float32).contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden, dtype=torch.float32)
-    if tokens == 0:
-        return out
-    rc = load().shoal_moe_experts_f32(xc.data_ptr(), tokens, hidden, two_inter // 2,
-                                      num_experts, top_k, ids.data_ptr(), weights.data_ptr(),
-                                      w13.data_ptr(), w2.data_ptr(), out.data_ptr())
-    if rc != 0:  # the kernel's scratch could not be allocated: torch will say why, or cope
-        return grouped_experts(x, w13, w2, topk_weights, topk_ids)
-    return out
+    sizes = (tokens, hidden, two_inter // 2, num_experts, top_k)
+    nbytes = library.shoal_moe_experts_scratch_bytes(*sizes)
+    scratch = _scratch_buffer(nbytes)
+    rc = library.shoal_moe_experts(xf.data_ptr(), *sizes, ids.data_ptr(), weights.data_ptr(),
+                                   w13.data_ptr(), w2.data_ptr(), int(x.dtype == torch.bfloat16),
+                                   scratch.data_ptr(), scratch.numel(), out.data_ptr())
+    if rc != 0:  # sized on this thread just above: cannot happen unless the pool changed
+        raise RuntimeError(f"moe_experts_cpu: {scratch.numel()} bytes of scratch refused")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -74,8 +74,9 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
                                     _i64, _i64, _ptr, _i64]),
     "shoal_int_dequant_f32": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                      _ptr]),
-    "shoal_moe_experts_f32": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
-                                             _ptr, _ptr, _ptr]),
+    "shoal_moe_experts_scratch_bytes": (_i64, [_i64, _i64, _i64, _i64, _i64]),
+    "shoal_moe_experts": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr,
+                                         _ptr, _i64, _ptr, _i64, _ptr]),
 }
 
 

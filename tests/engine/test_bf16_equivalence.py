@@ -104,7 +104,9 @@ class EngineRouting:
 def hf_routing(model, ids: torch.Tensor) -> list[tuple[list[frozenset[int]], list[float]]]:
     """Per position of ``ids``: the experts HF's bfloat16 routers chose in each MoE layer,
     and each layer's gap between its k-th and (k+1)-th router logits."""
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.router")]
+    # gpt-oss's ``mlp.router``, Qwen3-MoE's ``mlp.gate``: both return the logits first
+    routers = [m for name, m in model.named_modules()
+               if name.endswith(("mlp.router", "mlp.gate")) and hasattr(m, "top_k")]
     layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def keep(module, inputs, outputs) -> None:
@@ -140,7 +142,9 @@ def first_routing_difference(engine: EngineRouting, req_id: str, hf,
     return length
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+# gpt-oss's experts run torch's grouped GEMMs (biases, clamped SwiGLU); Qwen3-MoE's the native
+# experts kernel (moe_experts_cpu), which sums in float32 and rounds once
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss", "qwen3_moe"])
 def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
                                                          tiny_moe_model_dirs):
     from transformers import AutoModelForCausalLM
@@ -158,7 +162,9 @@ def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
     routing = EngineRouting(core)
     tokens, logprobs = greedy_with_logprobs(core, prompts, 16)
     moe = bool(routing.chosen)
-    assert moe == (arch == "gpt_oss")
+    assert moe == (arch in ("gpt_oss", "qwen3_moe"))
+    if arch == "qwen3_moe":
+        assert {layer.mlp.experts.impl for layer in model.model.layers} == {"native_cpu"}
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     agree = steps = rerouted = 0

@@ -1,9 +1,10 @@
 """The native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) against float64 math,
 one (token, expert) pair at a time, for 1 to 300 tokens, uneven expert loads and experts
-that no token chose.
+that no token chose, with float32 and bfloat16 weights, hidden sizes over one column block.
 
 The kernel sums in float32 in its own order, so results are compared with a tolerance
-relative to the output's size, never bit for bit.
+relative to the output's size, never bit for bit; a bfloat16 output is rounded once, so its
+tolerance is bfloat16's rounding (the float64 reference takes the same bfloat16 inputs).
 """
 
 from __future__ import annotations
@@ -37,18 +38,23 @@ def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == torch.float32 and got.shape == want.shape
+# relative to the largest output: float32 sums of up to ~1500 products; bfloat16's rounding
+# of each output (2^-9 of its size, half an ulp) with room
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 4e-3}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    assert got.dtype == dtype and got.shape == want.shape
     scale = want.abs().max().item() + 1e-30
     err = (got.double() - want).abs().max().item()
-    assert err <= 2e-5 * scale, f"max error {err:.3g} for outputs up to {scale:.3g}"
+    assert err <= TOLERANCE[dtype] * scale, f"max error {err:.3g} for outputs up to {scale:.3g}"
 
 
 def _problem(rng: torch.Generator, tokens: int, experts: int, hidden: int, inter: int,
-             top_k: int, skewed: bool):
-    x = torch.randn(tokens, hidden, generator=rng)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=rng) / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, generator=rng) / inter ** 0.5
+             top_k: int, skewed: bool, dtype: torch.dtype = torch.float32):
+    x = torch.randn(tokens, hidden, generator=rng).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=rng) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=rng) / inter ** 0.5).to(dtype)
     logits = torch.randn(tokens, experts, generator=rng)
     if skewed:  # most tokens go to the low experts: one heavy expert, several idle ones
         logits += torch.linspace(6.0, -6.0, experts)
@@ -56,22 +62,48 @@ def _problem(rng: torch.Generator, tokens: int, experts: int, hidden: int, inter
     return x, w13, w2, weights / weights.sum(-1, keepdim=True), ids
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 17, 64, 300])
-def test_matches_float64_for_1_to_300_tokens(rng, tokens: int) -> None:
-    x, w13, w2, weights, ids = _problem(rng, tokens, 8, 64, 24, 2, skewed=tokens % 2 == 1)
+def test_matches_float64_for_1_to_300_tokens(rng, tokens: int, dtype: torch.dtype) -> None:
+    x, w13, w2, weights, ids = _problem(rng, tokens, 8, 64, 24, 2, skewed=tokens % 2 == 1,
+                                        dtype=dtype)
     assert moe_experts_cpu.supports(x, w13, w2)
     _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
-           _reference(x, w13, w2, weights, ids))
+           _reference(x, w13, w2, weights, ids), dtype)
 
 
-def test_uneven_loads_and_idle_experts_at_the_bench_shape(rng) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_uneven_loads_and_idle_experts_at_the_bench_shape(rng, dtype: torch.dtype) -> None:
     """Hidden 1024, 64 experts of 256, top-8 (make_moe_model's bench size): one expert
-    carrying nearly every token, others none."""
-    x, w13, w2, weights, ids = _problem(rng, 37, 64, 1024, 256, 8, skewed=True)
+    carrying nearly every token, others none; hidden spans two column blocks."""
+    x, w13, w2, weights, ids = _problem(rng, 37, 64, 1024, 256, 8, skewed=True, dtype=dtype)
     counts = torch.bincount(ids.reshape(-1), minlength=64)
     assert (counts == 0).any() and counts.max() >= 30
     _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
-           _reference(x, w13, w2, weights, ids))
+           _reference(x, w13, w2, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_last_column_block_shorter_than_the_others(rng, dtype: torch.dtype) -> None:
+    """Hidden 1160 and intermediate 520: each projection's columns end in a partial block."""
+    x, w13, w2, weights, ids = _problem(rng, 11, 4, 1160, 520, 2, skewed=False, dtype=dtype)
+    _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+           _reference(x, w13, w2, weights, ids), dtype)
+
+
+def test_scratch_is_reused_across_calls_and_grown_for_larger_ones(rng, monkeypatch) -> None:
+    monkeypatch.delattr(moe_experts_cpu._scratch, "buffer", raising=False)  # earlier tests'
+    x, w13, w2, weights, ids = _problem(rng, 40, 8, 64, 24, 2, skewed=False)
+    moe_experts_cpu.experts(x, w13, w2, weights, ids)
+    first = moe_experts_cpu._scratch.buffer
+    moe_experts_cpu.experts(x[:3], w13, w2, weights[:3], ids[:3])
+    assert moe_experts_cpu._scratch.buffer is first
+    big = _problem(rng, 400, 8, 64, 24, 2, skewed=False)
+    _close(moe_experts_cpu.experts(*big), _reference(*big))
+    assert moe_experts_cpu._scratch.buffer.numel() > first.numel()
 
 
 def test_a_token_routed_twice_to_an_expert_and_unsorted_ids(rng) -> None:
@@ -87,8 +119,10 @@ def test_shapes_the_kernel_does_not_take_run_the_grouped_path(rng) -> None:
     assert not moe_experts_cpu.supports(x, w13, w2)
     torch.testing.assert_close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
                                grouped_experts(x, w13, w2, weights, ids))
-    bf16 = [t.bfloat16() for t in _problem(rng, 3, 4, 16, 8, 2, skewed=False)[:3]]
-    assert not moe_experts_cpu.supports(*bf16)
+    half = [t.half() for t in _problem(rng, 3, 4, 16, 8, 2, skewed=False)[:3]]
+    assert not moe_experts_cpu.supports(*half)
+    mixed = _problem(rng, 3, 4, 16, 8, 2, skewed=False)[:3]
+    assert not moe_experts_cpu.supports(mixed[0].bfloat16(), *mixed[1:])
     empty = moe_experts_cpu.experts(torch.zeros(0, 64), *_problem(rng, 1, 4, 64, 8, 2,
                                                                   False)[1:3],
                                     torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64))
@@ -107,10 +141,13 @@ def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch)
                     "-std=c11", str(source), "-o", str(library), "-lm"], check=True,
                    timeout=300)
     portable = ctypes.CDLL(str(library))
-    function = portable.shoal_moe_experts_f32
-    function.restype, function.argtypes = SIGNATURES["shoal_moe_experts_f32"]
+    for name in ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes"):
+        function = getattr(portable, name)
+        function.restype, function.argtypes = SIGNATURES[name]
     monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
-    for tokens in (1, 4, 50):
-        x, w13, w2, weights, ids = _problem(rng, tokens, 8, 64, 24, 2, skewed=True)
-        _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
-               _reference(x, w13, w2, weights, ids))
+    for dtype in DTYPES:
+        for tokens, hidden in ((1, 64), (4, 64), (50, 1160)):
+            x, w13, w2, weights, ids = _problem(rng, tokens, 8, hidden, 24, 2, skewed=True,
+                                                dtype=dtype)
+            _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+                   _reference(x, w13, w2, weights, ids), dtype)

@@ -234,15 +234,17 @@ def test_gpt_oss_experts_match_transformers_at_tp1_and_split_over_two_ranks():
 
 def test_the_fused_moe_kernel_is_chosen_with_the_other_triton_ops():
     """One rule (ops.choose_kernels): Triton with the triton attention backend on CUDA, so
-    --attention-backend torch runs no Triton code; the native experts kernel in float32 with
-    the native cpu backend; torch's grouped GEMM everywhere else."""
+    --attention-backend torch runs no Triton code; the native experts kernel (float32 and
+    bfloat16) with the native cpu backend; torch's grouped GEMM everywhere else."""
     from shoal.runtime.model.ops import Kernels, choose_kernels
 
     def moe(device, attention):
         return choose_kernels(device, torch.bfloat16, attention, True, True).moe
 
     assert moe("cuda", "triton") == "triton"
-    assert moe("cuda", "torch") == moe("cuda", "flashinfer") == moe("cpu", "cpu") == "grouped"
+    assert moe("cuda", "torch") == moe("cuda", "flashinfer") == moe("cpu", "torch") == "grouped"
+    assert moe("cpu", "cpu") == "native_cpu"
+    assert choose_kernels("cpu", torch.float16, "cpu", True, True).moe == "grouped"
     config = MoeConfig(num_experts=4, top_k=2, intermediate_size=8, norm_topk_prob=True)
     assert choose_kernels("cpu", torch.float32, "cpu", True, True).moe == "native_cpu"
     assert choose_kernels("cpu", torch.float32, "torch", True, True).moe == "grouped"
