@@ -4,11 +4,13 @@ Isolates the model side (Worker: model, attention, sampler) from the scheduler: 
 is filled with random values and plans are written directly, so a decode step over long
 contexts costs no prefill first. Prints, per step kind, milliseconds per step, the step's
 floor (``bench/floor.py``: its matmul FLOPs at the matmul peak measured in the same run plus
-its decode K/V bytes at the streaming read rate) and the floor's share of the step. The
-machine is shared: figures are noisy.
+its decode K/V bytes at the streaming read rate) and the floor's share of the step. For a
+mixture of experts it also prints the routed experts' share of the step (wall time inside
+every MoE block's experts, forward hooks) and their rate (``6 * tokens * k * H * I`` flops),
+next to the measured matmul peak. The machine is shared: figures are noisy.
 
-    .venv/bin/python bench/model_step.py [--arch llama] [--size bench] [--batch 128]
-        [--context 400] [--prefill 4x512] [--threads 0]
+    .venv/bin/python bench/model_step.py [--arch llama] [--size bench] [--model-dir DIR]
+        [--dtype float32] [--batch 128] [--context 400] [--prefill 4x512] [--threads 0]
 """
 
 from __future__ import annotations
@@ -51,8 +53,34 @@ def plan(step: int, lengths: list[int], query_lens: list[int], vocab: int,
                     finished_req_ids=ids if announce else [])
 
 
-def timed(worker, plans: list[StepPlan]) -> float:
+class ExpertsClock:
+    """Wall time spent inside the routed experts of every MoE block (FusedExperts), and the
+    (token, expert) pairs they computed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from shoal.runtime.model.moe import FusedExperts
+
+        self.seconds, self.pairs, self._start = 0.0, 0, 0.0
+        self.blocks = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        for block in self.blocks:
+            block.register_forward_pre_hook(self._enter)
+            block.register_forward_hook(self._leave)
+
+    def _enter(self, module, inputs) -> None:
+        self._start = time.perf_counter()
+
+    def _leave(self, module, inputs, output) -> None:
+        self.seconds += time.perf_counter() - self._start
+        self.pairs += inputs[1][1].numel()  # routing = (weights, ids [T, k])
+
+    def reset(self) -> None:
+        self.seconds, self.pairs = 0.0, 0
+
+
+def timed(worker, plans: list[StepPlan], clock: ExpertsClock | None = None) -> float:
     worker.execute(plans[0])
+    if clock is not None:
+        clock.reset()
     start = time.perf_counter()
     for p in plans[1:]:
         worker.execute(p)
@@ -63,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     parser.add_argument("--size", default="bench")
+    parser.add_argument("--model-dir", default="",
+                        help="a checkpoint to run instead of --arch/--size (e.g. "
+                             "cached_moe_model('qwen3_moe', 'bench'))")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=128, help="decoding requests")
     parser.add_argument("--context", type=int, default=400, help="their context length")
     parser.add_argument("--prefill", default="4x512", help="REQUESTSxTOKENS in one step")
@@ -74,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.runtime.worker.worker import Worker
 
     n_prefill, prefill_len = (int(x) for x in args.prefill.split("x"))
-    model_dir = cached_model(args.arch, args.size)
+    model_dir = Path(args.model_dir) if args.model_dir else cached_model(args.arch, args.size)
     needed = max(args.batch * -(-args.context // BLOCK), n_prefill * -(-prefill_len // BLOCK))
-    worker = Worker(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    worker = Worker(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
                                  block_size=BLOCK))
     worker.load_model()
     worker.init_kv_cache(needed)
@@ -84,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         k_cache.normal_()
         v_cache.normal_()
     mc = worker.model_config()
-    print(f"model {model_dir.name}, torch threads {torch.get_num_threads()}")
+    print(f"model {model_dir.name} in {args.dtype}, torch threads {torch.get_num_threads()}")
+    clock = ExpertsClock(worker.runner.model)
+    moe = mc.moe if clock.blocks else None
 
     decode_lens = [args.context] * args.batch
     decode_plans = [plan(s, decode_lens, [1] * args.batch, mc.vocab_size, s == 0)
@@ -98,16 +132,27 @@ def main(argv: list[str] | None = None) -> int:
          Work(tokens=n_prefill * prefill_len, sampled=n_prefill,
               prompt_pairs=n_prefill * prefill_len * (prefill_len + 1) // 2)),
     ]
-    floor = Floor.measure(mc, torch.get_num_threads())
+    floor = Floor.measure(mc, torch.get_num_threads(), dtype=getattr(torch, args.dtype))
     print(floor.describe())
     print(f"{'step':<24} {'ms/step':>9} {'floor ms':>9} {'matmul ms':>10} {'K/V ms':>7} "
           f"{'share':>7}")
+    experts_lines = []
     for name, plans, work in cases:
-        seconds = timed(worker, plans)
+        seconds = timed(worker, plans, clock)
         compute_s, kv_s = floor.split(work)
         print(f"{name:<24} {seconds * 1e3:>9.1f} {(compute_s + kv_s) * 1e3:>9.1f} "
               f"{compute_s * 1e3:>10.1f} {kv_s * 1e3:>7.1f} "
               f"{100 * (compute_s + kv_s) / seconds:>6.1f}%")
+        if moe is not None:
+            steps = len(plans) - 1
+            flops = 6 * clock.pairs * mc.hidden_size * moe.intermediate_size
+            experts_lines.append(
+                f"  {name}: routed experts {clock.seconds / steps * 1e3:.1f} ms of "
+                f"{seconds * 1e3:.1f} ({100 * clock.seconds / steps / seconds:.0f}% of the "
+                f"step) in {len(clock.blocks)} blocks, {flops / clock.seconds / 1e9:.1f} GFLOP/s")
+    if experts_lines:
+        print(f"routed experts ({clock.blocks[0].impl}; matmul peak above):")
+        print("\n".join(experts_lines))
     return 0
 
 
