@@ -91,14 +91,18 @@ def free_port() -> int:
 
 def run_vllm_offline(peer: VllmPeer, model_dir: Path, prompts: list[list[int]],
                      output_lens: list[int], max_num_batched_tokens: int,
-                     work_path: Path, dtype: str = "float32", lora: dict | None = None) -> dict:
+                     work_path: Path, dtype: str = "float32", lora: dict | None = None,
+                     batches: list[int] | None = None, rounds: int = 1) -> dict:
     """Runs the workload in the peer's interpreter (cwd: the scratch directory, not the
     checkout, whose operator/ would shadow the stdlib module in vLLM's subprocesses); returns
     its JSON result (seconds, tokens, startup seconds). ``lora``: serve with ``enable_lora``
-    and time each of its runs (see ``_offline_lora``); the result then has ``run_seconds``."""
+    and time each of its runs (see ``_offline_lora``); the result then has ``run_seconds``.
+    ``batches``: time the first ``b`` prompts for each ``b``, ``rounds`` times over, in one
+    process (``batch_runs``: ``b`` -> [(seconds, tokens)] per round)."""
     work_path.write_text(json.dumps({
         "prompts": prompts, "output_lens": output_lens,
-        "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype, "lora": lora}))
+        "max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype, "lora": lora,
+        "batches": batches, "rounds": rounds}))
     cmd = [str(peer.python), str(Path(__file__).resolve()), "offline", "--model",
            str(model_dir), "--work", str(work_path)]
     done = subprocess.run(cmd, env=peer.env(), capture_output=True, text=True, timeout=3600,
@@ -131,6 +135,16 @@ def _offline_main(model: str, work_file: str) -> int:
     if lora is not None:
         return _offline_lora(llm, lora, token_prompts, params, startup)
     llm.generate(token_prompts[:2], params[:2], use_tqdm=False)  # warm-up, like ours
+    if work.get("batches"):
+        runs: dict[int, list[tuple[float, int]]] = {b: [] for b in work["batches"]}
+        for _ in range(work.get("rounds", 1)):
+            for batch in work["batches"]:
+                start = time.perf_counter()
+                results = llm.generate(token_prompts[:batch], params[:batch], use_tqdm=False)
+                runs[batch].append((time.perf_counter() - start,
+                                    sum(len(r.outputs[0].token_ids) for r in results)))
+        print(json.dumps({"batch_runs": runs, "startup_seconds": startup}), flush=True)
+        return 0
     start = time.perf_counter()
     results = llm.generate(token_prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -18,7 +18,14 @@ taking turns, and the median round is reported (with the process's CPU time per 
 machine's load moves every row: compare rows of one run.
 
     .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
-        [--modes f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32]
+        [--modes f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32] [--vllm bf16,int8-w8a8]
+
+``--vllm MODES``: vLLM's CPU build (``bench/peers.py``, ``SHOAL_VLLM_VENV``) on the same
+checkpoints and prompts in the same run, after Shoal's rounds: one process per mode, the
+same batches and rounds in it, the median round; printed as Shoal / vLLM per mode. What
+vLLM 0.32's CPU build serves on an AVX2 CPU: compressed-tensors W8A8 int8 (``int8-w8a8``;
+vLLM quantizes the activations per token, Shoal runs the int8 weights on bf16 activations)
+and the dense model; its compressed-tensors W4A16 dies without the ``cpu_gemm_wna16`` op.
 
 int4 runs on the native weight-only kernel (``shoal/kernels/int_matmul_cpu.c``) wherever the
 native library builds; without a C compiler it falls back to torch's packed int4 op, which
@@ -32,8 +39,12 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (bench/ is not a package)
 
 MODES = {  # name -> (checkpoint format or None for the dense one, engine dtype)
     "f32": (None, "float32"),  # the engine's CPU default
@@ -41,6 +52,7 @@ MODES = {  # name -> (checkpoint format or None for the dense one, engine dtype)
     "int4-w4a16": ("ct-w4-group128", "float32"),
     "fp8-block": ("fp8-block128", "float32"),
     "int4-bf16": ("ct-w4-group128", "bfloat16"),
+    "int8-w8a8": ("ct-w8a8-int", "bfloat16"),  # compressed-tensors W8A8 (vLLM serves it)
     "gguf-q": ("gguf", "float32"),  # the default model, Q4_1 layers kept quantized
     "gguf-f32": ("gguf", "float32"),  # the same file dequantized to float32 at load
 }
@@ -138,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of every (batch, mode), modes taking turns within a "
                              "round; the median round is reported")
+    parser.add_argument("--vllm", default="", help="modes to run on vLLM's CPU build too")
+    parser.add_argument("--vllm-venv", default=peers.DEFAULT_VLLM_VENV)
+    parser.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
@@ -177,8 +192,39 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ratios = ", ".join(f"b{b} {rows[b] / results[base_name][b]:.2f}x" for b in batches)
             print(f"{mode:>11} vs {base_name}: {ratios}")
-    print(json.dumps({"load_average": os.getloadavg(), "results": results, "cpu_ms": cpu_ms}))
+    vllm = {mode: vllm_rates(args, mode, dense, batches) for mode in args.vllm.split(",")
+            if mode}
+    for mode, rows in vllm.items():
+        print(f"vllm {mode:>11} median: " + ", ".join(f"b{b} {rows[b]:.1f} tok/s"
+                                                     for b in batches))
+        if mode in results:
+            print(f"shoal/vllm {mode:>11}: " + ", ".join(
+                f"b{b} {results[mode][b] / rows[b]:.2f}x" for b in batches))
+    print(json.dumps({"load_average": os.getloadavg(), "results": results, "cpu_ms": cpu_ms,
+                      "vllm": vllm}))
     return 0
+
+
+def vllm_rates(args: argparse.Namespace, mode: str, dense: Path, batches: list[int]
+               ) -> dict[int, float]:
+    """vLLM's decode tok/s per batch on ``mode``'s checkpoint: the median of the rounds."""
+    import tempfile
+
+    fmt, dtype = MODES[mode]
+    (peer,) = peers.vllm_peers(args.vllm_venv, args.vllm_bind, kv_cache_gib=2)
+    prompts = [[3 + (i * 7 + j) % 1000 for j in range(8)] for i in range(max(batches))]
+    print(f"vllm {mode}: starting (load {peers.load_average()})", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        result = peers.run_vllm_offline(
+            peer, checkpoint(dense, fmt), prompts, [args.tokens] * len(prompts),
+            max(512, 8 * max(batches)), Path(scratch) / "work.json", dtype=dtype,
+            batches=batches, rounds=args.rounds)
+    runs = result["batch_runs"]
+    for b in batches:
+        for i, (seconds, tokens) in enumerate(runs[str(b)]):
+            print(f"round {i} vllm {mode:>11} batch {b:>3}: {tokens / seconds:8.1f} tok/s",
+                  flush=True)
+    return {b: statistics.median(t / s for s, t in runs[str(b)]) for b in batches}
 
 
 if __name__ == "__main__":
