@@ -49,8 +49,11 @@ static int64_t row_bytes_of(int64_t bits, int64_t k) {
 }
 
 /* IEEE binary16 -> float32 (exact) */
-static float half_to_float(const uint8_t *p) {
+static inline float half_to_float(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+#if defined(SHOAL_AVX2) && defined(__F16C__)
+    return _cvtsh_ss((unsigned short)h);
+#endif
     const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
     float f;
@@ -70,9 +73,6 @@ static float half_to_float(const uint8_t *p) {
 /* scale or offset i of a float32 (0), float16 (1) or bfloat16 (2) array */
 static inline float scale_at(const void *p, int64_t i, int64_t fmt) {
     if (fmt == 0) return ((const float *)p)[i];
-#if defined(SHOAL_AVX2) && defined(__F16C__)
-    if (fmt == 1) return _cvtsh_ss(((const uint16_t *)p)[i]);
-#endif
     if (fmt == 2) {
         const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
         float f;
@@ -82,39 +82,58 @@ static inline float scale_at(const void *p, int64_t i, int64_t fmt) {
     return half_to_float((const uint8_t *)p + 2 * i);
 }
 
-/* float32 [32] <- Q6_K row columns [col, col + 32) (col a multiple of 32). Within a block's
-   half of 128 columns, the quarter qd takes ql's low (qd < 2) or high nibbles of bytes
-   (qd & 1) * 32 + l and bits 2 qd of qh[l]: llama.cpp's dequantize_row_q6_K. */
-static void dequant_q6k(const uint8_t *row, int64_t col, float *d) {
+/* A Q6_K row's columns [col, col + 32) (col a multiple of 32) as unsigned codes with a
+   scale and offset per half of 16 columns: within a half of 128 columns, the quarter qd
+   takes ql's low (qd < 2) or high nibbles of bytes (qd & 1) * 32 + l and bits 2 qd of qh[l]
+   (llama.cpp's dequantize_row_q6_K); scale d * sc[16 columns], offset -32 * scale, so
+   code * scale + offset (one FMA) rounds once to (d * sc) * (q - 32), as the gguf package's
+   dequantization. */
+typedef struct { float s[2], o[2]; int shift, hshift; const uint8_t *lo, *hi; } kchunk;
+
+static inline kchunk kquant_chunk(const uint8_t *row, int64_t col) {
+    kchunk c;
     const uint8_t *blk = row + col / QK * Q6K_BYTES;
     const int64_t p = col % QK, half = p / 128, qd = (p % 128) / 32;
-    const uint8_t *ql = blk + 64 * half + (qd & 1) * 32, *qh = blk + 128 + 32 * half;
     const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 2 * qd;
-    const float dd = half_to_float(blk + 208);
-    const float s0 = dd * (float)sc[0], s1 = dd * (float)sc[1];
-    const int nshift = qd >= 2 ? 4 : 0, hshift = 2 * (int)qd;
+    const float d = half_to_float(blk + 208);
+    for (int i = 0; i < 2; ++i) c.s[i] = d * (float)sc[i], c.o[i] = -32.0f * c.s[i];
+    c.lo = blk + 64 * half + (qd & 1) * 32, c.hi = blk + 128 + 32 * half;
+    c.shift = qd >= 2 ? 4 : 0, c.hshift = 2 * (int)qd;
+    return c;
+}
+
+static inline int kquant_code(const kchunk *c, int l) {
+    return ((c->lo[l] >> c->shift) & 15) | ((c->hi[l] >> c->hshift) & 3) << 4;
+}
+
 #ifdef SHOAL_AVX2
-    const __m256i vl = _mm256_loadu_si256((const __m256i *)ql);
-    const __m256i vh = _mm256_loadu_si256((const __m256i *)qh);
-    const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(vl, _mm_cvtsi32_si128(nshift)),
-                                         _mm256_set1_epi8(0x0f));
-    const __m256i two = _mm256_and_si256(_mm256_srl_epi16(vh, _mm_cvtsi32_si128(hshift)),
-                                         _mm256_set1_epi8(0x03));
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, _mm256_slli_epi16(two, 4)),
-                                      _mm256_set1_epi8(32));
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 v0 = _mm256_set1_ps(s0), v1 = _mm256_set1_ps(s1);
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), v0));
-    _mm256_storeu_ps(d + 8, _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), v0));
-    _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), v1));
-    _mm256_storeu_ps(d + 24, _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), v1));
+/* the chunk's 32 codes, 8 in the low bytes of each of v[0..3] */
+static inline void kquant_codes(const kchunk *c, __m128i v[4]) {
+    const __m256i low = _mm256_and_si256(
+        _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)c->lo), _mm_cvtsi32_si128(c->shift)),
+        _mm256_set1_epi8(0x0f));
+    const __m256i two = _mm256_and_si256(
+        _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)c->hi),
+                         _mm_cvtsi32_si128(c->hshift)), _mm256_set1_epi8(0x03));
+    const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(two, 4));
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    v[0] = lo, v[1] = _mm_srli_si128(lo, 8), v[2] = hi, v[3] = _mm_srli_si128(hi, 8);
+}
+#endif
+
+/* float32 [32] <- a Q6_K row's columns [col, col + 32) */
+static void dequant_q6k(const uint8_t *row, int64_t col, float *d) {
+    const kchunk c = kquant_chunk(row, col);
+#ifdef SHOAL_AVX2
+    __m128i v[4];
+    kquant_codes(&c, v);
+    for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(d + 8 * i, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v[i])), _mm256_set1_ps(c.s[i / 2]),
+            _mm256_set1_ps(c.o[i / 2])));
 #else
-    for (int l = 0; l < 32; ++l) {
-        const int q = (((ql[l] >> nshift) & 15) | ((qh[l] >> hshift) & 3) << 4) - 32;
-        d[l] = (l < 16 ? s0 : s1) * (float)q;
-    }
+    for (int l = 0; l < 32; ++l)
+        d[l] = __builtin_fmaf((float)kquant_code(&c, l), c.s[l / 16], c.o[l / 16]);
 #endif
 }
 
@@ -215,32 +234,42 @@ static void gemv_rows(const float *x, const uint8_t *codes, const void *scales,
                       const void *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
                       int64_t bits, int64_t sfmt, float *out) {
     const int64_t groups = k / group;
-    const int64_t row_bytes = bits == 4 ? k / 2 : k;
+    const int64_t row_bytes = row_bytes_of(bits, k);
     const __m128i mask = _mm_set1_epi8(0x0f);
     for (int64_t r = n0; r < n1; ++r) {
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
         const uint8_t *row = codes + r * row_bytes;
         for (int64_t col = 0; col < k; col += SUB) {
-            const __m256 vs = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
-            const __m256 vo = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
             __m128i a, b, c, e;
-            if (bits == 4) {
+            __m256 vs, vo, vs2, vo2;  /* columns 0-15, 16-31 */
+            if (bits == 6) {
+                const kchunk kc = kquant_chunk(row, col);
+                __m128i v[4];
+                kquant_codes(&kc, v);
+                a = v[0], b = v[1], c = v[2], e = v[3];
+                vs = _mm256_set1_ps(kc.s[0]), vo = _mm256_set1_ps(kc.o[0]);
+                vs2 = _mm256_set1_ps(kc.s[1]), vo2 = _mm256_set1_ps(kc.o[1]);
+            } else if (bits == 4) {
+                vs = vs2 = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
+                vo = vo2 = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
                 const __m128i packed = _mm_loadu_si128((const __m128i *)(row + col / 2));
                 const __m128i lo = _mm_and_si128(packed, mask);
                 const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
                 a = lo, b = _mm_srli_si128(lo, 8), c = hi, e = _mm_srli_si128(hi, 8);
             } else {
+                vs = vs2 = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
+                vo = vo2 = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
                 a = _mm_loadl_epi64((const __m128i *)(row + col));
                 b = _mm_loadl_epi64((const __m128i *)(row + col + 8));
                 c = _mm_loadl_epi64((const __m128i *)(row + col + 16));
                 e = _mm_loadl_epi64((const __m128i *)(row + col + 24));
             }
-#define SHOAL_W(v) _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), vs, vo)
-            acc0 = _mm256_fmadd_ps(SHOAL_W(a), _mm256_loadu_ps(x + col), acc0);
-            acc1 = _mm256_fmadd_ps(SHOAL_W(b), _mm256_loadu_ps(x + col + 8), acc1);
-            acc2 = _mm256_fmadd_ps(SHOAL_W(c), _mm256_loadu_ps(x + col + 16), acc2);
-            acc3 = _mm256_fmadd_ps(SHOAL_W(e), _mm256_loadu_ps(x + col + 24), acc3);
+#define SHOAL_W(v, s, o) _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), s, o)
+            acc0 = _mm256_fmadd_ps(SHOAL_W(a, vs, vo), _mm256_loadu_ps(x + col), acc0);
+            acc1 = _mm256_fmadd_ps(SHOAL_W(b, vs, vo), _mm256_loadu_ps(x + col + 8), acc1);
+            acc2 = _mm256_fmadd_ps(SHOAL_W(c, vs2, vo2), _mm256_loadu_ps(x + col + 16), acc2);
+            acc3 = _mm256_fmadd_ps(SHOAL_W(e, vs2, vo2), _mm256_loadu_ps(x + col + 24), acc3);
 #undef SHOAL_W
         }
         const __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
@@ -259,7 +288,7 @@ void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const 
                           int64_t out_stride) {
     const int64_t tiles = (n + NR - 1) / NR;
 #ifdef SHOAL_AVX2
-    if (rows == 1 && bits != 6) {
+    if (rows == 1) {
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
         for (int64_t t = 0; t < tiles; ++t)
             gemv_rows(x, codes, scales, offsets, t * NR, t * NR + NR < n ? t * NR + NR : n, k,

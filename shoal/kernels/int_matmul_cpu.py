@@ -25,7 +25,7 @@ from shoal.kernels.native_cpu import load
 SUB = 32  # columns per packed sub-block
 Q6_K = 6  # ``bits`` of GGUF Q6_K super-blocks kept as stored
 QK = 256  # columns per K-quant super-block
-Q6K_BYTES = 210
+SUPER_BLOCK_BYTES = {Q6_K: 210}
 SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's sfmt
 # rows from which a dequantized band + torch's GEMM beats the kernel. Measured (Zen 3, 2
 # threads, load 3.6-4.5), kernel / dequantize + GEMM: 6144x1024 int4 at 64 rows 17.7 / 72.5 ms,
@@ -51,11 +51,13 @@ class IntPacked:
     @property
     def row_bytes(self) -> int:
         k = self.in_features
-        return k // QK * Q6K_BYTES if self.bits == Q6_K else k * self.bits // 8
+        if self.bits in SUPER_BLOCK_BYTES:
+            return k // QK * SUPER_BLOCK_BYTES[self.bits]
+        return k * self.bits // 8
 
     def check(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
-        if self.bits == Q6_K:
+        if self.bits in SUPER_BLOCK_BYTES:
             if g != QK or k % QK:
                 raise ValueError(f"int matmul: Q6_K takes columns in super-blocks of {QK}, "
                                  f"got {k} columns in groups of {g}")
@@ -65,7 +67,7 @@ class IntPacked:
         if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (
                 n, self.row_bytes) or not self.codes.is_contiguous():
             raise ValueError(f"codes must be contiguous uint8 [{n}, {self.row_bytes}]")
-        groups = 0 if self.bits == Q6_K else k // g
+        groups = 0 if self.bits in SUPER_BLOCK_BYTES else k // g
         for name, t in (("scales", self.scales), ("offsets", self.offsets)):
             if t.dtype not in SCALE_FORMATS or t.dtype != self.scales.dtype or \
                     tuple(t.shape) != (n, groups) or not t.is_contiguous():

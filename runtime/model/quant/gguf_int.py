@@ -73,7 +73,7 @@ def gguf_packed(tensor: GGUFTensor) -> IntPacked | None:
     raw = torch.from_numpy(np.array(tensor.blocks, dtype=np.uint8))  # a copy: the map is read-only
     blocks = raw.reshape(rows, cols // block, BLOCK_BYTES[kind])
     group = SUB
-    if kind == "Q6_K":
+    if kind == "Q6_K":  # the blocks as stored
         empty = torch.empty(rows, 0)
         codes, scales, offsets, group = raw.reshape(rows, -1), empty, empty, QK
     elif kind == "Q4_K":
