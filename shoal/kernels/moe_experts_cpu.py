@@ -11,7 +11,7 @@ in and the output rounded once to bfloat16 on the way out (torch's grouped bfloa
 round after each GEMM and the activation; both are within bfloat16 noise of HF's loop).
 
 ``supports`` says which calls the kernel takes (CPU tensors of one dtype, float32 or
-bfloat16, contiguous weights, H and I multiples of 8); ``experts`` sends every other call to
+bfloat16, contiguous weights, H a multiple of 16 and I of 8); ``experts`` sends every other call to
 the grouped torch path, so a caller can use it unconditionally. The kernel's scratch (sorted
 pairs, activations, per-pair outputs) is kept per thread and grown, not allocated per call.
 """
@@ -25,7 +25,8 @@ import torch
 from shoal.kernels.moe_grouped import grouped_experts
 from shoal.kernels.native_cpu import load
 
-ALIGN = 8  # the AVX2 loops take 8 float32 per step, with no tail
+HIDDEN_ALIGN = 16  # the down projection's items are 16 output features, with no tail
+INTER_ALIGN = 8  # the AVX2 loops take 8 float32 per step, with no tail
 DTYPES = (torch.float32, torch.bfloat16)
 
 _scratch = threading.local()
@@ -41,8 +42,8 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    return (x.shape[1] == hidden and two_inter % 2 == 0 and hidden % ALIGN == 0
-            and inter % ALIGN == 0 and tuple(w2.shape) == (experts, hidden, inter))
+    return (x.shape[1] == hidden and two_inter % 2 == 0 and hidden % HIDDEN_ALIGN == 0
+            and inter % INTER_ALIGN == 0 and tuple(w2.shape) == (experts, hidden, inter))
 
 
 def _scratch_buffer(nbytes: int) -> torch.Tensor:

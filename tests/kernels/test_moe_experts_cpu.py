@@ -1,6 +1,8 @@
 """The native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) against float64 math,
 one (token, expert) pair at a time, for 1 to 300 tokens, uneven expert loads and experts
-that no token chose, with float32 and bfloat16 weights, hidden sizes over one column block.
+that no token chose, with float32 and bfloat16 weights, hidden sizes over one column block,
+on both of the kernel's paths (dot products for an expert with few rows, a packed panel for
+one with many).
 
 The kernel sums in float32 in its own order, so results are compared with a tolerance
 relative to the output's size, never bit for bit; a bfloat16 output is rounded once, so its
@@ -78,20 +80,25 @@ def test_matches_float64_for_1_to_300_tokens(rng, tokens: int, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_uneven_loads_and_idle_experts_at_the_bench_shape(rng, dtype: torch.dtype) -> None:
     """Hidden 1024, 64 experts of 256, top-8 (make_moe_model's bench size): one expert
-    carrying nearly every token, others none; hidden spans two column blocks."""
+    carrying nearly every token, others none; hidden spans two column blocks. Experts with
+    8 rows or more take the packed path, the others the dot products: both in one call."""
     x, w13, w2, weights, ids = _problem(rng, 37, 64, 1024, 256, 8, skewed=True, dtype=dtype)
     counts = torch.bincount(ids.reshape(-1), minlength=64)
     assert (counts == 0).any() and counts.max() >= 30
+    assert ((counts > 0) & (counts < 8)).any()
     _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
            _reference(x, w13, w2, weights, ids), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_last_column_block_shorter_than_the_others(rng, dtype: torch.dtype) -> None:
-    """Hidden 1160 and intermediate 520: each projection's columns end in a partial block."""
-    x, w13, w2, weights, ids = _problem(rng, 11, 4, 1160, 520, 2, skewed=False, dtype=dtype)
-    _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
-           _reference(x, w13, w2, weights, ids), dtype)
+    """Hidden 1168 and intermediate 520: each projection's columns end in a partial block
+    (KC = 512), on the dot path (few rows an expert) and the packed one (many)."""
+    for tokens in (3, 40):
+        x, w13, w2, weights, ids = _problem(rng, tokens, 4, 1168, 520, 2, skewed=False,
+                                            dtype=dtype)
+        _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+               _reference(x, w13, w2, weights, ids), dtype)
 
 
 def test_scratch_is_reused_across_calls_and_grown_for_larger_ones(rng, monkeypatch) -> None:
@@ -117,6 +124,7 @@ def test_a_token_routed_twice_to_an_expert_and_unsorted_ids(rng) -> None:
 def test_shapes_the_kernel_does_not_take_run_the_grouped_path(rng) -> None:
     x, w13, w2, weights, ids = _problem(rng, 6, 4, 20, 12, 2, skewed=False)  # H, I not x8
     assert not moe_experts_cpu.supports(x, w13, w2)
+    assert not moe_experts_cpu.supports(*_problem(rng, 2, 4, 24, 8, 2, skewed=False)[:3])
     torch.testing.assert_close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
                                grouped_experts(x, w13, w2, weights, ids))
     half = [t.half() for t in _problem(rng, 3, 4, 16, 8, 2, skewed=False)[:3]]
@@ -146,7 +154,7 @@ def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch)
         function.restype, function.argtypes = SIGNATURES[name]
     monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
     for dtype in DTYPES:
-        for tokens, hidden in ((1, 64), (4, 64), (50, 1160)):
+        for tokens, hidden in ((1, 64), (4, 64), (50, 1168)):
             x, w13, w2, weights, ids = _problem(rng, tokens, 8, hidden, 24, 2, skewed=True,
                                                 dtype=dtype)
             _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
