@@ -319,7 +319,7 @@ def start_vllm_server(peer: VllmPeer, model_dir: Path, served_name: str, max_num
 def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
                        max_num_batched_tokens: int, max_model_len: int,
                        threads: int = 0, pin_cores: str = "",
-                       kv_cache_gib: int = 2, dtype: str = "float32") -> ServerProcess:
+                       kv_cache_gib: float = 2, dtype: str = "float32") -> ServerProcess:
     """``threads``: OMP_NUM_THREADS (0: unset, every core); ``pin_cores``: bind the engine's
     OpenMP threads to these cores (GOMP_CPU_AFFINITY, e.g. "0"), like vLLM's ``auto`` binding,
     which leaves the other core to the API process (it runs no OpenMP)."""
@@ -330,7 +330,7 @@ def start_shoal_server(model_dir: Path, served_name: str, max_num_seqs: int,
            "--max-num-seqs", str(max_num_seqs),
            "--max-num-batched-tokens", str(max_num_batched_tokens),
            "--max-model-len", str(max_model_len), "--dtype", dtype,
-           "--kv-cache-memory", str(kv_cache_gib << 30)]  # the peer's VLLM_CPU_KVCACHE_SPACE
+           "--kv-cache-memory", str(int(kv_cache_gib * 2**30))]  # the peer's VLLM_CPU_KVCACHE_SPACE
     env = dict(os.environ)
     name = "shoal"
     if threads:
