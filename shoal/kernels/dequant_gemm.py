@@ -33,8 +33,8 @@ INT4, INT8, FP8 = 4, 8, 0  # the kernel's FORMAT
 @triton.jit
 def _dequant_gemm_kernel(x_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K, group,
                          stride_xm, stride_wn, stride_sn, stride_om,
-                         FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         FORMAT: tl.constexpr, BY_SUB: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -46,6 +46,7 @@ def _dequant_gemm_kernel(x_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K
     # 16 * (c // 32) + c % 16 of the step's bytes, in the high nibble when c % 32 >= 16
     byte_in_step = (ks // 32) * 16 + ks % 16
     shift = ((ks // 16) % 2) * 4
+    subs = tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -53,16 +54,32 @@ def _dequant_gemm_kernel(x_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
-        s_at = s_rows + (kk // group)[:, None]
-        scale = tl.load(scales_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+        if BY_SUB:
+            # groups are whole 32-column sub-blocks: one scale (offset) load per sub-block
+            # and column, broadcast over its 32 columns; far fewer pointers in registers
+            first = k0 + subs * 32
+            s_at = s_rows + (first // group)[:, None]
+            s_ok = (first < K)[:, None] & col_ok[None, :]
+            scale = tl.reshape(tl.broadcast_to(
+                tl.load(scales_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)[:, None, :],
+                (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            if FORMAT != 0:
+                offset = tl.reshape(tl.broadcast_to(
+                    tl.load(offsets_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)[:, None, :],
+                    (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:
+            s_at = s_rows + (kk // group)[:, None]
+            scale = tl.load(scales_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+            if FORMAT != 0:
+                offset = tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
         if FORMAT == 4:
             byte = tl.load(w_ptr + w_rows + (k0 // 2 + byte_in_step)[:, None], mask=w_ok,
                            other=0)
             code = ((byte.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32)
-            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+            w = code * scale + offset
         elif FORMAT == 8:
             code = tl.load(w_ptr + w_rows + kk[:, None], mask=w_ok, other=0).to(tl.float32)
-            w = code * scale + tl.load(offsets_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+            w = code * scale + offset
         else:
             w = tl.load(w_ptr + w_rows + kk[:, None], mask=w_ok, other=0.0).to(tl.float32)
             w = w * scale
@@ -79,8 +96,8 @@ class Tiles:
     num_warps: int
     num_stages: int
 
-    def constexprs(self, fmt: int) -> dict[str, int]:
-        return dict(FORMAT=fmt, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+    def constexprs(self, fmt: int, by_sub: bool = True) -> dict[str, int]:
+        return dict(FORMAT=fmt, BY_SUB=by_sub, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
                     BLOCK_K=self.block_k)
 
 
@@ -125,7 +142,8 @@ def dequant_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         grid = (triton.cdiv(rows.shape[0], tiles.block_m), triton.cdiv(n, tiles.block_n))
         _dequant_gemm_kernel[grid](
             rows, weight, scales, offsets, out, rows.shape[0], n, k, group, rows.stride(0),
-            weight.stride(0), scales.stride(0), out.stride(0), **tiles.constexprs(fmt),
+            weight.stride(0), scales.stride(0), out.stride(0),
+            **tiles.constexprs(fmt, by_sub=group % 32 == 0),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out.reshape(*x.shape[:-1], n)
 
@@ -136,20 +154,22 @@ def gpu_variants() -> list:
     from shoal.kernels.gpu_check import variants as v
 
     out = []
-    formats = [(INT4, "int4", "u8", s_ty) for s_ty in ("fp32", "fp16", "bf16")] + \
-        [(INT8, "int8", "u8", s_ty) for s_ty in ("fp32", "fp16", "bf16")] + \
-        [(FP8, "fp8", "fp8e4nv", "fp32")]
-    for fmt, name, w_ty, s_ty in formats:
+    # ints: groups of whole sub-blocks always; FP8: 128-column blocks, or any block width
+    # (a per-channel block is the input width)
+    formats = [(INT4, "int4", "u8", s_ty, True) for s_ty in ("fp32", "fp16", "bf16")] + \
+        [(INT8, "int8", "u8", s_ty, True) for s_ty in ("fp32", "fp16", "bf16")] + \
+        [(FP8, "fp8", "fp8e4nv", "fp32", by_sub) for by_sub in (True, False)]
+    for fmt, name, w_ty, s_ty, by_sub in formats:
         for dtype in v.KV_DTYPES:
             ty = v.triton_type(dtype)
             for batch in v.BATCH_SIZES:
                 tiles = choose_tiles(batch, dtype)
-                constexprs = tiles.constexprs(fmt)
+                constexprs = tiles.constexprs(fmt, by_sub)
                 sig = v.signature(_dequant_gemm_kernel, constexprs,
                                   dict(x_ptr=ty, w_ptr=w_ty, scales_ptr=s_ty,
                                        offsets_ptr=s_ty, out_ptr=ty))
-                label = (f"dequant_gemm {name} {ty} scales {s_ty} m{tiles.block_m} "
-                         f"n{tiles.block_n} k{tiles.block_k}")
+                label = (f"dequant_gemm {name} {ty} scales {s_ty}{'' if by_sub else ' per column'} "
+                         f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k}")
                 out.append(v.KernelVariant(label, _dequant_gemm_kernel, sig, constexprs,
                                            num_warps=tiles.num_warps,
                                            num_stages=tiles.num_stages,

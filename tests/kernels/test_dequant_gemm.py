@@ -54,7 +54,7 @@ def test_int_weights_equal_the_dequantized_matmul(rng, bits, group, rows, dtype,
     _close(out, want.to(dtype), 2e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize(("k", "block_in"), [(256, 128), (200, 128), (96, 96)])
+@pytest.mark.parametrize(("k", "block_in"), [(256, 128), (200, 128), (96, 96), (100, 100)])
 @pytest.mark.parametrize("rows", [3, 33])
 def test_fp8_block_weights_equal_the_dequantized_matmul(rng, k, block_in, rows) -> None:
     from shoal.runtime.model.quant.fp8_block import dequantize_rows
