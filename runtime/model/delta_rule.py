@@ -45,18 +45,19 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 def chunked_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One request's ``L`` tokens: ``q``/``k [H, L, Dk]``, ``v [H, L, Dv]``, ``g``/``beta
-    [H, L]`` (float32), continuing from ``state [H, Dk, Dv]`` (updated in place). Returns
-    ``o [H, L, Dv]``."""
-    length = q.shape[1]
+    """One request's ``L`` tokens: ``q``/``k [..., H, L, Dk]``, ``v [..., H, L, Dv]``,
+    ``g``/``beta [..., H, L]`` (float32), continuing from ``state [..., H, Dk, Dv]`` (updated
+    in place); leading dims batch requests padded to one length. Returns ``o [..., H, L,
+    Dv]``."""
+    length = q.shape[-2]
     pad = (-length) % CHUNK
     if pad:  # padded tokens have g = 0 (no decay) and beta = 0 (no write): inert
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    heads, total = q.shape[0], q.shape[1]
+    lead, total = q.shape[:-2], q.shape[-2]
     blocks = total // CHUNK
-    q, k, v = (x.reshape(heads, blocks, CHUNK, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(heads, blocks, CHUNK), beta.reshape(heads, blocks, CHUNK)
+    q, k, v = (x.reshape(*lead, blocks, CHUNK, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(*lead, blocks, CHUNK), beta.reshape(*lead, blocks, CHUNK)
     cum = g.cumsum(-1)  # log of the decay from the block's start through token i
     # decay between tokens j <= i of a block, exp(cum_i - cum_j); zero above the diagonal
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
@@ -77,10 +78,11 @@ def chunked_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     out = torch.empty_like(v)
     for b in range(blocks):
         # the writes' new information, net of what the block-start state already predicts
-        new = values[:, b] - state_keys[:, b] @ state
-        out[:, b] = q_decayed[:, b] @ state + intra[:, b] @ new
-        state.mul_(block_decay[:, b, None, None]).add_(k_to_end[:, b].transpose(-1, -2) @ new)
-    return out.reshape(heads, total, -1)[:, :length]
+        new = values[..., b, :, :] - state_keys[..., b, :, :] @ state
+        out[..., b, :, :] = q_decayed[..., b, :, :] @ state + intra[..., b, :, :] @ new
+        state.mul_(block_decay[..., b, None, None]).add_(
+            k_to_end[..., b, :, :].transpose(-1, -2) @ new)
+    return out.reshape(*lead, total, -1)[..., :length, :]
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,42 +103,60 @@ def causal_conv_step(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tenso
     return F.silu((full * weight).sum(-1))
 
 
-class StepRows:
-    """The step's rows by kind: one-token rows (decodes, the odd one-token chunk) run the
-    batched recurrent update together; a row of several tokens runs the chunked scan. A
-    mixed step would otherwise pad each decode row to a whole scan block."""
-
-    def __init__(self, meta: AttentionMetadata) -> None:
-        starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
-        assert slots is not None and meta.state_slots is not None, \
-            "a linear-attention layer needs AttentionMetadata.state_slots"
-        self.single_slots: torch.Tensor | None = None
-        self.single_tokens: torch.Tensor | slice = slice(None)
-        if meta.max_query_len == 1:  # pure decode: every token is its row's only one
-            self.single_slots, self.spans = meta.state_slots, []
-            return
-        single = [i for i in range(len(slots)) if starts[i + 1] - starts[i] == 1]
-        self.spans = [(starts[i], starts[i + 1], slots[i]) for i in range(len(slots))
-                      if starts[i + 1] - starts[i] > 1]
-        if single:
-            device = meta.state_slots.device
-            self.single_slots = torch.tensor([slots[i] for i in single], device=device)
-            self.single_tokens = torch.tensor([starts[i] for i in single], device=device)
-
-
 def conv_rows(mixed: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
               meta: AttentionMetadata) -> torch.Tensor:
     """``silu(conv)`` over the step's rows: ``mixed [T, C]``, ``conv_states [slots, C, K-1]``
     (the rows' windows updated in place), ``weight [C, K]``."""
-    rows = StepRows(meta)
-    out = torch.empty_like(mixed) if rows.spans else mixed
-    if rows.single_slots is not None:  # one-token rows together: gather, step, scatter
-        windows = conv_states[rows.single_slots]
-        out[rows.single_tokens] = causal_conv_step(mixed[rows.single_tokens], windows, weight)
-        conv_states[rows.single_slots] = windows
-    for s, e, slot in rows.spans:  # prefill chunks: each from its own window
-        out[s:e] = causal_conv(mixed[s:e].T, conv_states[slot], weight).T
-    return out
+    if meta.max_query_len == 1:  # every row decodes: the one-token update, gathered
+        assert meta.state_slots is not None
+        windows = conv_states[meta.state_slots]
+        out = causal_conv_step(mixed, windows, weight)
+        conv_states[meta.state_slots] = windows
+        return out
+    # one pass for all rows: each row's window, then its tokens, side by side in one
+    # sequence; a tap never reaches across into the row before
+    starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+    assert slots is not None
+    rows, width = len(slots), weight.shape[1] - 1
+    lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(rows)])
+    row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+    token_at = torch.arange(mixed.shape[0]) + width * (row_of + 1)
+    window_at = (torch.tensor(starts[:-1]) + width * torch.arange(rows))[:, None] \
+        + torch.arange(width)  # [rows, K-1]
+    end_at = window_at + lengths[:, None]  # where each row's new window ends up
+    slot_index = torch.tensor(slots, device=conv_states.device)
+    device = mixed.device
+    full = mixed.new_empty(mixed.shape[0] + rows * width, mixed.shape[1], dtype=torch.float32)
+    full[token_at.to(device)] = mixed.float()
+    full[window_at.flatten().to(device)] = \
+        conv_states[slot_index].transpose(1, 2).reshape(-1, mixed.shape[1]).float()
+    conv_states[slot_index] = full[end_at.flatten().to(device)].view(
+        rows, width, -1).transpose(1, 2).to(conv_states.dtype)
+    taps = weight.float().T  # [K, C]
+    span = full.shape[0] - width  # the conv at every position, then the tokens' rows
+    acc = full[:span] * taps[0]
+    for j in range(1, width + 1):
+        acc.addcmul_(full[j:j + span], taps[j])
+    return F.silu(acc[(token_at - width).to(device)].to(mixed.dtype))
+
+
+def scan_groups(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
+    """Rows of several tokens batched into one scan, each group padded to its longest row's
+    blocks: longest first, a row joins while the group's padded blocks stay within
+    ``waste`` times the blocks its rows need alone (rows of similar length share a scan's
+    per-block matmuls; a short row never pays for a long one)."""
+    blocks = [-(-n // CHUNK) for n in lengths]
+    groups: list[list[int]] = []
+    need = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -blocks[i]):
+        group = groups[-1] if groups else None
+        if group is not None and blocks[group[0]] * (len(group) + 1) <= waste * (need + blocks[i]):
+            group.append(i)
+            need += blocks[i]
+        else:
+            groups.append([i])
+            need = blocks[i]
+    return groups
 
 
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -144,17 +164,58 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     ) -> torch.Tensor:
     """The gated delta rule over the step's rows: ``q``/``k [T, Hk, Dk]`` per key head
     (normalised, q scaled), ``v [T, Hv, Dv]``, ``g``/``beta [T, Hv]`` float32, ``states
-    [slots, Hv, Dk, Dv]`` (the rows' states updated in place). Returns ``o [T, Hv, Dv]``."""
-    rows = StepRows(meta)
+    [slots, Hv, Dk, Dv]`` (the rows' states updated in place). Returns ``o [T, Hv, Dv]``.
+    One-token rows (decodes) run the one-token update together; longer rows the chunked
+    scan, rows of similar length batched (``scan_groups``)."""
     group = v.shape[1] // q.shape[1]  # each key head serves ``group`` consecutive value heads
     q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
+    starts, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+    assert slots is not None and meta.state_slots is not None
+    if meta.max_query_len == 1:
+        single, spans = list(range(len(slots))), []
+    else:
+        lengths = [starts[i + 1] - starts[i] for i in range(len(slots))]
+        single = [i for i, n in enumerate(lengths) if n == 1]
+        spans = [i for i, n in enumerate(lengths) if n > 1]
     out = torch.empty_like(v)
-    if rows.single_slots is not None:
-        at, picked = rows.single_tokens, states[rows.single_slots]
+    device = v.device
+    if single:
+        at: torch.Tensor | slice = slice(None)
+        index = meta.state_slots
+        if meta.max_query_len > 1:
+            at = torch.tensor([starts[i] for i in single], device=device)
+            index = torch.tensor([slots[i] for i in single], device=device)
+        picked = states[index]
         out[at] = recurrent_step(q[at], k[at], v[at], g[at], beta[at], picked)
-        states[rows.single_slots] = picked
-    for s, e, slot in rows.spans:
+        states[index] = picked
+    for members in scan_groups([starts[i + 1] - starts[i] for i in spans]):
+        rows = [spans[m] for m in members]
+        _scan_group(q, k, v, g, beta, states, out, [(starts[i], starts[i + 1]) for i in rows],
+                    [slots[i] for i in rows])
+    return out
+
+
+def _scan_group(q, k, v, g, beta, states, out, bounds: list[tuple[int, int]],
+                slots: list[int]) -> None:
+    """One chunked scan for rows ``bounds`` (token ranges), padded to the longest."""
+    if len(bounds) == 1:
+        (s, e), slot = bounds[0], slots[0]
         out[s:e] = chunked_scan(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
                                 v[s:e].transpose(0, 1), g[s:e].T, beta[s:e].T,
                                 states[slot]).transpose(0, 1)
-    return out
+        return
+    longest = max(e - s for s, e in bounds)
+    tokens = torch.cat([torch.arange(s, e) for s, e in bounds]).to(q.device)
+    padded_at = torch.cat([torch.arange(e - s) + n * longest
+                           for n, (s, e) in enumerate(bounds)]).to(q.device)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, longest, ...]
+        buf = x.new_zeros(len(bounds) * longest, *x.shape[1:])
+        buf[padded_at] = x[tokens]
+        return buf.view(len(bounds), longest, *x.shape[1:]).transpose(1, 2)
+
+    index = torch.tensor(slots, device=states.device)
+    picked = states[index]
+    result = chunked_scan(padded(q), padded(k), padded(v), padded(g), padded(beta), picked)
+    states[index] = picked
+    out[tokens] = result.transpose(1, 2).reshape(-1, *out.shape[1:])[padded_at]
