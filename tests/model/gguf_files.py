@@ -228,3 +228,20 @@ def reference_checkpoint(path: Path) -> Path:
     tokenizer.save_pretrained(partial)
     partial.rename(target) if not target.exists() else shutil.rmtree(partial)
     return target
+
+
+def assert_greedy_equals_hf(llm, reference, tokenizer, max_tokens: int = 12) -> None:
+    """The engine's greedy continuation of two fixed prompts equals HF ``generate``'s on the
+    same file, token ids included."""
+    from shoal.runtime.sampling_params import SamplingParams
+
+    prompts = ["Once upon a time", "The weather today"]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert output.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                          min_new_tokens=max_tokens)[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == expected

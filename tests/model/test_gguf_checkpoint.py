@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .gguf_files import hf_from_gguf, write_gguf
+from .gguf_files import assert_greedy_equals_hf, hf_from_gguf, write_gguf
 
 pytest.importorskip("gguf")
 
@@ -158,7 +158,6 @@ def test_engine_greedy_equals_transformers_on_the_file(gguf_files, name: str) ->
     blocks on CPU) matches HF's GGUF loading, which dequantizes, token for token (float32)."""
     from shoal.runtime.llm import LLM
     from shoal.runtime.model.linear import _Linear
-    from shoal.runtime.sampling_params import SamplingParams
 
     path = gguf_files[name]
     reference, tokenizer = hf_from_gguf(path)
@@ -175,16 +174,7 @@ def test_engine_greedy_equals_transformers_on_the_file(gguf_files, name: str) ->
         ids = torch.tensor([[0, 5, 17], [63, 2, 2]])
         with torch.no_grad():
             assert torch.equal(embed(ids), reference.model.embed_tokens.weight[ids])
-    prompts = ["Once upon a time", "The weather today"]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                   ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        assert output.prompt_token_ids == ids[0].tolist()
-        with torch.no_grad():
-            expected = reference.generate(ids, max_new_tokens=12, do_sample=False,
-                                          min_new_tokens=12)[0, ids.shape[1]:].tolist()
-        assert output.outputs[0].token_ids == expected
+    assert_greedy_equals_hf(llm, reference, tokenizer)
 
 
 def test_unsupported_architecture_and_tensor_type_are_refused_by_name(

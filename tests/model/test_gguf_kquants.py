@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from .gguf_files import hf_from_gguf, write_gguf
+from .gguf_files import assert_greedy_equals_hf, hf_from_gguf, write_gguf
 
 pytest.importorskip("gguf")
 
@@ -90,7 +90,6 @@ def test_engine_greedy_equals_transformers_on_a_k_quant_file(k_quant_file: Path)
     from shoal.runtime.llm import LLM
     from shoal.runtime.model.linear import _Linear
     from shoal.runtime.model.quant.gguf_int import NativeParts
-    from shoal.runtime.sampling_params import SamplingParams
 
     reference, tokenizer = hf_from_gguf(k_quant_file)
     llm = LLM(k_quant_file, device="cpu", dtype="float32", num_kv_blocks=64)
@@ -104,13 +103,4 @@ def test_engine_greedy_equals_transformers_on_a_k_quant_file(k_quant_file: Path)
     ids = torch.tensor([[0, 5, 17], [4095, 2, 2]])
     with torch.no_grad():
         assert torch.equal(embed(ids), reference.model.embed_tokens.weight[ids])
-    prompts = ["Once upon a time", "The weather today"]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                   ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        assert output.prompt_token_ids == ids[0].tolist()
-        with torch.no_grad():
-            expected = reference.generate(ids, max_new_tokens=12, do_sample=False,
-                                          min_new_tokens=12)[0, ids.shape[1]:].tolist()
-        assert output.outputs[0].token_ids == expected
+    assert_greedy_equals_hf(llm, reference, tokenizer)
