@@ -38,4 +38,4 @@ def test_both_modes_run_and_pd_pulls_every_long_prompt(tmp_path):
     pd = results["pd"]
     assert pd["transfers"] == 3 and pd["transfer_failures"] == 0
     assert 0 < pd["transfer_share"] < 1
-    assert "round 1: stream ITL p99 unified/pd" in stdout
+    assert "round 1 pd: stream ITL p99 unified/P/D" in stdout
