@@ -37,6 +37,7 @@ import torch
 
 from shoal.kernels import moe_experts_cpu, moe_grouped
 from shoal.kernels.native_cpu import unavailable_reason
+from shoal.kernels.reference import moe_ref
 
 EXPERTS, HIDDEN, SIZE, TOP_K = 64, 1024, 256, 8
 
@@ -51,18 +52,6 @@ def _module_at(ref: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _float64_reference(x, w13, w2, weights, ids) -> torch.Tensor:
-    """Each (token, expert) pair on its own, in float64."""
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(gate) * up))
-    return out
 
 
 def _dense(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -106,7 +95,7 @@ def main() -> None:
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN).to(dtype)
         weights, ids = torch.softmax(torch.randn(tokens, EXPERTS), -1).topk(TOP_K, -1)
-        exact = _float64_reference(x, w13, w2, weights, ids)
+        exact = moe_ref(x.double(), w13.double(), w2.double(), weights, ids)
         times: dict[str, list[float]] = {name: [] for name in versions}
         for fn in versions.values():
             fn(x, w13, w2, weights, ids)  # warm up

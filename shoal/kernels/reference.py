@@ -135,16 +135,19 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture of SwiGLU experts, one expert at a time: ``x [T, H]``, ``w13 [E, 2I, H]``
-    (gate rows, then up rows), ``w2 [E, H, I]``, ``topk_weights``/``topk_ids [T, k]``."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    (gate rows, then up rows), ``w2 [E, H, I]``, ``topk_weights``/``topk_ids [T, k]``.
+    The math is float32, or float64 for float64 ``x`` (the exact side for a kernel that sums
+    in float32 in its own order); the result is in ``x``'s dtype."""
+    math = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape, dtype=math, device=x.device)
     for expert in range(w13.shape[0]):
         token, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
         if token.numel() == 0:
             continue
-        gate_up = x[token].float() @ w13[expert].float().T
+        gate_up = x[token].to(math) @ w13[expert].to(math).T
         hidden = silu_and_mul_ref(gate_up)
-        out.index_add_(0, token, (hidden @ w2[expert].float().T)
-                       * topk_weights[token, slot].float().unsqueeze(1))
+        out.index_add_(0, token, (hidden @ w2[expert].to(math).T)
+                       * topk_weights[token, slot].to(math).unsqueeze(1))
     return out.to(x.dtype)
 
 

@@ -7,7 +7,11 @@ them. Shapes stay tiny: the interpreter executes every program in Python.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -22,6 +26,26 @@ def rng() -> torch.Generator:
     print(f"kernel test seed: {seed}")
     generator = torch.Generator().manual_seed(seed)
     return generator
+
+
+def portable_library(source: Path, into: Path, functions: tuple[str, ...]) -> ctypes.CDLL:
+    """``source`` built for baseline x86-64 (no AVX2, no FMA, so none of the intrinsics), its
+    ``functions`` typed: the loops other CPUs get. The shared library is built with
+    -march=native, so on this pool's CPUs only this build runs them. Skips without a compiler."""
+    from shoal.kernels.native_cpu import SIGNATURES
+
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = into / f"{source.stem}_portable.so"
+    subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared",
+                    "-std=c11", str(source), "-o", str(library), "-lm"], check=True,
+                   timeout=300)
+    portable = ctypes.CDLL(str(library))
+    for name in functions:
+        function = getattr(portable, name)
+        function.restype, function.argtypes = SIGNATURES[name]
+    return portable
 
 
 class PagedBatch:

@@ -8,10 +8,6 @@ rounded by the caller, and the result once more to bfloat16.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,8 @@ import torch
 
 from shoal.kernels import int_matmul_cpu
 from shoal.kernels.int_matmul_cpu import IntPacked, dequantize, int_matmul, pack_int4, unpack_int4
-from shoal.kernels.native_cpu import SIGNATURES, unavailable_reason
+from shoal.kernels.native_cpu import unavailable_reason
+from tests.kernels.conftest import portable_library
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"native library: {unavailable_reason()}")
@@ -143,20 +140,10 @@ def test_layouts_the_kernel_cannot_read_are_refused(rng, bad: str) -> None:
 
 
 def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch) -> None:
-    """The loops other CPUs get (built for baseline x86-64: no AVX2, no FMA, so none of the
-    intrinsics), against the same float64 math: the library is built with -march=native, so
-    on this pool's CPUs only this build runs them."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source = Path(int_matmul_cpu.__file__).with_name("int_matmul_cpu.c")
-    library = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared",
-                    "-std=c11", str(source), "-o", str(library)], check=True, timeout=300)
-    portable = ctypes.CDLL(str(library))
-    for name in ("shoal_int_matmul_f32", "shoal_int_dequant_f32"):
-        function = getattr(portable, name)
-        function.restype, function.argtypes = SIGNATURES[name]
+    """The loops other CPUs get (``portable_library``: no AVX2, no FMA), against the same
+    float64 math."""
+    portable = portable_library(Path(int_matmul_cpu.__file__).with_name("int_matmul_cpu.c"),
+                                tmp_path, ("shoal_int_matmul_f32", "shoal_int_dequant_f32"))
     monkeypatch.setattr(int_matmul_cpu, "load", lambda: portable)
     for n, k, bits, group in [(13, 64, 4, 32), (37, 96, 8, 96), (70, 1600, 4, 1600)]:
         w, reference = _weights(rng, n, k, bits, group)

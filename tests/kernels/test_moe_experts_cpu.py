@@ -1,5 +1,5 @@
-"""The native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) against float64 math,
-one (token, expert) pair at a time, for 1 to 300 tokens, uneven expert loads and experts
+"""The native routed-experts kernel (``shoal.kernels.moe_experts_cpu``) against float64 math
+(``moe_ref`` of ``shoal.kernels.reference``), for 1 to 300 tokens, uneven expert loads and experts
 that no token chose, with float32 and bfloat16 weights, hidden sizes over one column block,
 on both of the kernel's paths (dot products for an expert with few rows, a packed panel for
 one with many).
@@ -11,33 +11,23 @@ tolerance is bfloat16's rounding (the float64 reference takes the same bfloat16 
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shoal.kernels import moe_experts_cpu
 from shoal.kernels.moe_grouped import grouped_experts
-from shoal.kernels.native_cpu import SIGNATURES, unavailable_reason
+from shoal.kernels.native_cpu import unavailable_reason
+from shoal.kernels.reference import moe_ref
+from tests.kernels.conftest import portable_library
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"native library: {unavailable_reason()}")
 
 
 def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e] @ (F.silu(gate) * up))
-    return out
+    return moe_ref(x.double(), w13.double(), w2.double(), weights, ids)
 
 
 # relative to the largest output: float32 sums of up to ~1500 products; bfloat16's rounding
@@ -138,20 +128,9 @@ def test_shapes_the_kernel_does_not_take_run_the_grouped_path(rng) -> None:
 
 
 def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch) -> None:
-    """The loops other CPUs get (built for baseline x86-64, no AVX2/FMA intrinsics): the
-    library is built with -march=native, so on this pool's CPUs only this build runs them."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source = Path(moe_experts_cpu.__file__).with_name("moe_experts_cpu.c")
-    library = tmp_path / "portable.so"
-    subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared",
-                    "-std=c11", str(source), "-o", str(library), "-lm"], check=True,
-                   timeout=300)
-    portable = ctypes.CDLL(str(library))
-    for name in ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes"):
-        function = getattr(portable, name)
-        function.restype, function.argtypes = SIGNATURES[name]
+    """The loops other CPUs get (``portable_library``: no AVX2, no FMA intrinsics)."""
+    portable = portable_library(Path(moe_experts_cpu.__file__).with_name("moe_experts_cpu.c"),
+                                tmp_path, ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes"))
     monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
     for dtype in DTYPES:
         for tokens, hidden in ((1, 64), (4, 64), (50, 1168)):
