@@ -35,6 +35,9 @@ ANNOTATION_RECYCLES = f"{GROUP}/recycles"
 # Annotation on the InferenceService, written by its router: a request waits for a replica
 # (scale from zero). The router's side: runtime/router/replicas/capacity_request.py (same string).
 ANNOTATION_CAPACITY_REQUEST = f"{GROUP}/capacity-requested-at"
+# The same for the prefill pool (spec.prefill.autoscaling.minReplicas 0): a prompt wanted a
+# prefill engine and none was ready (the decode engine computed it meanwhile).
+ANNOTATION_PREFILL_CAPACITY_REQUEST = f"{GROUP}/prefill-capacity-requested-at"
 
 # Annotation on the engine pod template: hash of the pod spec, so status can count updated pods.
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"

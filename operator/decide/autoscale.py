@@ -113,7 +113,7 @@ def decide_zero(policy: AutoscalingSpec, current: int, activity: Activity,
         return None
     if current == 0:
         if capacity_requested:
-            return ZeroDecision(1, "a request is waiting at the router", Activity(
+            return ZeroDecision(1, "the router asked for a replica", Activity(
                 now, activity.requests_seen))
         return None
     idle = now - activity.last_active_at

@@ -150,9 +150,11 @@ def build_status(*, replicas: list[ReplicaState], desired: int, current_hash: st
 
 def build_pool_status(replicas: list[ReplicaState], desired: int,
                       current_hash: str) -> dict[str, Any]:
-    """status.prefill: the prefill pool's counts and phase. The service's own phase stays the
-    decode pool's: without a ready prefill engine the router lets decode compute the prompt."""
+    """status.prefill: the prefill pool's counts, phase and load. The service's own phase
+    stays the decode pool's: without a ready prefill engine the router lets decode compute
+    the prompt (phase Idle: scaled to zero)."""
     ready = sum(r.ready for r in replicas)
+    agg = aggregate_metrics(replicas)
     return {
         "replicas": len(replicas),
         "readyReplicas": ready,
@@ -160,6 +162,9 @@ def build_pool_status(replicas: list[ReplicaState], desired: int,
         "desiredReplicas": desired,
         "ready": f"{ready}/{desired}",
         "phase": decide_phase(replicas, desired)[0],
+        "kvCacheUsage": None if agg.kv_cache_usage is None else round(agg.kv_cache_usage, 4),
+        "waitingRequests": agg.waiting,
+        "runningRequests": agg.running,
         "replicaStatus": [replica_status_entry(r)
                           for r in sorted(replicas, key=lambda r: r.name)],
     }

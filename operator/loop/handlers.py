@@ -20,6 +20,7 @@ from shoal.operator.loop import metrics as operator_metrics
 from shoal.operator.loop.reconcile import ReconcileContext, reconcile
 from shoal.operator.names import (
     ANNOTATION_CAPACITY_REQUEST,
+    ANNOTATION_PREFILL_CAPACITY_REQUEST,
     ENGINE_METRICS_PORT,
     GROUP,
     PLURAL,
@@ -102,9 +103,17 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             return  # children go with their owner (garbage collection); nothing to converge
         if meta.get("generation") != status.get("observedGeneration") or not status:
             await run_round(body, "spec change")
-        elif (meta.get("annotations") or {}).get(ANNOTATION_CAPACITY_REQUEST) not in (
-                None, (status.get("autoscaler") or {}).get("capacityRequestSeen")):
-            await run_round(body, "capacity request")  # the router holds a request: now
+        elif _new_capacity_request(meta, status):
+            await run_round(body, "capacity request")  # the router asks for an engine: now
 
     return registry
 
+
+
+def _new_capacity_request(meta: dict[str, Any], status: dict[str, Any]) -> bool:
+    """The router annotated a capacity request (either pool's) not acted on yet."""
+    annotations = meta.get("annotations") or {}
+    seen = ((status.get("autoscaler") or {}).get("capacityRequestSeen"),
+            ((status.get("prefill") or {}).get("autoscaler") or {}).get("capacityRequestSeen"))
+    return any(annotations.get(name) not in (None, last) for name, last in zip(
+        (ANNOTATION_CAPACITY_REQUEST, ANNOTATION_PREFILL_CAPACITY_REQUEST), seen, strict=True))

@@ -30,13 +30,19 @@ from shoal.operator.decide.replica import (
     observe_replica,
     probe_target,
 )
-from shoal.operator.decide.status import build_pool_status, build_status
+from shoal.operator.decide.status import (
+    aggregate_metrics,
+    build_pool_status,
+    build_status,
+    decide_phase,
+)
 from shoal.operator.kube.api import API_ERRORS, ISVC, POD, KubeApi
 from shoal.operator.loop.engine_calls import probe_engine, sync_replica
 from shoal.operator.loop.gateway import reconcile_gateway
 from shoal.operator.loop.prune import prune_children
 from shoal.operator.names import (
     ANNOTATION_CAPACITY_REQUEST,
+    ANNOTATION_PREFILL_CAPACITY_REQUEST,
     ENGINE_CONTAINER,
     ENGINE_METRICS_PORT,
     ENGINE_READY_CONDITION,
@@ -53,7 +59,7 @@ from shoal.operator.render.gateway import render_gateway_children
 from shoal.operator.render.pd import prefill_selector
 from shoal.operator.render.router import service_url
 from shoal.operator.spec.adapters import LoraSpec, adapters_in_args, syncs_at_run_time
-from shoal.operator.spec.service import ServiceSpec, SpecError, parse_spec
+from shoal.operator.spec.service import AutoscalingSpec, ServiceSpec, SpecError, parse_spec
 
 log = logging.getLogger("shoal.operator")
 
@@ -157,7 +163,7 @@ async def _apply_children(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec
 
 async def _observe_prefill(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
                            current_hash: str, previous: dict[str, Any], now: datetime
-                           ) -> dict[str, Any] | None:
+                           ) -> tuple[dict[str, Any], list[ReplicaState]] | None:
     """The prefill pool's pods: probed and gated like the decode pool's; its status block."""
     if spec.prefill is None:
         return None
@@ -171,7 +177,24 @@ async def _observe_prefill(ctx: ReconcileContext, owner: Owner, spec: ServiceSpe
     before = (previous.get("prefill") or {}).get("replicaStatus") or []
     for pod_name, failure in new_failures(before, replicas):
         await _event(ctx, owner, "Warning", failure.reason, f"{pod_name}: {failure.message}")
-    return build_pool_status(replicas, spec.prefill.replicas, current_hash)
+    return build_pool_status(replicas, spec.prefill.replicas, current_hash), replicas
+
+
+@dataclass(frozen=True)
+class PoolScaling:
+    """What the built-in autoscaler needs of one pool: the decode pool (spec.autoscaling,
+    spec.replicas) or the prefill pool (spec.prefill.autoscaling, spec.prefill.replicas)."""
+
+    policy: AutoscalingSpec
+    current: int  # the replicas the spec asks for now
+    saved: dict[str, Any]  # the pool's autoscaler block of the last status
+    capacity_annotation: str  # the router's ask for this pool (scale from zero)
+    label: str  # "replicas" or "prefill replicas", in the Scaled Event
+
+    def spec_patch(self, replicas: int) -> dict[str, Any]:
+        if self.label == "replicas":  # the field the scale subresource (HPA/KEDA) writes too
+            return {"spec": {"replicas": replicas}}
+        return {"spec": {"prefill": {"replicas": replicas}}}
 
 
 @dataclass(frozen=True)
@@ -180,33 +203,46 @@ class AutoscaleOutcome:
     activity: Activity
     capacity_seen: str | None
 
+    def status(self) -> dict[str, Any]:
+        """The pool's autoscaler block of status (read back by the next round)."""
+        return {
+            "recommendation": self.decision.recommendation,
+            "recommendations": [{"at": r.at, "replicas": r.replicas}
+                                for r in self.decision.history],
+            "lastActiveAt": self.activity.last_active_at,
+            "requestsSeen": self.activity.requests_seen,
+            "capacityRequestSeen": self.capacity_seen,
+        }
 
-async def _autoscale(ctx: ReconcileContext, owner: Owner, spec: ServiceSpec,
-                     body: dict[str, Any], status: dict[str, Any], ready: int,
-                     kv: float | None, waiting: int, running: int, finished: float | None
-                     ) -> AutoscaleOutcome | None:
-    if spec.autoscaling is None:
-        return None
-    saved = status.get("autoscaler") or {}
+
+async def _autoscale(ctx: ReconcileContext, owner: Owner, pool: PoolScaling,
+                     body: dict[str, Any], replicas: list[ReplicaState]) -> AutoscaleOutcome:
+    """One pool's scaling decision from its own engines' queue and KV usage; a change is
+    written to the pool's replicas field of the spec."""
+    saved = pool.saved
     history = tuple(Recommendation(float(r["at"]), int(r["replicas"]))
                     for r in saved.get("recommendations") or [])
     now = time.time()
     previous = (Activity(float(saved["lastActiveAt"]), float(saved.get("requestsSeen") or 0))
                 if saved.get("lastActiveAt") is not None else None)
-    activity = observe_activity(previous, running, waiting, finished, now)
+    load = aggregate_metrics(replicas)
+    scraped = [r.metrics for r in replicas if r.ready and r.metrics is not None]
+    finished = sum(m.finished for m in scraped) if scraped else None
+    activity = observe_activity(previous, load.running, load.waiting, finished, now)
     # the router's ask for capacity: an annotation newer than the last one acted on
     asked = ((body.get("metadata") or {}).get("annotations") or {}).get(
-        ANNOTATION_CAPACITY_REQUEST)
+        pool.capacity_annotation)
     capacity_requested = bool(asked) and asked != saved.get("capacityRequestSeen")
-    current = spec.replicas
-    decision, activity = decide_replicas(spec.autoscaling, current, ready, kv, waiting, history,
-                                         activity, capacity_requested, now)
+    current = pool.current
+    ready = sum(r.ready for r in replicas)
+    kv = None if load.kv_cache_usage is None else round(load.kv_cache_usage, 4)
+    decision, activity = decide_replicas(pool.policy, current, ready, kv, load.waiting,
+                                         history, activity, capacity_requested, now)
     if decision.replicas != current:
-        # The same field the scale subresource (HPA/KEDA) writes: one knob for desired replicas.
         await ctx.kube.merge_patch(ISVC, owner.namespace, owner.name,
-                                   {"spec": {"replicas": decision.replicas}})
+                                   pool.spec_patch(decision.replicas))
         await _event(ctx, owner, "Normal", "Scaled",
-                     f"replicas {current} -> {decision.replicas}: {decision.reason}")
+                     f"{pool.label} {current} -> {decision.replicas}: {decision.reason}")
     return AutoscaleOutcome(decision, activity, asked)
 
 
@@ -285,37 +321,49 @@ async def reconcile(ctx: ReconcileContext, body: dict[str, Any]) -> dict[str, An
         status["adapterErrors"] = adapter_errors if spec.lora is not None else None
     status["recycle"] = {"count": recycle.count, "lastAt": recycle.last_at}
 
-    prefill = await _observe_prefill(ctx, owner, spec, hashes.get(prefill_name(owner), ""),
-                                     previous, now)
-    if prefill is not None or "prefill" in previous:
-        status["prefill"] = prefill  # None: the pool is gone, the merge patch removes it
+    observed = await _observe_prefill(ctx, owner, spec, hashes.get(prefill_name(owner), ""),
+                                      previous, now)
+    if observed is not None or "prefill" in previous:
+        # None: the pool is gone, the merge patch removes it
+        status["prefill"] = observed[0] if observed is not None else None
     if gateway.condition is not None:
         status["conditions"].append(gateway.condition)
         status["gateway"] = gateway.status
     elif "gateway" in previous:
         status["gateway"] = None  # the pool is gone: the merge patch removes the stale block
-    scraped = [r.metrics for r in replicas if r.ready and r.metrics is not None]
-    finished = sum(m.finished for m in scraped) if scraped else None
-    outcome = await _autoscale(ctx, owner, spec, body, previous, status["readyReplicas"],
-                               status["kvCacheUsage"], status["waitingRequests"],
-                               status["runningRequests"], finished)
-    if outcome is not None:
-        decision = outcome.decision
-        status["autoscaler"] = {
-            "recommendation": decision.recommendation,
-            "recommendations": [{"at": r.at, "replicas": r.replicas} for r in decision.history],
-            "lastActiveAt": outcome.activity.last_active_at,
-            "requestsSeen": outcome.activity.requests_seen,
-            "capacityRequestSeen": outcome.capacity_seen,
-        }
-        if decision.replicas != desired:
-            await ctx.kube.apply(next(c for c in render_children(owner, spec, decision.replicas)
+    if spec.autoscaling is not None:
+        outcome = await _autoscale(ctx, owner, PoolScaling(
+            spec.autoscaling, desired, previous.get("autoscaler") or {},
+            ANNOTATION_CAPACITY_REQUEST, "replicas"), body, replicas)
+        status["autoscaler"] = outcome.status()
+        decided = outcome.decision.replicas
+        if decided != desired:
+            await ctx.kube.apply(next(c for c in render_children(owner, spec, decided)
                                       if c["kind"] == "Deployment"
                                       and c["metadata"]["name"] == engine_name(owner)))
-            status["desiredReplicas"] = decision.replicas
-            status["ready"] = f"{status['readyReplicas']}/{decision.replicas}"
-            if decision.replicas == 0:
+            status["desiredReplicas"] = decided
+            status["ready"] = f"{status['readyReplicas']}/{decided}"
+            if decided == 0:
                 status["phase"] = "Idle"
+    if observed is not None and "autoscaler" in (previous.get("prefill") or {}):
+        observed[0]["autoscaler"] = None  # spec.prefill.autoscaling gone: clear its state
+    if observed is not None and spec.prefill is not None \
+            and spec.prefill.autoscaling is not None:
+        pool_status, prefill_replicas = observed
+        outcome = await _autoscale(ctx, owner, PoolScaling(
+            spec.prefill.autoscaling, spec.prefill.replicas,
+            ((previous.get("prefill") or {}).get("autoscaler") or {}),
+            ANNOTATION_PREFILL_CAPACITY_REQUEST, "prefill replicas"), body, prefill_replicas)
+        pool_status["autoscaler"] = outcome.status()
+        decided = outcome.decision.replicas
+        if decided != spec.prefill.replicas:
+            resized = replace(spec, prefill=replace(spec.prefill, replicas=decided))
+            await ctx.kube.apply(next(c for c in render_children(owner, resized, desired)
+                                      if c["kind"] == "Deployment"
+                                      and c["metadata"]["name"] == prefill_name(owner)))
+            pool_status.update(desiredReplicas=decided,
+                               ready=f"{pool_status['readyReplicas']}/{decided}",
+                               phase=decide_phase(prefill_replicas, decided)[0])
 
     if previous.get("phase") != status["phase"]:
         level = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"

@@ -60,11 +60,15 @@ def router_args(owner: Owner, spec: ServiceSpec) -> list[str]:
 
 def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:
     """minReplicas 0: the router holds requests while no engine is ready and asks for one by
-    annotating this InferenceService (runtime/router/replicas/capacity_request.py)."""
-    if spec.autoscaling is None or not spec.autoscaling.scales_to_zero:
-        return []
-    return ["--hold-timeout", str(spec.autoscaling.hold_timeout_seconds),
-            "--capacity-request", owner.name]
+    annotating this InferenceService (runtime/router/replicas/capacity_request.py). A prefill
+    pool at zero holds nothing (the decode engine computes the prompt) but is asked for the
+    same way."""
+    decode = spec.autoscaling is not None and spec.autoscaling.scales_to_zero
+    prefill = spec.prefill is not None and spec.prefill.autoscaling is not None \
+        and spec.prefill.autoscaling.scales_to_zero
+    hold = ["--hold-timeout", str(spec.autoscaling.hold_timeout_seconds)] \
+        if decode and spec.autoscaling is not None else []
+    return hold + (["--capacity-request", owner.name] if decode or prefill else [])
 
 
 PROBE_TIMING = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}

@@ -137,6 +137,8 @@ class PrefillSpec:
     replicas: int = 1
     resources: ResourcesSpec = ResourcesSpec()  # defaults to spec.resources
     threshold: int = DEFAULT_PD_THRESHOLD  # uncached prompt tokens above which prefill runs
+    # the built-in autoscaler on the prefill pool's own queue and KV usage; None: fixed size
+    autoscaling: AutoscalingSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,7 @@ def parse_spec(spec: dict[str, Any]) -> ServiceSpec:
     model = _parse_model(root.sub("model"))
     runtime = _parse_runtime(root.sub("runtime"))
     resources = _parse_resources(root.sub("resources"), runtime)
-    autoscaling = _parse_autoscaling(root.sub("autoscaling")) if root.has("autoscaling") else None
-    # With autoscaling and no replicas yet, start at the minimum (the autoscaler writes it).
-    default_replicas = autoscaling.min_replicas if autoscaling is not None else 1
-    replicas = root.integer("replicas", default_replicas, minimum=0) or 0
-    if autoscaling is not None and root.has("replicas"):
-        if not autoscaling.min_replicas <= replicas <= autoscaling.max_replicas:
-            raise SpecError("spec.replicas", "must lie within autoscaling min/max replicas")
+    autoscaling, replicas = _parse_scaled_replicas(root)
     rt = root.sub("routing")
     routing = RoutingSpec(
         enabled=rt.boolean("enabled", True),
@@ -231,14 +227,34 @@ def _parse_prefill(p: SpecReader, runtime: RuntimeSpec, decode: ResourcesSpec,
     if not routing.enabled or routing.policy != "cache-affinity":
         raise SpecError("spec.prefill", "needs spec.routing.enabled with policy cache-affinity "
                         "(the router decides per request whether a prefill engine runs)")
+    autoscaling, replicas = _parse_scaled_replicas(p)
+    if autoscaling is not None and autoscaling.scales_to_zero and \
+            routing.gateway.inference_pool:
+        raise SpecError("spec.prefill.autoscaling.minReplicas",
+                        "0 needs the router: through spec.routing.gateway.inferencePool the "
+                        "Endpoint Picker does not ask for a prefill replica yet")
     if decode.gpus > 1 or resources.gpus > 1:
         raise SpecError("spec.prefill", "KV transfer runs on one rank: resources.gpus <= 1 "
                         "in both pools")
     if lora is not None:
         raise SpecError("spec.prefill", "LoRA adapters with a prefill pool are not supported")
     return PrefillSpec(
-        replicas=p.integer("replicas", 1, minimum=1) or 1, resources=resources,
+        replicas=replicas, resources=resources, autoscaling=autoscaling,
         threshold=p.integer("threshold", DEFAULT_PD_THRESHOLD, minimum=0) or 0)
+
+
+def _parse_scaled_replicas(pool: SpecReader) -> tuple[AutoscalingSpec | None, int]:
+    """A pool's autoscaling and replicas (spec or spec.prefill): with autoscaling and no
+    replicas yet, the pool starts at the minimum (the autoscaler writes replicas after)."""
+    autoscaling = _parse_autoscaling(pool.sub("autoscaling")) if pool.has("autoscaling") \
+        else None
+    default_replicas = autoscaling.min_replicas if autoscaling is not None else 1
+    replicas = pool.integer("replicas", default_replicas, minimum=0) or 0
+    if autoscaling is not None and pool.has("replicas"):
+        if not autoscaling.min_replicas <= replicas <= autoscaling.max_replicas:
+            raise SpecError(f"{pool.path}.replicas",
+                            "must lie within autoscaling min/max replicas")
+    return autoscaling, replicas
 
 
 def _secret_key(ref: SpecReader, at: str, default_name: str | None,
@@ -308,10 +324,10 @@ def _parse_autoscaling(a: SpecReader) -> AutoscalingSpec:
     low = a.integer("minReplicas", 1, minimum=0) or 0
     high = a.integer("maxReplicas", None, minimum=1)
     if high is None:
-        raise SpecError("spec.autoscaling.maxReplicas", "is required")
+        raise SpecError(f"{a.path}.maxReplicas", "is required")
     if low > high:
-        raise SpecError("spec.autoscaling.minReplicas",
-                        f"must be <= spec.autoscaling.maxReplicas ({low} > {high})")
+        raise SpecError(f"{a.path}.minReplicas",
+                        f"must be <= {a.path}.maxReplicas ({low} > {high})")
     return AutoscalingSpec(
         min_replicas=low, max_replicas=high,
         target_kv_cache_usage=a.number("targetKVCacheUsage", 0.8, 0.0, 1.0, low_open=True) or 0.8,

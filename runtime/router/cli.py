@@ -165,7 +165,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "together; one more is answered 503 at once (default 256 MiB)")
     parser.add_argument("--capacity-request", default="", metavar="NAME",
                         help="kubernetes: annotate InferenceService NAME (in --namespace) "
-                             "to ask the operator for a replica while requests are held")
+                             "to ask the operator for a replica while requests are held, and, "
+                             "with --prefill-backend, for a prefill replica when a prompt "
+                             "wanted one and none was ready")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     add_router_flags(parser)

@@ -107,3 +107,80 @@ async def test_both_pools_reconciled_and_the_prefill_pool_pruned_when_removed(
             task.cancel()
         for kubelet in kubelets:
             kubelet.stop_all()
+
+
+async def test_the_prefill_pool_autoscales_on_its_own_load_to_zero_and_back(
+        apiserver: SimpleNamespace, operator_process: Any, standin_engines: Any,
+        fake_kubelet_cls: type, tmp_path: Any) -> None:
+    """spec.prefill.autoscaling: the prefill pool starts at minReplicas 0 (Idle), comes up on
+    the router's prefill capacity request, scales on its own engines' queue (the decode pool,
+    fixed at 1, untouched), back down after scaleDownDelaySeconds and to 0 after
+    scaleToZeroAfterSeconds without a prefill."""
+    api = apiserver.api
+    load = tmp_path / "load.json"
+    load.write_text('{"waiting": 0}')
+    standin_engines.settings["*"] = ["--metrics-file", str(load)]
+    body = {"apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "pd", "namespace": NS},
+            "spec": {"model": {"uri": "builtin://default", "servedName": "demo"},
+                     "runtime": {"device": "cpu"}, "resources": {"gpus": 0},
+                     "replicas": 1, "startup": {"timeoutSeconds": 120},
+                     "prefill": {"autoscaling": {
+                         "minReplicas": 0, "maxReplicas": 2, "targetWaitingRequests": 2,
+                         "scaleDownDelaySeconds": 1, "scaleToZeroAfterSeconds": 6}}}}
+    (await api.post(ISVC_PATH, json=body)).raise_for_status()
+    operator_process.start()
+    kubelets = [
+        fake_kubelet_cls(api=api, namespace=NS, deployment="pd-engine",
+                         start_engine=standin_engines),
+        fake_kubelet_cls(api=api, namespace=NS, deployment="pd-prefill",
+                         start_engine=standin_engines,
+                         _free_ips=[f"127.0.0.{n}" for n in range(30, 40)]),
+    ]
+    tasks = [asyncio.create_task(k.run()) for k in kubelets]
+
+    async def prefill_status(ready: str) -> Any:
+        async def check() -> dict[str, Any] | None:
+            obj = await get(api, f"{ISVC_PATH}/pd")
+            st = ((obj or {}).get("status") or {}).get("prefill") or {}
+            return obj if st.get("ready") == ready and \
+                obj["status"].get("ready") == "1/1" else None
+        return await wait_for(check, f"prefill pool {ready}", operator_process)
+
+    try:
+        idle = await prefill_status("0/0")
+        assert idle["status"]["prefill"]["phase"] == "Idle"
+        router = await get(api, f"{DEPLOYMENTS}/pd-router")
+        assert router is not None
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--capacity-request") + 1] == "pd"
+        assert "--hold-timeout" not in args  # decode computes prompts meanwhile
+
+        # the router's ask (what PrefillStage sends when no prefill replica is ready)
+        stamp = "2026-12-07T04:00:00.000000Z"
+        (await api.patch(f"{ISVC_PATH}/pd", json={"metadata": {"annotations": {
+            "serving.shoal.dev/prefill-capacity-requested-at": stamp}}},
+            headers={"Content-Type": "application/merge-patch+json"})).raise_for_status()
+        one = await prefill_status("1/1")
+        assert one["spec"]["prefill"]["replicas"] == 1
+        assert one["status"]["prefill"]["autoscaler"]["capacityRequestSeen"] == stamp
+
+        load.write_text('{"waiting": 5}')  # 5 waiting on 1 replica against a target of 2
+        two = await prefill_status("2/2")
+        assert two["spec"]["replicas"] == 1 and two["status"]["prefill"]["waitingRequests"] > 0
+        assert (await get(api, f"{DEPLOYMENTS}/pd-prefill") or {})["spec"]["replicas"] == 2
+
+        # idle: 2 -> 1 after the 1 s window (the load-based autoscaler stops at 1), then 1 -> 0
+        # 6 s after the last prefill (the pool's own idle window)
+        load.write_text('{"waiting": 0}')
+        await prefill_status("0/0")
+        events = await get(api, f"/api/v1/namespaces/{NS}/events") or {}
+        scaled = [e["message"].split(":")[0] for e in events.get("items") or []
+                  if e["reason"] == "Scaled"]
+        assert scaled == ["prefill replicas 0 -> 1", "prefill replicas 1 -> 2",
+                          "prefill replicas 2 -> 1", "prefill replicas 1 -> 0"]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for kubelet in kubelets:
+            kubelet.stop_all()

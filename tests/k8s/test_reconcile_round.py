@@ -152,3 +152,38 @@ async def test_a_prefill_pool_is_rendered_reported_and_pruned_when_removed() -> 
     assert third["prefill"] is None  # the merge patch removes the block
     engine = api.objects[("Deployment", "m-engine")]["spec"]["template"]["spec"]
     assert "--kv-transfer-config" not in engine["containers"][0]["args"]
+
+
+async def test_the_prefill_autoscaler_scales_its_own_pool_on_the_routers_request() -> None:
+    """spec.prefill.autoscaling with minReplicas 0: the pool starts at 0 (phase Idle), and a
+    prefill capacity request from the router brings it to 1 (spec.prefill.replicas and the
+    Deployment), leaving the decode pool alone."""
+    api = MemoryApi()
+    pd = {"model": {"uri": "hf://org/m"}, "replicas": 2,
+          "prefill": {"autoscaling": {"minReplicas": 0, "maxReplicas": 3}}}
+    async with httpx.AsyncClient() as http:
+        ctx = ReconcileContext(kube=api, http=http)  # type: ignore[arg-type]
+        first = await reconcile(ctx, service(pd))
+        assert api.objects[("Deployment", "m-prefill")]["spec"]["replicas"] == 0
+        assert (first["prefill"]["ready"], first["prefill"]["phase"]) == ("0/0", "Idle")
+        assert first["phase"] == "Pending" and first["ready"] == "0/2"
+        body = service(pd, status=first)
+        stamp = "2026-12-07T04:00:00.000000Z"
+        body["metadata"]["annotations"] = {"serving.shoal.dev/prefill-capacity-requested-at":
+                                           stamp}
+        api.patches.clear()
+        second = await reconcile(ctx, body)
+        assert {"spec": {"prefill": {"replicas": 1}}} in [p[2] for p in api.patches]
+        assert api.objects[("Deployment", "m-prefill")]["spec"]["replicas"] == 1
+        assert api.objects[("Deployment", "m-engine")]["spec"]["replicas"] == 2
+        assert second["prefill"]["ready"] == "0/1"
+        assert second["prefill"]["autoscaler"]["capacityRequestSeen"] == stamp
+        scaled = [e["message"] for e in api.events if e["reason"] == "Scaled"]
+        assert scaled == ["prefill replicas 0 -> 1: the router asked for a replica"]
+        # the same annotation again is not a new request: the pool stays where the spec says
+        pd["prefill"]["replicas"] = 1
+        again = service(pd, status=second)
+        again["metadata"]["annotations"] = body["metadata"]["annotations"]
+        api.events.clear()
+        await reconcile(ctx, again)
+        assert not [e for e in api.events if e["reason"] == "Scaled"]

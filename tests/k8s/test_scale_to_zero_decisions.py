@@ -78,3 +78,25 @@ def test_router_and_operator_agree_on_the_capacity_annotation() -> None:
     from shoal.runtime.router.replicas.capacity_request import CAPACITY_ANNOTATION
 
     assert CAPACITY_ANNOTATION == ANNOTATION_CAPACITY_REQUEST
+
+
+def test_router_of_a_prefill_pool_at_zero_asks_for_it_without_holding_requests() -> None:
+    owner = Owner("pd", "serving", "u")
+    spec = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                       "prefill": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}})
+    args = router_args(owner, spec)
+    assert args[args.index("--capacity-request") + 1] == "pd"
+    assert "--hold-timeout" not in args  # the decode engines compute prompts meanwhile
+    role = render_router_rbac(owner, spec)[1]
+    assert {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"],
+            "resourceNames": ["pd"], "verbs": ["get", "patch"]} in role["rules"]
+    at_one = parse_spec({"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+                         "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2}}})
+    assert "--capacity-request" not in router_args(owner, at_one)
+
+
+def test_router_and_operator_agree_on_the_prefill_capacity_annotation() -> None:
+    from shoal.operator.names import ANNOTATION_PREFILL_CAPACITY_REQUEST
+    from shoal.runtime.router.replicas.capacity_request import PREFILL_CAPACITY_ANNOTATION
+
+    assert PREFILL_CAPACITY_ANNOTATION == ANNOTATION_PREFILL_CAPACITY_REQUEST

@@ -4,7 +4,10 @@ the prefill leg's body (vLLM's proxy flow); the sidecar's reading of the picker'
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from multidict import CIMultiDict
 from shoal.runtime.router.config import RouterConfig
 from shoal.runtime.router.policies.base import Decision, ReplicaSnapshot
 from shoal.runtime.router.policies.pd_decider import (
@@ -13,7 +16,14 @@ from shoal.runtime.router.policies.pd_decider import (
     uncached_tokens,
 )
 from shoal.runtime.router.policies.request_keys import KeyConfig, RequestKeys
-from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillOutcome, prefill_request
+from shoal.runtime.router.proxy.pd import (
+    HeaderPrefill,
+    PrefillOutcome,
+    PrefillStage,
+    prefill_request,
+)
+from shoal.runtime.router.replicas.capacity_request import CapacityAsker
+from shoal.runtime.router.replicas.pool import ReplicaPool
 
 CONFIG = KeyConfig(block_size=16, chars_per_block=64)
 
@@ -92,3 +102,22 @@ def test_a_sidecar_needs_one_decode_engine_and_the_prefill_addresses():
                              pd_sidecar=True)):
         with pytest.raises(ValueError, match="--pd-sidecar"):
             bad.validate()
+
+
+async def test_a_prefill_pool_at_zero_sends_the_prompt_to_decode_and_asks_for_a_replica():
+    """spec.prefill.autoscaling.minReplicas 0: no prefill replica is ready, so the decode
+    replica gets the request as it came, and the operator is asked (once per interval)."""
+    sent: list[str] = []
+
+    async def send() -> None:
+        sent.append("asked")
+
+    stage = PrefillStage(ReplicaPool(), threshold=0, asker=CapacityAsker(send, interval_s=60))
+    body = b'{"model": "m", "prompt": "a long prompt"}'
+    for _ in range(3):
+        outcome = await stage.run(None, "/v1/completions", body,  # type: ignore[arg-type]
+                                  CIMultiDict(), 1.0, "uncached_prompt")
+        assert (outcome.body, outcome.decision, outcome.reason) == \
+            (body, "failed", "no_prefill_replica")
+    await asyncio.sleep(0)  # the ask runs in the background
+    assert sent == ["asked"]  # three prompts, one request within the interval

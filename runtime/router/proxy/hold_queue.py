@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from shoal.runtime.router.replicas.capacity_request import CapacityAsker
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
 log = logging.getLogger("shoal.router.hold")
@@ -50,15 +51,14 @@ class CapacityHold:
                  ask_capacity: Callable[[], Awaitable[None]] | None = None) -> None:
         self.pool = pool
         self.settings = settings
-        self.ask_capacity = ask_capacity
+        self.asker = CapacityAsker(ask_capacity, settings.ask_interval_s) \
+            if ask_capacity is not None else None
         self.held = 0
         self.held_bytes = 0
         self.released = 0
         self.timed_out = 0
         self.first_held_at: float | None = None  # monotonic; for the time-to-capacity figure
         self._wakeup: asyncio.Event | None = None
-        self._last_ask = 0.0
-        self._asking: asyncio.Task[None] | None = None
         pool.on_ready.append(self._replica_ready)
 
     @property
@@ -69,23 +69,6 @@ class CapacityHold:
         if self._wakeup is not None:
             self._wakeup.set()  # every waiter of this generation wakes
             self._wakeup = None
-
-    def _ask(self) -> None:
-        now = time.monotonic()
-        if self.ask_capacity is None or (self._asking and not self._asking.done()):
-            return
-        if now - self._last_ask < self.settings.ask_interval_s and self._last_ask:
-            return
-        self._last_ask = now
-        self._asking = asyncio.create_task(self._ask_once(), name="capacity request")
-
-    async def _ask_once(self) -> None:
-        assert self.ask_capacity is not None
-        try:
-            await self.ask_capacity()
-        except Exception as exc:  # noqa: BLE001 (logged; the next held request asks again)
-            log.warning("capacity request failed: %r", exc)
-            self._last_ask = 0.0
 
     async def wait_for_replica(self, body_bytes: int = 0) -> HoldRefused | None:
         """None once a replica is ready (at once if one already is), else why not.
@@ -105,7 +88,8 @@ class CapacityHold:
             self.first_held_at = time.monotonic()
         try:
             while not self.pool.available():
-                self._ask()
+                if self.asker is not None:
+                    self.asker.ask()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.timed_out += 1

@@ -36,6 +36,7 @@ from shoal.runtime.router.policies.pd_decider import (
     REASON_PREFILL_ERROR,
     least_loaded,
 )
+from shoal.runtime.router.replicas.capacity_request import CapacityAsker
 from shoal.runtime.router.replicas.pool import ReplicaPool, normalize_url
 
 from shoal.contract.headers import PREFILLER_HEADER
@@ -113,11 +114,15 @@ async def prefill_leg(session: aiohttp.ClientSession, url: str, path: str,
 class PrefillStage:
     """The proxy's own choice of prefill replica (``--prefill-backend``, least loaded)."""
 
-    def __init__(self, pool: ReplicaPool, threshold: int) -> None:
+    def __init__(self, pool: ReplicaPool, threshold: int,
+                 asker: CapacityAsker | None = None) -> None:
         if threshold < 0:
             raise ValueError("--pd-threshold must be >= 0")
         self.pool = pool
         self.threshold = threshold
+        # a prefill pool that scales to zero: no replica ready asks the operator for one
+        # (the decode replica computes this prompt meanwhile; nothing waits)
+        self.asker = asker
 
     async def run(self, session: aiohttp.ClientSession, path: str, body: bytes,
                   headers: CIMultiDict, timeout_s: float, reason: str) -> PrefillOutcome:
@@ -127,7 +132,10 @@ class PrefillStage:
             return PrefillOutcome(body, "local", REASON_ALREADY_SPLIT)
         candidates = self.pool.available()
         if not candidates:
-            log.warning("no prefill replica ready: the decode replica computes the prompt")
+            if self.asker is not None:
+                self.asker.ask()
+            else:
+                log.warning("no prefill replica ready: the decode replica computes the prompt")
             return PrefillOutcome(body, "failed", REASON_NO_PREFILL)
         replica = self.pool.replicas[least_loaded([r.snapshot() for r in candidates]).url]
         replica.in_flight += 1

@@ -12,7 +12,11 @@ from shoal.runtime.router.policies.request_keys import KeyConfig, PromptTokenize
 from shoal.runtime.router.proxy.app import ProxySettings, RouterApp
 from shoal.runtime.router.proxy.hold_queue import CapacityHold, HoldSettings
 from shoal.runtime.router.proxy.pd import HeaderPrefill, PrefillStage
-from shoal.runtime.router.replicas.capacity_request import CapacityRequester
+from shoal.runtime.router.replicas.capacity_request import (
+    PREFILL_CAPACITY_ANNOTATION,
+    CapacityAsker,
+    CapacityRequester,
+)
 from shoal.runtime.router.replicas.discovery import KubernetesDiscovery
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
@@ -67,8 +71,12 @@ def build_router(config: RouterConfig) -> RouterApp:
         stream_stall_timeout=config.stream_stall_timeout,
         quarantine_window=config.quarantine_window)
     discovery = fleet.discovery
-    ask = (CapacityRequester(discovery, config.capacity_request)
-           if config.capacity_request and isinstance(discovery, KubernetesDiscovery) else None)
+    ask = None
+    if config.capacity_request and isinstance(discovery, KubernetesDiscovery):
+        ask = CapacityRequester(discovery, config.capacity_request)  # held requests' (decode)
+        if prefill is not None:  # a prompt that found no prefill replica (prefill at zero)
+            prefill.asker = CapacityAsker(CapacityRequester(
+                discovery, config.capacity_request, annotation=PREFILL_CAPACITY_ANNOTATION))
     hold = CapacityHold(pool, HoldSettings(config.hold_timeout, config.hold_queue,
                                            config.hold_queue_bytes), ask)
     app = RouterApp(pool, policy, settings, tokenizer, startup, shutdown, hold=hold,
