@@ -233,6 +233,8 @@ def _target(model: DecoderForCausalLM, ckpt_name: str,
     moe = expert_checkpoint_target(ckpt_name)
     if moe is not None:
         if moe[1] is not None:
+            if params is not None and moe[0] not in params and f"{moe[0]}.weight" in params:
+                return f"{moe[0]}.weight", moe[1]  # quantized experts' FP8 weight
             return moe
         ckpt_name = moe[0]  # renamed into our module names; mapped as usual below
     for fragment, (packed, shard) in model.packed_modules.items():
@@ -292,11 +294,40 @@ def check_quantized_model(spec: QuantSpec, config: ModelConfig, parallel: Parall
         raise QuantizationError(f"{spec.method}: quantized checkpoints are served at "
                                 "--tensor-parallel-size 1 only")
     if config.moe is not None:
-        raise QuantizationError(f"{spec.method}: quantized mixture-of-experts checkpoints "
-                                f"({config.architecture}) are not supported")
+        check_quantized_experts(spec, config)
     if load_format == "dummy":
         raise QuantizationError(f"{spec.method}: --load-format dummy makes full-precision "
                                 "weights; it does not apply to a quantized checkpoint")
+
+
+def check_quantized_experts(spec: QuantSpec, config: ModelConfig) -> None:
+    """Quantized experts run on the native CPU kernel or the Triton fused MoE
+    (``quant/experts.py``); what neither takes is refused before anything is built."""
+    from shoal.runtime.model.quant.spec import Fp8BlockScheme, Fp8ChannelScheme, IntWeightScheme
+
+    assert config.moe is not None
+    if isinstance(spec.scheme, GgufScheme) or not isinstance(
+            spec.scheme, IntWeightScheme | Fp8BlockScheme | Fp8ChannelScheme):
+        raise QuantizationError(f"{spec.method}: quantized experts of {config.architecture} "
+                                "are not supported in this format")
+    if config.moe.gpt_oss_swiglu is not None:
+        raise QuantizationError(f"{spec.method}: quantized gpt-oss experts (biases, "
+                                "interleaved gate/up) are not supported")
+    if isinstance(spec.scheme, IntWeightScheme) and spec.scheme.desc_act:
+        raise QuantizationError(f"{spec.method}: act-order (desc_act) experts of "
+                                f"{config.architecture} are not supported (each expert would "
+                                "need its own column order of the shared input)")
+
+
+def check_quantized_experts_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    reason = unavailable_reason() if device.type == "cpu" else f"device {device}"
+    if reason is not None:
+        raise QuantizationError(f"quantized experts run on the native CPU kernels or CUDA, "
+                                f"not here: {reason}")
 
 
 GGUF_SPEC = QuantSpec("gguf", GgufScheme())
@@ -342,6 +373,12 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         model = cls(config, parallel, backend, max_positions, dtype, device)
     if spec is not None:
         quantize_linears(model, spec, dtype, device)
+        if config.moe is not None:
+            from shoal.runtime.model.quant.experts import quantize_experts
+
+            if not gguf_quantized:
+                check_quantized_experts_device(device)
+            quantize_experts(model, spec, device)
     if gguf_quantized:
         stage_vocab(model, dtype)
     if load_format == "dummy":
@@ -350,6 +387,10 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         load_weights(model, model_dir, gguf_quantized)
     if spec is not None:
         finalize_quantized(model)
+        if config.moe is not None:
+            from shoal.runtime.model.quant.experts import finalize_experts
+
+            finalize_experts(model)
     if gguf_quantized:
         finalize_vocab(model)
     if model.kernels.choice.linear == "onednn":

@@ -23,9 +23,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json")
 
 
-def _quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")}
+def checkpoint_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint, under its stored names (an MoE checkpoint's
+    experts per expert: ``mlp.experts.N.gate_proj.weight``), in its stored dtype: a bfloat16
+    release quantized by llm-compressor gets bfloat16 scales, a float32 one float32."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+# left in full precision, as publishers leave them: embeddings, the LM head, MoE routers
+# (their gates; Qwen2-MoE's shared-expert gate)
+KEPT = ("embed_tokens", "lm_head", ".mlp.gate", ".block_sparse_moe.gate", "shared_expert_gate")
+# compressed-tensors' ignore list for the same modules (llm-compressor's MoE examples)
+CT_IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$",
+             "re:.*shared_expert_gate$"]
+
+
+def linear_names(state: dict[str, torch.Tensor], kept: bool = False) -> list[str]:
+    """The linear layers a publisher's quantizer would quantize: every 2-d ``X.weight``
+    but the embeddings, the LM head and the MoE routers (``kept``: all but the embeddings,
+    for compressed-tensors, whose config lists the rest as ignored)."""
+    skip = ("embed_tokens",) if kept else KEPT
+    return [k[:-len(".weight")] for k, v in state.items()
+            if k.endswith(".weight") and v.dim() == 2
+            and not any(k[:-len(".weight")].endswith(s) or f"{s}." in k for s in skip)]
 
 
 def fp8_block_quantize(weight: torch.Tensor, block: tuple[int, int]
@@ -42,13 +67,12 @@ def fp8_block_quantize(weight: torch.Tensor, block: tuple[int, int]
     return q.view(nbo * bo, nbi * bi)[:out, :inp].contiguous(), scale.float()
 
 
-def _write_fp8_block(model, out: Path, block: tuple[int, int]) -> None:
+def _write_fp8_block(state: dict[str, torch.Tensor], names: list[str], out: Path,
+                     block: tuple[int, int]) -> None:
     from safetensors.torch import save_file
 
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    for name in _quantized_linears(model):
+    state = dict(state)
+    for name in names:
         q, scale = fp8_block_quantize(state[f"{name}.weight"], block)
         state[f"{name}.weight"] = q
         state[f"{name}.weight_scale_inv"] = scale
@@ -62,38 +86,46 @@ def _write_fp8_block(model, out: Path, block: tuple[int, int]) -> None:
 
 def make_quant_model(source: str | Path, fmt: str, out_dir: str | Path) -> Path:
     """Quantize the full-precision checkpoint ``source`` into ``out_dir`` (created)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     src = Path(source)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    model.config.save_pretrained(out)
+    AutoConfig.from_pretrained(src).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
+    state = checkpoint_state(src)
+    names = linear_names(state)
     if fmt.startswith("fp8-block"):
-        _write_fp8_block(model, out, (128, 128) if fmt == "fp8-block128" else (32, 32))
+        _write_fp8_block(state, names, out, (128, 128) if fmt == "fp8-block128" else (32, 32))
     elif fmt.startswith("ct-"):
         from shoal.runtime.model.quant_makers.compressed import write_compressed
 
-        write_compressed(model, out, fmt)
+        write_compressed(state, linear_names(state, kept=True),
+                         CT_IGNORE if _is_moe(out) else ["lm_head"], out, fmt)
     else:
         from shoal.runtime.model.quant_makers.gptq_awq import write_gptq_awq
 
-        write_gptq_awq(model, out, fmt)
+        write_gptq_awq(state, names, out, fmt)
     return out
+
+
+def _is_moe(out: Path) -> bool:
+    config = json.loads((out / "config.json").read_text())
+    return any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def cached_quant_model(arch: str, size: str, fmt: str) -> Path:
     """Made once into the cache beside the make-model checkpoints."""
     from shoal.runtime.model.make_model import FORMAT_VERSION, cached_build, cached_model
+    from shoal.runtime.model.make_moe_model import MOE_ARCHS, cached_moe_model
 
-    source = cached_model(arch, size)
+    source = cached_moe_model(arch, size) if arch in MOE_ARCHS else cached_model(arch, size)
     return cached_build(f"{arch}-{size}-{fmt}-v{FORMAT_VERSION}.{QUANT_VERSION}",
                         lambda out: make_quant_model(source, fmt, out))
 
 
-QUANT_VERSION = 1  # bump when a maker's output changes
+QUANT_VERSION = 2  # bump when a maker's output changes

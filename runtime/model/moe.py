@@ -25,6 +25,7 @@ from shoal.runtime.model.linear import (
     RowParallelLinear,
     _matmul,
     _read,
+    _weight,
 )
 from shoal.runtime.model.moe_config import MoeConfig
 from shoal.runtime.model.moe_router import Routing, route
@@ -83,18 +84,14 @@ class FusedExperts(nn.Module):
         self.num_experts, self.size = moe.num_experts, moe.intermediate_size
         self.start, end = parallel.shard_range(moe.intermediate_size)
         self.local = end - self.start
-        self.gate_up_proj = _param((moe.num_experts, 2 * self.local, hidden), dtype, device)
-        self.down_proj = _param((moe.num_experts, hidden, self.local), dtype, device)
+        self.hidden, self.device = hidden, device
+        # on the meta device while a quantized checkpoint's model is built (``quantize``)
+        self.gate_up_proj = _weight((moe.num_experts, 2 * self.local, hidden), dtype, device)
+        self.down_proj = _weight((moe.num_experts, hidden, self.local), dtype, device)
         # gpt-oss: [E, in, out] tensors with gate/up columns interleaved, always one tensor
         self.interleaved = moe.gpt_oss_swiglu is not None
-        experts = range(moe.num_experts)
-        for param, loader, shards in (
-                (self.gate_up_proj, self._load_gate_up,
-                 [(e, kind) for e in experts for kind in ("gate", "up")]),
-                (self.down_proj, self._load_down, [(e, "down") for e in experts])):
-            param.weight_loader = loader  # type: ignore[attr-defined]
-            param.expected_shards = ["fused"] if self.interleaved \
-                else shards  # type: ignore[attr-defined]
+        self._set_loaders()
+        self.quant_bits: int | None = None  # quantized experts: see ``quantize``
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
         self.rank = parallel.rank
@@ -107,6 +104,56 @@ class FusedExperts(nn.Module):
         else:
             self.act = _activation(device, dtype, kernels)
             self.impl = _kernels(device, dtype, kernels).choice.moe
+
+    def _set_loaders(self) -> None:
+        experts = range(self.num_experts)
+        for param, loader, shards in (
+                (self.gate_up_proj, self._load_gate_up,
+                 [(e, kind) for e in experts for kind in ("gate", "up")]),
+                (self.down_proj, self._load_down, [(e, "down") for e in experts])):
+            param.weight_loader = loader  # type: ignore[attr-defined]
+            param.expected_shards = ["fused"] if self.interleaved \
+                else shards  # type: ignore[attr-defined]
+
+    def materialize(self) -> None:
+        """Real stacked weights for experts a quantized checkpoint leaves unquantized."""
+        for name in ("gate_up_proj", "down_proj"):
+            meta = getattr(self, name)
+            setattr(self, name, _param(tuple(meta.shape), meta.dtype, self.device))
+        self._set_loaders()
+
+    def quantize(self, spec, prefix: str, device: torch.device) -> None:
+        """Hold the checkpoint's quantized tensors instead of the stacked weights
+        (``quant/experts.py``); ``finalize_quant`` packs them after loading."""
+        from shoal.runtime.model.quant.experts import ExpertTensors
+
+        del self.gate_up_proj, self.down_proj
+        self.gate_up_proj = ExpertTensors(spec, prefix, "gate_up_proj", self.num_experts,
+                                          self.local, self.hidden, device)
+        self.down_proj = ExpertTensors(spec, prefix, "down_proj", self.num_experts,
+                                       self.hidden, self.local, device)
+
+    def finalize_quant(self) -> None:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        gpu = torch.device(self.device).type == "cuda"
+        w13 = gate_up.packed(self.num_experts, gpu)  # type: ignore[operator]
+        w2 = down.packed(self.num_experts, gpu)  # type: ignore[operator]
+        del self.gate_up_proj, self.down_proj
+        for name, w in (("w13", w13), ("w2", w2)):
+            self.register_buffer(f"{name}_codes", w.codes)
+            self.register_buffer(f"{name}_scales", w.scales)
+            self.register_buffer(f"{name}_offsets", w.offsets)
+            setattr(self, f"{name}_layout", (w.group, w.in_features, w.zero_mode))
+        self.quant_bits = w13.bits
+
+    def quantized_weights(self):
+        """(w13, w2) as the kernels' ``IntPacked``, views of this module's buffers."""
+        from shoal.kernels.int_matmul_cpu import IntPacked
+
+        assert self.quant_bits is not None
+        return tuple(IntPacked(getattr(self, f"{n}_codes"), getattr(self, f"{n}_scales"),
+                               getattr(self, f"{n}_offsets"), self.quant_bits,
+                               *getattr(self, f"{n}_layout")) for n in ("w13", "w2"))
 
     def _load_gate_up(self, param: nn.Parameter, st_slice, shard: ExpertShard) -> list:
         lo, hi, size = self.start, self.start + self.local, self.size
@@ -150,6 +197,15 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This rank's partial sum of each token's routed experts, ``[T, H]``."""
         weights, ids = routing
+        if self.quant_bits is not None:
+            w13, w2 = self.quantized_weights()
+            if x.is_cuda:
+                from shoal.kernels.fused_moe import fused_moe_quantized
+
+                return fused_moe_quantized(x, w13, w2, weights, ids, self.num_experts)
+            from shoal.kernels.moe_experts_cpu import experts_quantized
+
+            return experts_quantized(x, w13, w2, weights, ids, self.num_experts)
         if self.impl == "triton":
             from shoal.kernels.fused_moe import fused_moe
 
@@ -232,7 +288,7 @@ class SparseMoeBlock(nn.Module):
 
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                         r"\.weight$")
+                         r"\.(\w+)$")
 _KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
          "w2": "down"}
 
@@ -246,10 +302,13 @@ def expert_checkpoint_target(ckpt_name: str) -> tuple[str, object] | None:
         ".mlp.shared_experts.", ".mlp.shared_expert.").replace(".mlp.router.", ".mlp.gate.")
     match = _PER_EXPERT.match(name)
     if match:
-        prefix, expert, proj = match.groups()
+        prefix, expert, proj, tensor = match.groups()
         kind = _KIND[proj]
         param = "gate_up_proj" if kind != "down" else "down_proj"
-        return f"{prefix}.{param}", (int(expert), kind)
+        # a quantized checkpoint's tensors (``weight_packed``, ``qweight``, ``weight_scale``
+        # ...) go to the quantized experts' placeholders of the same name
+        suffix = "" if tensor == "weight" else f".{tensor}"
+        return f"{prefix}.{param}{suffix}", (int(expert), kind)
     if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
         return name, "fused"
     return (name, None) if name != ckpt_name else None

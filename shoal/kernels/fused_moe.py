@@ -12,6 +12,13 @@ of each token are summed.
 
 Accumulates in float32; results are rounded to the input dtype per projection, as the torch
 path rounds.
+
+``fused_moe_quantized``: the same two launches with the experts' weights kept quantized, in
+the packed layout the loader stacks (``int_matmul_cpu.IntPacked``, the E experts' rows one
+after another: ``[E * 2I, ...]`` and ``[E * H, ...]``): int4 / int8 codes with a scale and a
+float offset per group (``W = code * scale + offset``) or FP8 with a scale per block, each
+weight tile dequantized in registers (as ``dequant_gemm`` does for a dense layer), rounded to
+the activation dtype and multiplied.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels.dequant_gemm import FP8, INT4, INT8
 from shoal.kernels.launch import check_launchable
 from shoal.kernels.silu_and_mul import silu_and_mul
 
@@ -112,4 +120,107 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(hidden_rows, w2, out, sorted_ids, block_expert, weights, 1, block_m)
+    return out.view(tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _grouped_gemm_q_kernel(a_ptr, w_ptr, s_ptr, o_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr,
+                           weights_ptr, num_valid, N_OUT, K, group, stride_am, stride_wn,
+                           stride_sn, stride_cm, ROW_DIV: tl.constexpr,
+                           MUL_WEIGHT: tl.constexpr, FORMAT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_valid
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = (ids // ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_OUT
+    w_rows = (expert * N_OUT + cols.to(tl.int64))[None, :]  # the stacked matrix's rows
+    ks = tl.arange(0, BLOCK_K)
+    # int4: column c of a step (whole 32-column sub-blocks) is in byte 16 * (c // 32) + c % 16
+    # of the step's bytes, the high nibble when c % 32 >= 16 (dequant_gemm's layout)
+    byte_in_step = (ks // 32) * 16 + ks % 16
+    shift = ((ks // 16) % 2) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        s_at = w_rows * stride_sn + (kk // group)[:, None]
+        scale = tl.load(s_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+        if FORMAT == 4:
+            byte = tl.load(w_ptr + w_rows * stride_wn + (k0 // 2 + byte_in_step)[:, None],
+                           mask=w_ok, other=0)
+            code = ((byte.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32)
+            w = code * scale + tl.load(o_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+        elif FORMAT == 8:
+            code = tl.load(w_ptr + w_rows * stride_wn + kk[:, None], mask=w_ok,
+                           other=0).to(tl.float32)
+            w = code * scale + tl.load(o_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_ptr + w_rows * stride_wn + kk[:, None], mask=w_ok,
+                        other=0.0).to(tl.float32) * scale
+        acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
+    if MUL_WEIGHT:
+        routing = tl.load(weights_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * routing[:, None]
+    tl.store(c_ptr + ids.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def quantized_format(bits: int) -> int:
+    """``IntPacked.bits`` -> the kernels' FORMAT."""
+    return {4: INT4, 8: INT8, 0: FP8}[bits]
+
+
+def _grouped_gemm_q(a: torch.Tensor, w, n_out: int, out: torch.Tensor,
+                    sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                    weights: torch.Tensor | None, row_div: int, block_m: int) -> None:
+    """``w``: an ``IntPacked`` of the experts' rows stacked, float offsets (or FP8)."""
+    from shoal.kernels.int_matmul_cpu import NO_OFFSET, OFFSETS
+
+    if w.zero_mode not in (OFFSETS, NO_OFFSET):
+        raise ValueError("the Triton experts read float offsets, not zero points")
+    fmt = quantized_format(w.bits)
+    k = w.in_features
+    block_n = min(64, max(16, triton.next_power_of_2(n_out)))
+    block_k = 64 if k % 64 == 0 else 32
+    codes = w.codes.view(torch.float8_e4m3fn) if fmt == FP8 else w.codes
+    offsets = w.offsets if w.zero_mode == OFFSETS else w.scales
+    grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    _grouped_gemm_q_kernel[grid](
+        a, codes, w.scales, offsets, out, sorted_ids, block_expert,
+        weights if weights is not None else out, out.shape[0], n_out, k, w.group, a.stride(0),
+        codes.stride(0), w.scales.stride(0), out.stride(0), ROW_DIV=row_div,
+        MUL_WEIGHT=weights is not None, FORMAT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k)
+
+
+def fused_moe_quantized(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, num_experts: int,
+                        block_m: int = 16) -> torch.Tensor:
+    """``fused_moe`` with ``w13`` (``[E * 2I, H]``) and ``w2`` (``[E * H, I]``) packed."""
+    tokens, top_k = topk_ids.shape
+    hidden, inter = w13.in_features, w2.in_features
+    if w13.out_features != num_experts * 2 * inter or w2.out_features != num_experts * hidden:
+        raise ValueError(f"quantized experts: w13 {w13.out_features} rows, w2 "
+                         f"{w2.out_features} rows do not fit {num_experts} experts of "
+                         f"{hidden} -> {inter}")
+    if tokens == 0:
+        return torch.zeros_like(x)
+    check_launchable(x, w13.codes, w2.codes, topk_ids)
+    x = x.contiguous()
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, block_m)
+    n = tokens * top_k
+    gate_up = torch.empty(n, 2 * inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm_q(x, w13, 2 * inter, gate_up, sorted_ids, block_expert, None, top_k, block_m)
+    hidden_rows = silu_and_mul(gate_up)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm_q(hidden_rows, w2, hidden, out, sorted_ids, block_expert, weights, 1,
+                    block_m)
     return out.view(tokens, top_k, hidden).sum(dim=1)

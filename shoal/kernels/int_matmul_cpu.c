@@ -11,6 +11,14 @@
      point z: offset = -z * scale; GGUF Q4_1's min is the offset itself). float32, or
      float16 / bfloat16 (scale_fmt 1 / 2) where the loader found both exact in it: at group
      32 that is 1 bit a weight instead of 2.
+   - fmt (the Python side's IntPacked.fmt): the scales' type in its low 4 bits, and in bits
+     4-7 what `offsets` holds: 0 offsets in the scales' type; 1 one unsigned zero point z a
+     group, uint8, offset = -z * scale (rounded once in float32, as an offset computed at load
+     would be); 2 the same zero points two a byte (group i: byte i / 2, low nibble when i is
+     even); 3 one zero point for the whole tensor (offsets[0]); 4 none (offset 0). A 4-bit
+     zero point costs 1/8 bit a weight at group 32, a float32 offset 1 bit.
+   - bits == 0: float8_e4m3fn codes (one byte a column), W = fp8 * scale, scale per group
+     (FP8 block-scaled or per-channel weights; the offsets mode is 4).
    - bits == 6: GGUF Q6_K super-blocks as the file stores them (row n: k / 256 blocks of 210
      bytes: ql[128] low nibbles, qh[64] high 2-bit pairs, int8 scales[16] per 16 columns, fp16
      d), scales and offsets unused. Its scales come per 16 columns, and folding them into
@@ -48,6 +56,8 @@ static int64_t row_bytes_of(int64_t bits, int64_t k) {
     return bits == 4 ? k / 2 : bits == 6 ? k / QK * Q6K_BYTES : k;
 }
 
+#define FP8 0  /* bits: float8_e4m3fn codes */
+
 /* IEEE binary16 -> float32 (exact) */
 static inline float half_to_float(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
@@ -81,6 +91,42 @@ static inline float scale_at(const void *p, int64_t i, int64_t fmt) {
     }
     return half_to_float((const uint8_t *)p + 2 * i);
 }
+
+/* group i's scale and offset, fmt as in the header */
+static inline void group_so(const void *scales, const void *offsets, int64_t i, int64_t fmt,
+                            float *s, float *o) {
+    const int64_t sfmt = fmt & 15;
+    *s = scale_at(scales, i, sfmt);
+    const uint8_t *z = (const uint8_t *)offsets;
+    switch (fmt >> 4) {
+    case 0: *o = scale_at(offsets, i, sfmt); break;
+    case 1: *o = -(float)z[i] * *s; break;
+    case 2: *o = -(float)((z[i >> 1] >> ((i & 1) * 4)) & 15) * *s; break;
+    case 3: *o = -(float)z[0] * *s; break;
+    default: *o = 0.0f; break;
+    }
+}
+
+/* float8_e4m3fn -> float32, exact: the sign moved to bit 31, exponent and mantissa placed
+   under float32's (e4m3's bias 7, float32's 127: times 2^120; an e4m3 subnormal lands on a
+   float32 subnormal, scaled exactly the same) */
+static inline float fp8_to_float(uint8_t b) {
+    const uint32_t bits = (uint32_t)(b & 0x7f) << 20;
+    float f;
+    memcpy(&f, &bits, 4);
+    f *= 0x1p120f;
+    return (b & 0x80) ? -f : f;
+}
+
+#ifdef SHOAL_AVX2
+static inline __m256 fp8x8_to_ps(__m128i v) {
+    const __m256i w = _mm256_cvtepu8_epi32(v);
+    const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7f)), 20);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
+    const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+    return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
+#endif
 
 /* A Q6_K row's columns [col, col + 32) (col a multiple of 32) as unsigned codes with a
    scale and offset per half of 16 columns: within a half of 128 columns, the quarter qd
@@ -149,10 +195,21 @@ static void dequant_row(const uint8_t *codes, const void *scales, const void *of
             dequant_q6k(codes + n * row_bytes, col, dst + j);
             continue;
         }
-        const float s = scale_at(scales, n * groups + col / group, sfmt);
-        const float o = scale_at(offsets, n * groups + col / group, sfmt);
+        float s, o;
+        group_so(scales, offsets, n * groups + col / group, sfmt, &s, &o);
         const uint8_t *src = codes + n * row_bytes + (bits == 4 ? col / 2 : col);
         float *d = dst + j;
+        if (bits == FP8) {
+#ifdef SHOAL_AVX2
+            const __m256 v8 = _mm256_set1_ps(s);
+            for (int q = 0; q < 4; ++q)
+                _mm256_storeu_ps(d + 8 * q, _mm256_mul_ps(
+                    fp8x8_to_ps(_mm_loadl_epi64((const __m128i *)(src + 8 * q))), v8));
+#else
+            for (int i = 0; i < SUB; ++i) d[i] = fp8_to_float(src[i]) * s;
+#endif
+            continue;
+        }
 #ifdef SHOAL_AVX2
         const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
         __m128i a, b, c, e;
@@ -250,16 +307,34 @@ static void gemv_rows(const float *x, const uint8_t *codes, const void *scales,
                 a = v[0], b = v[1], c = v[2], e = v[3];
                 vs = _mm256_set1_ps(kc.s[0]), vo = _mm256_set1_ps(kc.o[0]);
                 vs2 = _mm256_set1_ps(kc.s[1]), vo2 = _mm256_set1_ps(kc.o[1]);
+            } else if (bits == FP8) {
+                float s, o;
+                group_so(scales, offsets, r * groups + col / group, sfmt, &s, &o);
+                const __m256 v8 = _mm256_set1_ps(s);
+                for (int q = 0; q < 4; ++q) {
+                    const __m256 w8 = _mm256_mul_ps(
+                        fp8x8_to_ps(_mm_loadl_epi64((const __m128i *)(row + col + 8 * q))), v8);
+                    const __m256 xv = _mm256_loadu_ps(x + col + 8 * q);
+                    if (q == 0) acc0 = _mm256_fmadd_ps(w8, xv, acc0);
+                    else if (q == 1) acc1 = _mm256_fmadd_ps(w8, xv, acc1);
+                    else if (q == 2) acc2 = _mm256_fmadd_ps(w8, xv, acc2);
+                    else acc3 = _mm256_fmadd_ps(w8, xv, acc3);
+                }
+                continue;
             } else if (bits == 4) {
-                vs = vs2 = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
-                vo = vo2 = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
+                float s, o;
+                group_so(scales, offsets, r * groups + col / group, sfmt, &s, &o);
+                vs = vs2 = _mm256_set1_ps(s);
+                vo = vo2 = _mm256_set1_ps(o);
                 const __m128i packed = _mm_loadu_si128((const __m128i *)(row + col / 2));
                 const __m128i lo = _mm_and_si128(packed, mask);
                 const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
                 a = lo, b = _mm_srli_si128(lo, 8), c = hi, e = _mm_srli_si128(hi, 8);
             } else {
-                vs = vs2 = _mm256_set1_ps(scale_at(scales, r * groups + col / group, sfmt));
-                vo = vo2 = _mm256_set1_ps(scale_at(offsets, r * groups + col / group, sfmt));
+                float s, o;
+                group_so(scales, offsets, r * groups + col / group, sfmt, &s, &o);
+                vs = vs2 = _mm256_set1_ps(s);
+                vo = vo2 = _mm256_set1_ps(o);
                 a = _mm_loadl_epi64((const __m128i *)(row + col));
                 b = _mm_loadl_epi64((const __m128i *)(row + col + 8));
                 c = _mm_loadl_epi64((const __m128i *)(row + col + 16));
@@ -335,4 +410,12 @@ void shoal_int_dequant_f32(const uint8_t *codes, const void *scales, const void 
 #pragma omp parallel for schedule(static) if ((n1 - n0) * k >= PARALLEL_MIN)
     for (int64_t r = n0; r < n1; ++r)
         dequant_row(codes, scales, offsets, r, k, group, bits, sfmt, 0, k, out + (r - n0) * k);
+}
+
+/* float32 W[n, :] into dst [k]: one row for a caller that multiplies it itself (the
+   quantized experts of moe_experts_cpu.c). */
+void shoal_int_dequant_row(const uint8_t *codes, const void *scales, const void *offsets,
+                           int64_t n, int64_t k, int64_t group, int64_t bits, int64_t fmt,
+                           float *dst) {
+    dequant_row(codes, scales, offsets, n, k, group, bits, fmt, 0, k, dst);
 }

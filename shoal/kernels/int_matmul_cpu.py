@@ -5,7 +5,12 @@ The layout (``IntPacked``) is the kernel's: ``codes`` uint8 ``[n, k / 2]`` (4-bi
 each 32-column sub-block holding column i in its low nibble and column 16 + i in its high
 one: GGUF's Q4_0/Q4_1 order) or ``[n, k]`` (8-bit, unsigned); ``scales`` and ``offsets``
 float32 ``[n, k / group]`` with ``W = code * scale + offset``. ``k`` and ``group`` are
-multiples of 32. ``bits == Q6_K`` (6): GGUF Q6_K super-blocks as the file stores them,
+multiples of 32. ``offsets`` may instead hold zero points (``zero_mode``, see ``OFFSETS``):
+``W = (code - z) * scale``, the offset ``-z * scale`` formed in the kernel, so a 4-bit zero
+point costs an eighth of a bit a weight at group 32 where a float32 offset costs one.
+``bits == FP8`` (0): float8_e4m3fn codes, one byte a column, ``W = fp8 * scale``, no
+offsets (``NO_OFFSET``): FP8 block-scaled (``group`` the block width) or per-channel
+weights, the quantized experts' FP8 layout. ``bits == Q6_K`` (6): GGUF Q6_K super-blocks as the file stores them,
 ``codes`` uint8 ``[n, k / 256 * 210]``, ``group`` 256, ``scales`` and ``offsets`` empty
 ``[n, 0]`` (the blocks carry theirs; the kernel decodes them).
 
@@ -23,10 +28,15 @@ import torch
 from shoal.kernels.native_cpu import load
 
 SUB = 32  # columns per packed sub-block
+FP8 = 0  # ``bits`` of float8_e4m3fn codes
 Q6_K = 6  # ``bits`` of GGUF Q6_K super-blocks kept as stored
 QK = 256  # columns per K-quant super-block
 SUPER_BLOCK_BYTES = {Q6_K: 210}
 SCALE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's sfmt
+# what ``offsets`` holds (the kernel's fmt >> 4): offsets in the scales' dtype; uint8 zero
+# points [n, groups]; 4-bit zero points two a byte, flat over [n, groups] (group i: byte
+# i // 2, the low nibble when i is even); one uint8 zero point for every group; nothing
+OFFSETS, ZEROS_U8, ZEROS_U4, ZERO_CONST, NO_OFFSET = range(5)
 # rows from which a dequantized band + torch's GEMM beats the kernel. Measured (Zen 3, 2
 # threads, load 3.6-4.5), kernel / dequantize + GEMM: 6144x1024 int4 at 64 rows 17.7 / 72.5 ms,
 # 128 rows 38.4 / 112, 256 rows 88.3 / 129; 1024x3072 at 128 rows 23.4 / 47.0, 256 48.4 / 45.7
@@ -43,6 +53,7 @@ class IntPacked:
     bits: int
     group: int
     in_features: int
+    zero_mode: int = OFFSETS
 
     @property
     def out_features(self) -> int:
@@ -53,7 +64,11 @@ class IntPacked:
         k = self.in_features
         if self.bits in SUPER_BLOCK_BYTES:
             return k // QK * SUPER_BLOCK_BYTES[self.bits]
-        return k * self.bits // 8
+        return k if self.bits == FP8 else k * self.bits // 8
+
+    def _offsets_shape(self, n: int, groups: int) -> tuple[int, ...]:
+        return {OFFSETS: (n, groups), ZEROS_U8: (n, groups), ZEROS_U4: ((n * groups + 1) // 2,),
+                ZERO_CONST: (1,), NO_OFFSET: (0,)}[self.zero_mode]
 
     def check(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group
@@ -61,34 +76,65 @@ class IntPacked:
             if g != QK or k % QK:
                 raise ValueError(f"int matmul: Q6_K takes columns in super-blocks of {QK}, "
                                  f"got {k} columns in groups of {g}")
-        elif self.bits not in (4, 8) or k % SUB or g % SUB or k % g:
+        elif self.bits not in (FP8, 4, 8) or k % SUB or g % SUB or k % g:
             raise ValueError(f"int matmul: {self.bits}-bit, {k} columns in groups of {g}: "
-                             f"needs 4 or 8 bits and columns and groups multiples of {SUB}")
+                             f"needs 4 or 8 bits (0: FP8) and columns and groups multiples "
+                             f"of {SUB}")
         if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (
                 n, self.row_bytes) or not self.codes.is_contiguous():
             raise ValueError(f"codes must be contiguous uint8 [{n}, {self.row_bytes}]")
+        if (self.bits == FP8) != (self.zero_mode == NO_OFFSET):
+            raise ValueError("FP8 codes, and only they, come without offsets")
         groups = 0 if self.bits in SUPER_BLOCK_BYTES else k // g
-        for name, t in (("scales", self.scales), ("offsets", self.offsets)):
-            if t.dtype not in SCALE_FORMATS or t.dtype != self.scales.dtype or \
-                    tuple(t.shape) != (n, groups) or not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous [{n}, {groups}], float32, float16 "
-                                 f"or bfloat16 as the scales")
+        if self.scales.dtype not in SCALE_FORMATS or tuple(self.scales.shape) != (n, groups) \
+                or not self.scales.is_contiguous():
+            raise ValueError(f"scales must be contiguous [{n}, {groups}], float32, float16 or "
+                             "bfloat16")
+        t, shape = self.offsets, self._offsets_shape(n, groups)
+        dtype = self.scales.dtype if self.zero_mode == OFFSETS else torch.uint8
+        if self.zero_mode != NO_OFFSET and (t.dtype != dtype or tuple(t.shape) != shape
+                                            or not t.is_contiguous()):
+            raise ValueError(f"offsets must be contiguous {dtype} {list(shape)} (zero mode "
+                             f"{self.zero_mode})")
 
     @property
     def scale_format(self) -> int:
-        return SCALE_FORMATS[self.scales.dtype]
+        """The kernel's ``fmt``: the scales' type and what the offsets hold."""
+        return SCALE_FORMATS[self.scales.dtype] | self.zero_mode << 4
 
 
 def compact(w: IntPacked) -> IntPacked:
-    """``w`` with its scales and offsets in float16 or bfloat16 where every one of both is
-    exact there (the weights stay bit for bit the same), else as they are."""
+    """``w`` with its scales (and offsets) in float16 or bfloat16 where every one is exact
+    there (the weights stay bit for bit the same), else as they are."""
     if w.scales.dtype != torch.float32 or not w.scales.numel():
         return w
     for dtype in (torch.float16, torch.bfloat16):
-        scales, offsets = w.scales.to(dtype), w.offsets.to(dtype)
-        if torch.equal(scales.float(), w.scales) and torch.equal(offsets.float(), w.offsets):
-            return IntPacked(w.codes, scales, offsets, w.bits, w.group, w.in_features)
+        scales = w.scales.to(dtype)
+        offsets = w.offsets.to(dtype) if w.zero_mode == OFFSETS else w.offsets
+        if torch.equal(scales.float(), w.scales) and (
+                w.zero_mode != OFFSETS or torch.equal(offsets.float(), w.offsets)):
+            return IntPacked(w.codes, scales, offsets, w.bits, w.group, w.in_features,
+                             w.zero_mode)
     return w
+
+
+def zero_points(zeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, int] | None:
+    """Integer zero points ``zeros [n, groups]`` (float) in their narrowest kept form
+    (``offsets``, ``zero_mode``): one byte for all when they are all equal, 4 bits each when
+    they fit, else a byte each; None when they are not integers in [0, 256)."""
+    if not zeros.numel() or not bool((zeros == zeros.round()).all()) or \
+            float(zeros.min()) < 0 or float(zeros.max()) > 255:
+        return None
+    z = zeros.to(torch.uint8)
+    if bool((z == z.reshape(-1)[0]).all()):
+        return z.reshape(-1)[:1].clone(), ZERO_CONST
+    if bits == 4 and int(z.max()) < 16:
+        flat = z.reshape(-1)
+        if flat.numel() % 2:
+            flat = torch.cat([flat, flat.new_zeros(1)])
+        pairs = flat.view(-1, 2)
+        return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous(), ZEROS_U4
+    return z.contiguous(), ZEROS_U8
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,12 @@
    Scratch (the sort, the activations, the down outputs, accumulators and panels) is the
    caller's, reused across calls: shoal_moe_experts_scratch_bytes says how much.
 
+   Quantized experts (shoal_moe_experts_q): the weights are int_matmul_cpu.c's packed layout
+   (int4 / int8 codes with a scale and offset or zero point per group, or FP8 with a scale
+   per block), the E experts' rows stacked into one [E * rows, cols] matrix. An item first
+   dequantizes its PW weight rows into a per-thread float32 stage (each weight once per step,
+   read at its packed size), then runs the float32 paths above on the stage.
+
    AVX2 + FMA intrinsics where -march=native has them, the same loops in portable C
    elsewhere; H must be a multiple of 16 and I of 8 (moe_experts_cpu.py checks, and keeps
    other shapes on the torch path). */
@@ -55,6 +61,27 @@
 #define ALIGN 64
 
 typedef uint16_t bf16;
+
+/* the experts' weights of one projection: float32 / bfloat16 [E * rows, cols], or packed
+   (quant) codes with their group scales and offsets (int_matmul_cpu.c's layout) */
+typedef struct {
+    const void *data, *scales, *offsets;
+    int64_t group, bits, fmt, quant, is_bf16;
+} wsrc_t;
+
+void shoal_int_dequant_row(const uint8_t *codes, const void *scales, const void *offsets,
+                           int64_t n, int64_t k, int64_t group, int64_t bits, int64_t fmt,
+                           float *dst);
+
+/* weight row `row` ([cols] wide): in place, or dequantized into `stage` */
+static inline const void *row_of(const wsrc_t *w, int64_t row, int64_t cols, float *stage) {
+    if (!w->quant)
+        return (const char *)w->data + (size_t)(row * cols) * (w->is_bf16 ? sizeof(bf16)
+                                                                          : sizeof(float));
+    shoal_int_dequant_row((const uint8_t *)w->data, w->scales, w->offsets, row, cols,
+                          w->group, w->bits, w->fmt, stage);
+    return stage;
+}
 
 #ifdef SHOAL_AVX2
 static inline __attribute__((always_inline)) __m256 load_w(const void *w, int64_t c,
@@ -231,7 +258,7 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 /* The scratch the kernel's layout needs, 64-byte aligned pieces. */
 typedef struct {
     int64_t *start, *pos, *src, *active, *fill;
-    float *act, *y, *acc, *panel;
+    float *act, *y, *acc, *panel, *stage;
     int64_t acc_per_thread, panel_per_thread, bytes;
 } scratch_t;
 
@@ -259,6 +286,7 @@ static scratch_t carve(char *base, int64_t tokens, int64_t hidden, int64_t inter
     s.panel_per_thread = up((int64_t)sizeof(float) * PW * (hidden > inter ? hidden : inter))
                          / (int64_t)sizeof(float);
     TAKE(panel, float, s.panel_per_thread * threads)
+    TAKE(stage, float, s.panel_per_thread * threads)  /* PW dequantized rows a thread */
 #undef TAKE
     s.bytes = at + ALIGN;  /* room to align the base */
     return s;
@@ -270,20 +298,19 @@ int64_t shoal_moe_experts_scratch_bytes(int64_t tokens, int64_t hidden, int64_t 
     return carve(NULL, tokens, hidden, inter, experts, top_k, omp_get_max_threads()).bytes;
 }
 
-/* x [T, H] float32, ids [T, k] (int64), weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I]
-   (float32, or bfloat16 when is_bf16), out [T, H] float32. Ids outside [0, E) contribute
-   nothing. Returns 0, or -1 when scratch_bytes is short of what the call needs. */
-int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
-                      int64_t experts, int64_t top_k, const int64_t *ids, const float *weights,
-                      const void *w13, const void *w2, int64_t is_bf16, void *scratch,
-                      int64_t scratch_bytes, float *out) {
+/* the routed experts, dense or quantized weights (the two exported entries below) */
+static int experts_impl(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
+                        int64_t experts, int64_t top_k, const int64_t *ids,
+                        const float *weights, const wsrc_t *w13s, const wsrc_t *w2s,
+                        void *scratch, int64_t scratch_bytes, float *out) {
     const int threads = omp_get_max_threads();
     if (carve(NULL, tokens, hidden, inter, experts, top_k, threads).bytes > scratch_bytes)
         return -1;
     char *base = (char *)scratch + ((ALIGN - (uintptr_t)scratch % ALIGN) % ALIGN);
     const scratch_t s = carve(base, tokens, hidden, inter, experts, top_k, threads);
     const int64_t pairs = tokens * top_k;
-    const size_t wsize = is_bf16 ? sizeof(bf16) : sizeof(float);
+    /* the tiles read float32 from a stage when the weights are quantized */
+    const int is_bf16 = !w13s->quant && w13s->is_bf16;
 
     /* counting sort of the pairs by expert, in token order within an expert (stable) */
     memset(s.start, 0, sizeof(int64_t) * (size_t)(experts + 1));
@@ -313,20 +340,20 @@ int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t in
     {
         float *acc = s.acc + s.acc_per_thread * omp_get_thread_num();
         float *panel = s.panel + s.panel_per_thread * omp_get_thread_num();
+        float *stage = s.stage + s.panel_per_thread * omp_get_thread_num();
 #pragma omp for schedule(dynamic, 2)
         for (int64_t item = 0; item < n_active * i_items; ++item) {
             const int64_t e = s.active[item / i_items], j0 = (item % i_items) * (PW / 2);
             const int64_t r0 = s.start[e], r1 = s.start[e + 1];
-            const char *gate = (const char *)w13 + (size_t)((e * 2 * inter + j0) * hidden) * wsize;
-            const char *upw = gate + (size_t)(inter * hidden) * wsize;
-            const size_t row = (size_t)hidden * wsize;
+            const void *all[PW];  /* the item's gate rows, then its up rows */
+            for (int j = 0; j < PW / 2; ++j) {
+                const int64_t g = e * 2 * inter + j0 + j;
+                all[j] = row_of(w13s, g, hidden, stage + j * hidden);
+                all[PW / 2 + j] = row_of(w13s, g + inter, hidden,
+                                         stage + (PW / 2 + j) * hidden);
+            }
             if (r1 - r0 >= PACK_MIN) {
-                const void *wr[PW];
-                for (int j = 0; j < PW / 2; ++j) {
-                    wr[j] = gate + j * row;
-                    wr[PW / 2 + j] = upw + j * row;
-                }
-                pack(wr, hidden, panel, (int)is_bf16);
+                pack(all, hidden, panel, is_bf16);
                 float gu[PM][PW];  /* each row's PW / 2 gate sums, then its up sums */
                 for (int64_t r = r0; r < r1; r += PM) {
                     const int mr = r1 - r < PM ? (int)(r1 - r) : PM;
@@ -348,8 +375,8 @@ int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t in
             }
             /* few rows: dot products, NR rows (two gate, the same two up) at a time */
             for (int64_t jj = 0; jj < PW / 2; jj += 2) {
-                const void *wr[NR] = {gate + jj * row, gate + (jj + 1) * row, upw + jj * row,
-                                      upw + (jj + 1) * row};
+                const void *wr[NR] = {all[jj], all[jj + 1], all[PW / 2 + jj],
+                                      all[PW / 2 + jj + 1]};
                 float gu[MR][NR];  /* gate jj, gate jj + 1, up jj, up jj + 1 */
                 for (int64_t c0 = 0; c0 < hidden; c0 += KC) {
                     const int64_t c1 = c0 + KC < hidden ? c0 + KC : hidden;
@@ -383,12 +410,11 @@ int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t in
         for (int64_t item = 0; item < n_active * h_items; ++item) {
             const int64_t e = s.active[item / h_items], n0 = (item % h_items) * PW;
             const int64_t r0 = s.start[e], r1 = s.start[e + 1];
-            const char *down = (const char *)w2 + (size_t)((e * hidden + n0) * inter) * wsize;
-            const size_t row = (size_t)inter * wsize;
+            const void *all[PW];
+            for (int j = 0; j < PW; ++j)
+                all[j] = row_of(w2s, e * hidden + n0 + j, inter, stage + j * inter);
             if (r1 - r0 >= PACK_MIN) {
-                const void *wr[PW];
-                for (int j = 0; j < PW; ++j) wr[j] = down + j * row;
-                pack(wr, inter, panel, (int)is_bf16);
+                pack(all, inter, panel, is_bf16);
                 for (int64_t r = r0; r < r1; r += PM) {
                     const int mr = r1 - r < PM ? (int)(r1 - r) : PM;
                     const float *ar[PM];
@@ -403,7 +429,7 @@ int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t in
             }
             for (int64_t nn = 0; nn < PW; nn += NR) {
                 const void *wr[NR];
-                for (int j = 0; j < NR; ++j) wr[j] = down + (nn + j) * row;
+                for (int j = 0; j < NR; ++j) wr[j] = all[nn + j];
                 for (int64_t c0 = 0; c0 < inter; c0 += KC) {
                     const int64_t c1 = c0 + KC < inter ? c0 + KC : inter;
                     float *blk = acc;
@@ -439,4 +465,33 @@ int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t in
         }
     }
     return 0;
+}
+
+/* x [T, H] float32, ids [T, k] (int64), weights [T, k] float32, w13 [E, 2I, H], w2 [E, H, I]
+   (float32, or bfloat16 when is_bf16), out [T, H] float32. Ids outside [0, E) contribute
+   nothing. Returns 0, or -1 when scratch_bytes is short of what the call needs. */
+int shoal_moe_experts(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
+                      int64_t experts, int64_t top_k, const int64_t *ids, const float *weights,
+                      const void *w13, const void *w2, int64_t is_bf16, void *scratch,
+                      int64_t scratch_bytes, float *out) {
+    const wsrc_t a = {w13, NULL, NULL, 0, 0, 0, 0, is_bf16};
+    const wsrc_t b = {w2, NULL, NULL, 0, 0, 0, 0, is_bf16};
+    return experts_impl(x, tokens, hidden, inter, experts, top_k, ids, weights, &a, &b,
+                        scratch, scratch_bytes, out);
+}
+
+/* The same with packed weights: codes13 [E * 2I, row bytes of H] with scales13 / offsets13
+   [E * 2I, H / group13], codes2 [E * H, row bytes of I] with theirs; bits and each fmt as in
+   int_matmul_cpu.c. */
+int shoal_moe_experts_q(const float *x, int64_t tokens, int64_t hidden, int64_t inter,
+                        int64_t experts, int64_t top_k, const int64_t *ids,
+                        const float *weights, const void *codes13, const void *scales13,
+                        const void *offsets13, int64_t group13, int64_t fmt13,
+                        const void *codes2, const void *scales2, const void *offsets2,
+                        int64_t group2, int64_t fmt2, int64_t bits, void *scratch,
+                        int64_t scratch_bytes, float *out) {
+    const wsrc_t a = {codes13, scales13, offsets13, group13, bits, fmt13, 1, 0};
+    const wsrc_t b = {codes2, scales2, offsets2, group2, bits, fmt2, 1, 0};
+    return experts_impl(x, tokens, hidden, inter, experts, top_k, ids, weights, &a, &b,
+                        scratch, scratch_bytes, out);
 }

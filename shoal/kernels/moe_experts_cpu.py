@@ -12,7 +12,12 @@ round after each GEMM and the activation; both are within bfloat16 noise of HF's
 
 ``supports`` says which calls the kernel takes (CPU tensors of one dtype, float32 or
 bfloat16, contiguous weights, H a multiple of 16 and I of 8); ``experts`` sends every other call to
-the grouped torch path, so a caller can use it unconditionally. The kernel's scratch (sorted
+the grouped torch path, so a caller can use it unconditionally.
+
+``experts_quantized``: the same with each projection's weights kept packed
+(``int_matmul_cpu.IntPacked``: int4 / int8 codes, or FP8, the E experts' rows stacked), each
+weight dequantized once per step into float32 inside the kernel; no torch fallback (the
+loader keeps experts quantized only where the native library loads). The kernel's scratch (sorted
 pairs, activations, per-pair outputs) is kept per thread and grown, not allocated per call.
 """
 
@@ -22,6 +27,7 @@ import threading
 
 import torch
 
+from shoal.kernels.int_matmul_cpu import IntPacked
 from shoal.kernels.moe_grouped import grouped_experts
 from shoal.kernels.native_cpu import load
 
@@ -77,5 +83,43 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
                                    w13.data_ptr(), w2.data_ptr(), int(x.dtype == torch.bfloat16),
                                    scratch.data_ptr(), scratch.numel(), out.data_ptr())
     if rc != 0:  # sized on this thread just above: cannot happen unless the pool changed
+        raise RuntimeError(f"moe_experts_cpu: {scratch.numel()} bytes of scratch refused")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def experts_quantized(x: torch.Tensor, w13: IntPacked, w2: IntPacked,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """``[T, H]`` in x's dtype (float32 or bfloat16): ``w13`` the experts' gate and up rows
+    stacked (``[E * 2I, H]`` as packed), ``w2`` their down rows (``[E * H, I]``), one format
+    (``bits``) for both."""
+    tokens, top_k = topk_ids.shape
+    hidden = w13.in_features
+    inter = w2.in_features
+    if w13.out_features != num_experts * 2 * inter or w2.out_features != num_experts * hidden \
+            or w13.bits != w2.bits or x.shape[-1] != hidden:
+        raise ValueError(f"quantized experts: w13 {w13.out_features}x{hidden}, w2 "
+                         f"{w2.out_features}x{inter} do not fit {num_experts} experts and x "
+                         f"{tuple(x.shape)}")
+    if hidden % HIDDEN_ALIGN or inter % INTER_ALIGN:
+        raise ValueError(f"quantized experts: hidden {hidden} must be a multiple of "
+                         f"{HIDDEN_ALIGN} and the intermediate size {inter} of {INTER_ALIGN}")
+    if tokens == 0:
+        return torch.empty(0, hidden, dtype=x.dtype)
+    library = load()
+    xf = x.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    sizes = (tokens, hidden, inter, num_experts, top_k)
+    nbytes = library.shoal_moe_experts_scratch_bytes(*sizes)
+    scratch = _scratch_buffer(nbytes)
+    rc = library.shoal_moe_experts_q(
+        xf.data_ptr(), *sizes, ids.data_ptr(), weights.data_ptr(),
+        w13.codes.data_ptr(), w13.scales.data_ptr(), w13.offsets.data_ptr(), w13.group,
+        w13.scale_format, w2.codes.data_ptr(), w2.scales.data_ptr(), w2.offsets.data_ptr(),
+        w2.group, w2.scale_format, w13.bits, scratch.data_ptr(), scratch.numel(),
+        out.data_ptr())
+    if rc != 0:
         raise RuntimeError(f"moe_experts_cpu: {scratch.numel()} bytes of scratch refused")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

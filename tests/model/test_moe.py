@@ -120,6 +120,11 @@ def test_checkpoint_names_map_to_stacked_experts():
     assert expert_checkpoint_target("model.layers.1.mlp.experts.gate_up_proj") == \
         ("model.layers.1.mlp.experts.gate_up_proj", "fused")
     assert expert_checkpoint_target("model.layers.1.mlp.shared_expert.up_proj.weight") is None
+    # a quantized checkpoint's per-expert tensors: the quantized experts' placeholders
+    assert expert_checkpoint_target("model.layers.3.mlp.experts.7.up_proj.weight_packed") == \
+        ("model.layers.3.mlp.experts.gate_up_proj.weight_packed", (7, "up"))
+    assert expert_checkpoint_target("model.layers.0.block_sparse_moe.experts.2.w2.qzeros") == \
+        ("model.layers.0.mlp.experts.down_proj.qzeros", (2, "down"))
 
 
 def _build(model_dir):

@@ -186,3 +186,33 @@ def test_serve_refuses_a_mismatched_flag_before_the_engine_starts(fp8_dir: Path)
     assert result.returncode == 1
     assert result.stderr.strip().endswith(
         "shoal serve: --quantization awq but the checkpoint is quantized with fp8")
+
+
+def test_quantized_experts_refusals_name_the_reason(tmp_path: Path) -> None:
+    """What the quantized experts cannot serve is refused at startup with the reason: GPTQ
+    act-order experts, a quantized tensor of the wrong shape, an expert missing a tensor."""
+    from shoal.runtime.model.make_quant_model import cached_quant_model
+
+    gptq = cached_quant_model("qwen3_moe", "tiny", "gptq-w4")
+
+    def act_order(config: dict) -> None:
+        config["quantization_config"]["desc_act"] = True
+
+    with pytest.raises(QuantizationError, match="act-order .desc_act. experts of "
+                                                "Qwen3MoeForCausalLM are not supported"):
+        _build(_copy_with(gptq, tmp_path / "act_order", act_order))
+
+    def short_scales(state: dict) -> None:
+        key = "model.layers.1.mlp.experts.5.down_proj.scales"
+        state[key] = state[key][:, :-8].contiguous()
+
+    with pytest.raises(QuantizationError, match=r"experts\.5\.down_proj\.scales: checkpoint "
+                                                r"shape \(1, 56\), expected \(1, 64\)"):
+        _build(_copy_with(gptq, tmp_path / "short", tensors_change=short_scales))
+
+    def drop_expert(state: dict) -> None:
+        del state["model.layers.0.mlp.experts.3.up_proj.qzeros"]
+
+    with pytest.raises(ValueError, match=r"lacks weights for: .*experts\.gate_up_proj\.qzeros"
+                                         r"\[\(3, 'up'\)\]"):
+        _build(_copy_with(gptq, tmp_path / "missing", tensors_change=drop_expert))

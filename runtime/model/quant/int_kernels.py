@@ -2,7 +2,8 @@
 
 - ``NativeInt``: the native weight-only int4/int8 kernel (``shoal.kernels.int_matmul_cpu``),
   wherever the native library builds and the columns and groups are multiples of 32: codes
-  packed in its layout, a scale and offset per group (16-bit where exact), GPTQ act-order's permuted
+  packed in its layout, a scale per group (16-bit where exact) and the integer zero point
+  (4 bits, or one for the tensor; a float offset on CUDA), GPTQ act-order's permuted
   columns sorted once (the activations gathered to match). On CUDA the same layout goes to
   the Triton W4A16/W8A16 GEMM (``shoal.kernels.dequant_gemm``). torch's packed ops below ran
   10-50x slower than float32 ``F.linear`` on an AVX2 CPU (docs/benchmarks.md); they remain
@@ -96,7 +97,7 @@ def _sorted_columns(weights: IntWeights) -> tuple[torch.Tensor, torch.Tensor, to
 class NativeInt:
     def __init__(self, packed: IntPacked, perm: torch.Tensor | None = None) -> None:
         """``perm``: the activations' columns in the order of the packed ones (act-order).
-        Scales and offsets are kept in 16 bits where that is exact (``compact``)."""
+        Scales (and float offsets) are kept in 16 bits where that is exact (``compact``)."""
         from shoal.kernels.int_matmul_cpu import compact
 
         packed = compact(packed)
@@ -106,13 +107,9 @@ class NativeInt:
 
     @classmethod
     def from_weights(cls, weights: IntWeights) -> NativeInt:
-        from shoal.kernels.int_matmul_cpu import pack_int4
-
         codes, scales, zeros, perm = _sorted_columns(weights)
-        packed = pack_int4(codes) if weights.bits == 4 else codes.contiguous()
-        return cls(IntPacked(packed, scales.float().contiguous(),
-                             (-zeros * scales).float().contiguous(), weights.bits,
-                             weights.group_size, int(codes.shape[1])), perm)
+        sorted_weights = IntWeights(codes, scales, zeros, weights.bits, weights.group_size)
+        return cls(packed_int(sorted_weights, weights.codes.device.type == "cpu"), perm)
 
     def register(self, layer: nn.Module) -> None:
         assert self.packed is not None
@@ -123,8 +120,9 @@ class NativeInt:
             layer.register_buffer("int_packed_perm", self.perm)
         # the layer's buffers are the tensors; the view on them is rebuilt per call, so a
         # module moved or loaded from a state dict stays consistent
-        self.bits, self.group, self.in_features = (self.packed.bits, self.packed.group,
-                                                   self.packed.in_features)
+        self.bits, self.group, self.in_features, self.zero_mode = (
+            self.packed.bits, self.packed.group, self.packed.in_features,
+            self.packed.zero_mode)
         self.packed = None
         del self.perm
 
@@ -142,7 +140,28 @@ class NativeInt:
                                 self.group)
         return int_matmul(x, IntPacked(layer.int_packed_codes, layer.int_packed_scales,
                                        layer.int_packed_offsets, self.bits, self.group,
-                                       self.in_features))
+                                       self.in_features, self.zero_mode))
+
+
+def packed_int(weights: IntWeights, zero_points: bool = True) -> IntPacked:
+    """The kernels' layout of ``weights`` (no act-order index: columns already sorted), kept
+    as small as is exact: integer zero points as such (one byte for a tensor whose groups
+    share one, 4 bits each where they fit; the CPU kernel forms ``-z * scale`` itself) rather
+    than a float offset per group, and scales in 16 bits where every one is exact there.
+    ``zero_points`` False (the Triton GEMM reads offsets): float offsets."""
+    from shoal.kernels.int_matmul_cpu import OFFSETS, compact, pack_int4
+    from shoal.kernels.int_matmul_cpu import zero_points as narrow_zeros
+
+    assert weights.group_index is None
+    codes, scales = weights.codes, weights.scales.float().contiguous()
+    packed = pack_int4(codes) if weights.bits == 4 else codes.contiguous()
+    found = narrow_zeros(weights.zeros, weights.bits) if zero_points else None
+    if found is not None:
+        offsets, mode = found
+    else:
+        offsets, mode = (-weights.zeros * weights.scales).float().contiguous(), OFFSETS
+    return compact(IntPacked(packed, scales, offsets, weights.bits, weights.group_size,
+                             int(codes.shape[1]), mode))
 
 
 class Int4Packed:

@@ -25,8 +25,34 @@ PRESETS = {
 }
 
 
-def write_compressed(model: Any, out: Path, fmt: str) -> None:
-    """``model``: a transformers ``*ForCausalLM`` in float32; quantized in place."""
+def linear_tree(state: dict, names: list[str]) -> Any:
+    """A module tree with one ``nn.Linear`` per name, holding ``state[name + ".weight"]``:
+    the quantizable linears as llm-compressor sees them, MoE experts included (transformers
+    5 keeps them as stacked parameters, the checkpoint as per-expert linears)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name in names:
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        weight = state[f"{name}.weight"]
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                 dtype=weight.dtype)
+        linear.weight.data.copy_(weight)
+        parent.add_module(leaf, linear)
+    return root
+
+
+def write_compressed(state: dict, names: list[str], ignore: list[str], out: Path,
+                     fmt: str) -> None:
+    """``state``: the full-precision checkpoint's tensors; ``names``: its linears, those
+    ``ignore`` matches left unquantized (the LM head, MoE routers), as the config's
+    ``ignore`` then names them. Writes the checkpoint and its ``quantization_config`` into
+    ``out`` (config.json already there)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -49,8 +75,9 @@ def write_compressed(model: Any, out: Path, fmt: str) -> None:
                                 strategy="group" if group else "channel", group_size=group)
         scheme, compression = QuantizationScheme(targets=["Linear"], weights=args), \
             "pack-quantized"
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore,
                                 quantization_status=QuantizationStatus.FROZEN)
+    model = linear_tree(state, names)
     apply_quantization_config(model, config)
     module: Any
     for module in model.modules():
@@ -65,8 +92,8 @@ def write_compressed(model: Any, out: Path, fmt: str) -> None:
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, compression)
     compressor.compress_model(model)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    linears = {f"{n}.weight" for n in names}
+    tensors = {k: v.contiguous() for k, v in state.items() if k not in linears}
+    tensors.update({k: v.contiguous() for k, v in model.state_dict().items()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     compressor.update_config(str(out))

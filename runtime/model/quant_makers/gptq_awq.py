@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -47,17 +46,15 @@ def _pack(codes: torch.Tensor, dim: int, order: list[int] | None = None) -> torc
     return words.to(torch.int32).movedim(-1, dim).contiguous()
 
 
-def write_gptq_awq(model: Any, out: Path, fmt: str) -> None:
-    """``model``: a transformers ``*ForCausalLM`` in float32."""
+def write_gptq_awq(state: dict, names: list[str], out: Path, fmt: str) -> None:
+    """``state``: the full-precision checkpoint's tensors (float32), ``names`` its linears
+    to quantize (per-expert ones included)."""
     from safetensors.torch import save_file
-    from shoal.runtime.model.make_quant_model import _quantized_linears
 
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = dict(state)
     gen = torch.Generator().manual_seed(0)
     act_order = fmt == "gptq-w4-actorder"
-    for name in _quantized_linears(model):
+    for name in names:
         weight = state.pop(f"{name}.weight").float()
         in_features = weight.shape[1]
         n_groups = in_features // GROUP
