@@ -28,10 +28,12 @@ def rng() -> torch.Generator:
     return generator
 
 
-def portable_library(source: Path, into: Path, functions: tuple[str, ...]) -> ctypes.CDLL:
-    """``source`` built for baseline x86-64 (no AVX2, no FMA, so none of the intrinsics), its
-    ``functions`` typed: the loops other CPUs get. The shared library is built with
-    -march=native, so on this pool's CPUs only this build runs them. Skips without a compiler."""
+def portable_library(source: Path, into: Path, functions: tuple[str, ...],
+                     also: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """``source`` (linked with ``also``) built for baseline x86-64 (no AVX2, no FMA, so none
+    of the intrinsics), its ``functions`` typed: the loops other CPUs get. The shared library
+    is built with -march=native, so on this pool's CPUs only this build runs them. Skips
+    without a compiler."""
     from shoal.kernels.native_cpu import SIGNATURES
 
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -39,7 +41,8 @@ def portable_library(source: Path, into: Path, functions: tuple[str, ...]) -> ct
         pytest.skip("no C compiler")
     library = into / f"{source.stem}_portable.so"
     subprocess.run([compiler, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared",
-                    "-std=c11", str(source), "-o", str(library), "-lm"], check=True,
+                    "-std=c11", str(source), *map(str, also), "-o", str(library), "-lm"],
+                   check=True,
                    timeout=300)
     portable = ctypes.CDLL(str(library))
     for name in functions:

@@ -129,8 +129,11 @@ def test_shapes_the_kernel_does_not_take_run_the_grouped_path(rng) -> None:
 
 def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch) -> None:
     """The loops other CPUs get (``portable_library``: no AVX2, no FMA intrinsics)."""
-    portable = portable_library(Path(moe_experts_cpu.__file__).with_name("moe_experts_cpu.c"),
-                                tmp_path, ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes"))
+    # the quantized experts dequantize their rows through the int kernel's source
+    here = Path(moe_experts_cpu.__file__)
+    portable = portable_library(here.with_name("moe_experts_cpu.c"), tmp_path,
+                                ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes",
+                                 "shoal_moe_experts_q"), (here.with_name("int_matmul_cpu.c"),))
     monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
     for dtype in DTYPES:
         for tokens, hidden in ((1, 64), (4, 64), (50, 1168)):
@@ -138,3 +141,12 @@ def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch)
                                                 dtype=dtype)
             _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
                    _reference(x, w13, w2, weights, ids), dtype)
+    # quantized experts: FP8 blocks and int4 with 4-bit zero points, the portable loops
+    from shoal.kernels.int_matmul_cpu import FP8, NO_OFFSET, ZEROS_U4
+    from tests.kernels.test_moe_experts_quantized import (
+        test_quantized_experts_match_float64 as quantized,
+    )
+
+    for bits, group, mode in ((FP8, 32, NO_OFFSET), (4, 32, ZEROS_U4)):
+        for tokens in (1, 40):
+            quantized(rng, bits, group, mode, tokens)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shoal.kernels import moe_experts_cpu
 from shoal.kernels.int_matmul_cpu import (
@@ -27,6 +26,7 @@ from shoal.kernels.int_matmul_cpu import (
     zero_points,
 )
 from shoal.kernels.native_cpu import unavailable_reason
+from shoal.kernels.reference import moe_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"native library: {unavailable_reason()}")
@@ -81,13 +81,7 @@ def test_dense_matmul_and_dequantize_in_every_zero_form(rng, bits, group, mode) 
 
 
 def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w13[e] @ x[t].double()).chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e] @ (F.silu(gate) * up))
-    return out
+    return moe_ref(x.double(), w13, w2, weights, ids)
 
 
 @pytest.mark.parametrize("bits, group, mode", CASES)
