@@ -87,6 +87,11 @@ def prefill_name(owner: Owner) -> str:
     return f"{owner.name}-prefill"
 
 
+def pd_sidecar_name(owner: Owner) -> str:
+    """The decode pods' service account when they run the P/D sidecar (gateway mode)."""
+    return f"{owner.name}-pd-sidecar"
+
+
 def epp_name(owner: Owner) -> str:
     return f"{owner.name}-epp"
 

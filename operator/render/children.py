@@ -10,7 +10,12 @@ from shoal.operator.render.engine import (
     render_engine_headless_service,
 )
 from shoal.operator.render.extras import render_cache_pvc, render_pdb, render_service_monitor
-from shoal.operator.render.pd import ROLE_PREFILL, render_prefill_service
+from shoal.operator.render.pd import (
+    ROLE_PREFILL,
+    render_pd_sidecar_rbac,
+    render_prefill_service,
+    wants_pd_sidecar,
+)
 from shoal.operator.render.router import (
     render_frontend_service,
     render_router_deployment,
@@ -25,6 +30,8 @@ def render_children(owner: Owner, spec: ServiceSpec, engine_replicas: int) -> li
     if pvc is not None:
         children.append(pvc)
     children.append(render_engine_headless_service(owner))
+    if wants_pd_sidecar(spec):  # the decode pods' account exists before their pods
+        children += render_pd_sidecar_rbac(owner)
     children.append(render_engine_deployment(owner, spec, engine_replicas))
     children.append(render_pdb(owner))
     if spec.prefill is not None:

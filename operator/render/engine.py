@@ -22,6 +22,7 @@ from shoal.operator.names import (
     child_metadata,
     engine_name,
     engine_selector,
+    pd_sidecar_name,
     prefill_name,
     selector_labels,
 )
@@ -283,10 +284,12 @@ def render_engine_deployment(owner: Owner, spec: ServiceSpec, replicas: int,
         "volumes": volumes + auth_volumes,
     }
     if not prefill and wants_pd_sidecar(spec):
-        sidecar, scratch = render_pd_sidecar(owner, spec)
+        sidecar, sidecar_volumes = render_pd_sidecar(owner, spec)
         pod_spec["containers"].append({**sidecar,
                                        "securityContext": container_security_context()})
-        pod_spec["volumes"].append(scratch)
+        pod_spec["volumes"] += sidecar_volumes
+        # its EndpointSlice reader; the token is mounted in the sidecar alone (above)
+        pod_spec["serviceAccountName"] = pd_sidecar_name(owner)
     if spec.model.source.scheme == "hf":
         pod_spec["initContainers"] = [_fetch_init_container(spec, mounts)]
     sch = spec.scheduling

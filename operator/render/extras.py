@@ -1,4 +1,5 @@
-"""Pure rendering of the optional children: PodDisruptionBudget, weight-cache PVC, ServiceMonitor."""
+"""Pure rendering of the optional children: PodDisruptionBudget, weight-cache PVC, ServiceMonitor,
+and the EndpointSlice readers' ServiceAccount and Role (router, Endpoint Picker, P/D sidecar)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def render_service_monitor(owner: Owner) -> dict[str, Any]:
             "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
     }
+
+
+def render_endpointslice_reader_rbac(owner: Owner, name: str,
+                                     component: str) -> list[dict[str, Any]]:
+    """A ServiceAccount allowed to read EndpointSlices in this namespace only (the router's,
+    the Endpoint Picker's, the decode pods' P/D sidecar's)."""
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": child_metadata(owner, name, component),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": child_metadata(owner, name, component),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": child_metadata(owner, name, component),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+    return [account, role, binding]

@@ -27,10 +27,10 @@ from shoal.operator.names import (
     epp_name,
     selector_labels,
 )
+from shoal.operator.render.extras import render_endpointslice_reader_rbac
 from shoal.operator.render.pd import wants_pd_sidecar
 from shoal.operator.render.router import (
     PROBE_TIMING,
-    render_endpointslice_reader_rbac,
     router_args,
     shoal_process_deployment,
 )

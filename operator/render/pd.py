@@ -4,15 +4,18 @@ prefill pool's Service and the router's P/D flags.
 Prefill engines serve the blocks of each prompt they computed on their own pod IP (the
 downward API's status.podIP, expanded by the kubelet in the container's args), and name that
 address in the kv_transfer_params they answer with; the router hands those to the decode
-engine, which pulls from that very pod. So decode engines need only the consumer role, and the
-router needs only a Service in front of the prefill pool (which prefill pod computes a prompt
-does not matter: the answer says where its blocks wait).
+engine, which pulls from that very pod. So decode engines need only the consumer role. The
+router finds the prefill pods through the EndpointSlices of a Service in front of the pool
+(``--prefill-service``), each by its own IP, so it weighs each pod's load and sees a pool
+scaled to zero as empty.
 
 Through a gateway (spec.routing.gateway.inferencePool) the picker, Shoal's or llm-d's, names
-the prefill in the ``x-prefiller-host-port`` header of the request it sends to a decode pod;
+a prefill pod in the ``x-prefiller-host-port`` header of the request it sends to a decode pod;
 each decode pod then runs ``shoal route --pd-sidecar`` in front of its engine, and the pool
-and the picker address that sidecar. The sidecar follows the header only to the prefill
-Service (``--prefill-backend``), the address Shoal's picker names.
+and the picker address that sidecar. The sidecar follows the header only to a ready pod of the
+prefill Service (by IP, any port, as llm-d's sidecar allows the pods of its pool) or to the
+Service's own address; to watch the EndpointSlices it runs as its own service account, whose
+token is mounted in the sidecar container alone (the engine's container gets none).
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from shoal.operator.names import (
     PD_SIDECAR_PORT,
     Owner,
     child_metadata,
+    pd_sidecar_name,
     prefill_name,
     selector_labels,
 )
+from shoal.operator.render.extras import render_endpointslice_reader_rbac
 from shoal.operator.spec.service import ServiceSpec
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 POD_IP_ENV = "POD_IP"
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def pool_component(role: str) -> str:
@@ -97,7 +103,7 @@ def prefill_url(owner: Owner) -> str:
 def router_pd_args(owner: Owner, spec: ServiceSpec) -> list[str]:
     if spec.prefill is None:
         return []
-    return ["--prefill-backend", prefill_url(owner),
+    return ["--prefill-service", prefill_name(owner),
             "--pd-threshold", str(spec.prefill.threshold)]
 
 
@@ -106,11 +112,20 @@ def wants_pd_sidecar(spec: ServiceSpec) -> bool:
     return spec.prefill is not None and spec.routing.gateway.inference_pool
 
 
-def render_pd_sidecar(owner: Owner, spec: ServiceSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+def render_pd_sidecar_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """The decode pods' service account: reads the EndpointSlices of this namespace (the
+    prefill Service's), nothing else."""
+    return render_endpointslice_reader_rbac(owner, pd_sidecar_name(owner), COMPONENT_ENGINE)
+
+
+def render_pd_sidecar(owner: Owner, spec: ServiceSpec) -> tuple[dict[str, Any],
+                                                                list[dict[str, Any]]]:
     """The sidecar container of a decode pod (the caller adds the engine's security
-    context) and its scratch volume. The client's headers
+    context and the pod's service account) and its volumes: scratch, and the account's
+    token as the kubelet would mount it, for this container only. The client's headers
     (its API key included) pass through to both engines, as they do through the gateway."""
     tmp = f"{PD_SIDECAR_CONTAINER}-tmp"
+    token = f"{PD_SIDECAR_CONTAINER}-token"
     container = {
         "name": PD_SIDECAR_CONTAINER,
         "image": spec.runtime.image,
@@ -118,7 +133,8 @@ def render_pd_sidecar(owner: Owner, spec: ServiceSpec) -> tuple[dict[str, Any], 
         "command": ["shoal"],
         "args": ["route", "--pd-sidecar", "--host", "0.0.0.0", "--port", str(PD_SIDECAR_PORT),
                  "--backend", f"http://127.0.0.1:{ENGINE_PORT}",
-                 "--prefill-backend", prefill_url(owner)],
+                 "--prefill-backend", prefill_url(owner),
+                 "--prefill-service", prefill_name(owner), "--namespace", owner.namespace],
         "ports": [{"name": "pd-sidecar", "containerPort": PD_SIDECAR_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
@@ -126,6 +142,14 @@ def render_pd_sidecar(owner: Owner, spec: ServiceSpec) -> tuple[dict[str, Any], 
         # its /ready is its engine's: the pool sees the pod ready when both are
         "readinessProbe": {"httpGet": {"path": "/ready", "port": PD_SIDECAR_PORT},
                            "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2},
-        "volumeMounts": [{"name": tmp, "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": tmp, "mountPath": "/tmp"},
+                         {"name": token, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True}],
     }
-    return container, {"name": tmp, "emptyDir": {}}
+    return container, [{"name": tmp, "emptyDir": {}}, {"name": token, "projected": {
+        "sources": [
+            # 3607 s: the kubelet's own automount value (the API server may extend it)
+            {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+            {"configMap": {"name": "kube-root-ca.crt",
+                           "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
+                "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}}]

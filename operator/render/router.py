@@ -30,6 +30,7 @@ from shoal.operator.render.engine import (
     pod_security_context,
     publishes_kv_events,
 )
+from shoal.operator.render.extras import render_endpointslice_reader_rbac
 from shoal.operator.render.pd import router_pd_args
 from shoal.operator.spec.service import ServiceSpec
 
@@ -155,32 +156,6 @@ def render_router_rbac(owner: Owner, spec: ServiceSpec | None = None) -> list[di
         objects[1]["rules"].append({"apiGroups": [GROUP], "resources": [PLURAL],
                                     "resourceNames": [owner.name], "verbs": ["get", "patch"]})
     return objects
-
-
-def render_endpointslice_reader_rbac(owner: Owner, name: str,
-                                     component: str) -> list[dict[str, Any]]:
-    """A ServiceAccount allowed to read EndpointSlices in this namespace only (the router's,
-    the Endpoint Picker's)."""
-    account = {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": child_metadata(owner, name, component),
-    }
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": child_metadata(owner, name, component),
-        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                   "verbs": ["get", "list", "watch"]}],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": child_metadata(owner, name, component),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
-    }
-    return [account, role, binding]
 
 
 def service_url(owner: Owner) -> str:

@@ -176,6 +176,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "--kv-transfer-config). The decode replica is chosen first; a "
                              "prefill engine computes the prompt when more than --pd-threshold "
                              "of its tokens are not cached there")
+    parser.add_argument("--prefill-service", default="", metavar="NAME",
+                        help="P/D disaggregation: the prefill engines are the ready endpoints "
+                             "of this Service (EndpointSlices in --namespace, its port named "
+                             "http), each pod by its own IP; with --pd-sidecar, the hosts the "
+                             "picker's x-prefiller-host-port may name (as llm-d's sidecar)")
     parser.add_argument("--pd-threshold", type=int, default=256, metavar="TOKENS",
                         help="uncached prompt tokens above which a prefill engine computes "
                              "the prompt (default 256)")
@@ -183,7 +188,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the decode side of --epp's P/D (llm-d's routing sidecar): in "
                              "front of one decode engine (--backend), run the prefill leg on "
                              "the engine the picker names in x-prefiller-host-port, one of "
-                             "--prefill-backend; no header: the engine computes the prompt")
+                             "--prefill-backend or a --prefill-service pod; no header: the "
+                             "engine computes the prompt")
     add_security_flags(parser)
     parser.set_defaults(func=_main)
 
@@ -215,6 +221,7 @@ def config_from_args(args: argparse.Namespace):  # -> RouterConfig
         quarantine_window=args.quarantine_window,
         # shoal route's own (shoal fleet starts no prefill engines)
         prefill_backends=list(getattr(args, "prefill_backend", [])),
+        prefill_service=getattr(args, "prefill_service", ""),
         pd_threshold=getattr(args, "pd_threshold", RouterConfig.pd_threshold),
         pd_sidecar=getattr(args, "pd_sidecar", False))
 

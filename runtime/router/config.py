@@ -51,6 +51,8 @@ class RouterConfig:
     # P/D disaggregation (runtime/router/proxy/pd.py): prefill replicas, and the uncached prompt
     # tokens above which one computes the prompt before the decode replica
     prefill_backends: list[str] = field(default_factory=list)
+    # ... and/or the ready endpoints of this Service (the prefill pods, by their own IPs)
+    prefill_service: str = ""
     pd_threshold: int = 256
     # the decode side of the Endpoint Picker's P/D (llm-d's routing sidecar): in front of one
     # decode engine, the prefill leg runs on the replica the picker's header names
@@ -71,6 +73,11 @@ class RouterConfig:
                 raise ValueError("--upstream-api-key-file must hold exactly one key")
             upstream = lines[0]
         return EdgeAuth(tuple(keys), upstream)
+
+    @property
+    def pd(self) -> bool:
+        """P/D: prefill replicas are given (fixed URLs or a Service's endpoints)."""
+        return bool(self.prefill_backends or self.prefill_service)
 
     def validate(self) -> None:
         if self.discovery == "static" and not self.backends:
@@ -96,15 +103,15 @@ class RouterConfig:
                 raise ValueError(f"{flag} must be > 0")
         if self.stream_stall_timeout < 0 or self.quarantine_window < 0:
             raise ValueError("--stream-stall-timeout and --quarantine-window must be >= 0")
-        if self.prefill_backends and self.policy != "cache-affinity":
-            raise ValueError("--prefill-backend needs --policy cache-affinity (the decode "
-                             "replica's cached prefix decides)")
+        if self.pd and self.policy != "cache-affinity":
+            raise ValueError("--prefill-backend/--prefill-service needs --policy "
+                             "cache-affinity (the decode replica's cached prefix decides)")
         if self.pd_threshold < 0:
             raise ValueError("--pd-threshold must be >= 0")
         if self.pd_sidecar and (self.discovery != "static" or len(self.backends) != 1
-                                or not self.prefill_backends):
+                                or not self.pd):
             raise ValueError("--pd-sidecar fronts one decode engine (one --backend) and "
-                             "needs --prefill-backend: the prefill addresses the picker's "
-                             "header may name")
+                             "needs --prefill-backend or --prefill-service: the prefill "
+                             "addresses the picker's header may name")
         if self.kv_events and self.policy != "cache-affinity":
             raise ValueError("--kv-events only applies to --policy cache-affinity")

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 from shoal.runtime.router.config import RouterConfig
 from shoal.runtime.router.policies.base import RoutingPolicy, make_policy
 from shoal.runtime.router.policies.request_keys import PromptTokenizer
-from shoal.runtime.router.replicas.discovery import KubernetesDiscovery, StaticDiscovery
+from shoal.runtime.router.replicas.discovery import (
+    KubernetesDiscovery,
+    PrefillDiscovery,
+    StaticDiscovery,
+)
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
 if TYPE_CHECKING:
@@ -23,6 +27,16 @@ def policy_of(config: RouterConfig) -> RoutingPolicy:
     return make_policy(config.policy, precise=config.kv_events, load_factor=config.load_factor,
                        approx_capacity=config.approx_capacity,
                        load_headroom=config.load_headroom)
+
+
+def prefill_discovery(config: RouterConfig) -> PrefillDiscovery | None:
+    """P/D's prefill replicas (None: no P/D). The Service's endpoints are found on its port
+    named ``http``: --engine-port is the decode side's (a sidecar's, through a gateway)."""
+    if not config.pd:
+        return None
+    service = KubernetesDiscovery(config.namespace, config.prefill_service, None,
+                                  api_url=config.kube_api) if config.prefill_service else None
+    return PrefillDiscovery(config.prefill_backends, service)
 
 
 class FleetView:

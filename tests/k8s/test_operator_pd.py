@@ -79,8 +79,7 @@ async def test_both_pools_reconciled_and_the_prefill_pool_pruned_when_removed(
                 "--kv-transfer-config") + 1])["kv_role"] for d in (engine, prefill)]
         assert roles == ["kv_consumer", "kv_producer"]
         args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--prefill-backend") + 1] == \
-            f"http://pd-prefill.{NS}.svc.cluster.local:8000"
+        assert args[args.index("--prefill-service") + 1] == "pd-prefill"
         assert args[args.index("--pd-threshold") + 1] == "300"
         assert await get(api, f"/api/v1/namespaces/{NS}/services/pd-prefill")
 
@@ -100,7 +99,7 @@ async def test_both_pools_reconciled_and_the_prefill_pool_pruned_when_removed(
         assert engine and router
         assert "--kv-transfer-config" not in \
             engine["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert "--prefill-backend" not in \
+        assert "--prefill-service" not in \
             router["spec"]["template"]["spec"]["containers"][0]["args"]
     finally:
         for task in tasks:

@@ -133,8 +133,7 @@ async def test_a_prefill_pool_is_rendered_reported_and_pruned_when_removed() -> 
                 ("Deployment", "m-engine")} <= set(api.objects)
         router = api.objects[("Deployment", "m-router")]["spec"]["template"]["spec"]
         args = router["containers"][0]["args"]
-        assert args[args.index("--prefill-backend") + 1] == \
-            "http://m-prefill.ml.svc.cluster.local:8000"
+        assert args[args.index("--prefill-service") + 1] == "m-prefill"
         assert (first["ready"], first["prefill"]["ready"]) == ("0/2", "0/1")
         # a prefill pod shows up in the prefill block only, never among the decode replicas
         template = api.objects[("Deployment", "m-prefill")]["spec"]["template"]

@@ -185,8 +185,8 @@ def test_pd_through_the_gateway_puts_a_sidecar_on_the_decode_pods_and_the_picker
     picker_args = gateway["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     args = build_parser().parse_args([*picker_args, "--kube-api", "http://127.0.0.1:9"])
     prefill_url = "http://chat-prefill.serving.svc.cluster.local:8000"
-    assert (args.epp, args.engine_port, args.engine_metrics_port, args.prefill_backend,
-            args.pd_threshold) == (True, 8001, 8002, [prefill_url], 128)
+    assert (args.epp, args.engine_port, args.engine_metrics_port, args.prefill_service,
+            args.pd_threshold) == (True, 8001, 8002, "chat-prefill", 128)
     picker, _ = build_picker(config_from_args(args), None)
     assert picker.prefill_pool is not None and picker.pd_threshold == 128
 
@@ -196,11 +196,30 @@ def test_pd_through_the_gateway_puts_a_sidecar_on_the_decode_pods_and_the_picker
     assert [c["name"] for c in decode["containers"]] == ["engine", "pd-sidecar"]
     sidecar = decode["containers"][1]
     parsed = build_parser().parse_args(sidecar["args"])
-    assert (parsed.pd_sidecar, parsed.port, parsed.backend, parsed.prefill_backend) == (
-        True, 8001, ["http://127.0.0.1:8000"], [prefill_url])
+    assert (parsed.pd_sidecar, parsed.port, parsed.backend, parsed.prefill_backend,
+            parsed.prefill_service, parsed.namespace) == (
+        True, 8001, ["http://127.0.0.1:8000"], [prefill_url], "chat-prefill", "serving")
     config_from_args(parsed).validate()
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8001}
     assert {"name": "pd-sidecar-tmp", "emptyDir": {}} in decode["volumes"]
+    # the sidecar watches the prefill Service's EndpointSlices as the decode pods' own account,
+    # whose token only the sidecar's container mounts (the engine's gets none)
+    assert decode["serviceAccountName"] == "chat-pd-sidecar"
+    assert decode["automountServiceAccountToken"] is False
+    token = next(v for v in decode["volumes"] if v["name"] == "pd-sidecar-token")
+    assert {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}} in \
+        token["projected"]["sources"]
+    mounts = {c["name"]: [m["mountPath"] for m in c.get("volumeMounts") or []]
+              for c in decode["containers"]}
+    sa_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert sa_dir in mounts["pd-sidecar"] and sa_dir not in mounts["engine"]
+    rbac = {(c["kind"], c["metadata"]["name"]): c for c in render_children(OWNER, pd, 1)
+            if c["metadata"]["name"] == "chat-pd-sidecar"}
+    assert set(rbac) == {("ServiceAccount", "chat-pd-sidecar"), ("Role", "chat-pd-sidecar"),
+                         ("RoleBinding", "chat-pd-sidecar")}
+    assert rbac[("Role", "chat-pd-sidecar")]["rules"] == [{
+        "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"]}]
     prefill = deployments["chat-prefill"]["spec"]["template"]["spec"]
     assert [c["name"] for c in prefill["containers"]] == ["engine"]
     # without a pool the router does P/D itself: no sidecar

@@ -36,7 +36,7 @@ def test_without_prefill_nothing_changes() -> None:
     engine = plain[("Deployment", "chat-engine")]
     assert "--kv-transfer-config" not in container(engine)["args"]
     assert LABEL_ROLE not in engine["spec"]["template"]["metadata"]["labels"]
-    assert "--prefill-backend" not in router_args(OWNER, parse_spec(BASE))
+    assert "--prefill-service" not in router_args(OWNER, parse_spec(BASE))
 
 
 def test_two_pools_with_their_roles_selectors_and_resources() -> None:
@@ -81,7 +81,10 @@ def test_two_pools_with_their_roles_selectors_and_resources() -> None:
 def test_the_router_runs_in_pd_mode_against_the_prefill_service() -> None:
     spec = parse_spec({**BASE, "prefill": {"threshold": 1024}})
     args = router_args(OWNER, spec)
-    assert flag(args, "--prefill-backend") == "http://chat-prefill.ml.svc.cluster.local:8000"
+    # the prefill pods by their own IPs, from the prefill Service's EndpointSlices (its RBAC:
+    # the router's EndpointSlice reader)
+    assert flag(args, "--prefill-service") == "chat-prefill"
+    assert "--prefill-backend" not in args
     assert flag(args, "--pd-threshold") == "1024"
     assert flag(args, "--policy") == "cache-affinity"
     # the router's default threshold when none is given; the pool's resources are the decode's

@@ -84,6 +84,14 @@ async def completions(request: Request) -> Response:
                             status_code=STATE["fail"], headers=headers)
     STATE["prompts"].append(body.get("prompt") or body.get("messages"))
     name = request.app.state.name
+    params = body.get("kv_transfer_params")
+    STATE.setdefault("kv_params", []).append(params)
+    if isinstance(params, dict) and params.get("do_remote_decode"):  # a P/D prefill leg
+        STATE["prefilled"] = STATE.get("prefilled", 0) + 1
+        host, port = name.rsplit(":", 1)
+        return JSONResponse({"replica": name, "text": "x", "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": name,
+            "remote_host": host, "remote_port": int(port), "remote_block_ids": [0]}})
     chunks = int(body.get("max_tokens", 5))
     delay = float(body.get("delay", 0.0))
     if not body.get("stream"):

@@ -2,7 +2,8 @@
 
 GET .../endpointslices lists the slices it holds; with ``watch=true`` it streams the events
 POSTed to /admin/event ({"type": "ADDED"|"MODIFIED"|"DELETED", "object": slice}) as JSON
-lines, applying them to its list too.
+lines, applying them to its list too. PATCH .../inferenceservices/NAME (the router's capacity
+request) is recorded and listed at GET /admin/patches.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 SLICES: dict[str, dict] = {}
+PATCHES: list[dict] = []
 WATCHERS: list[asyncio.Queue] = []
 
 
@@ -50,6 +52,17 @@ async def event(request: Request) -> Response:
     return JSONResponse({"watchers": len(WATCHERS)})
 
 
+async def patch_isvc(request: Request) -> Response:
+    PATCHES.append({"name": request.path_params["name"],
+                    "content_type": request.headers.get("content-type"),
+                    "body": await request.json()})
+    return JSONResponse({"metadata": {"name": request.path_params["name"]}})
+
+
+async def patches(_: Request) -> Response:
+    return JSONResponse(PATCHES)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", required=True)
@@ -61,6 +74,9 @@ def main() -> None:
     app = Starlette(routes=[
         Route("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", endpointslices),
         Route("/admin/event", event, methods=["POST"]),
+        Route("/apis/serving.shoal.dev/v1alpha1/namespaces/{ns}/inferenceservices/{name}",
+              patch_isvc, methods=["PATCH"]),
+        Route("/admin/patches", patches),
     ])
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

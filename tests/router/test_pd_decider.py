@@ -70,7 +70,7 @@ def test_the_prefill_leg_is_the_request_with_one_token_not_streamed():
 
 
 def test_prefill_backends_need_the_cache_affinity_policy_and_a_sane_threshold():
-    with pytest.raises(ValueError, match="--prefill-backend needs --policy cache-affinity"):
+    with pytest.raises(ValueError, match="--prefill-backend/--prefill-service needs --policy"):
         RouterConfig(policy="round-robin", backends=["http://d"],
                      prefill_backends=["http://p"]).validate()
     with pytest.raises(ValueError, match="--pd-threshold"):
@@ -93,6 +93,12 @@ def test_the_sidecar_follows_only_an_allowed_prefill_address():
         "http://prefill.ns.svc:8000"  # comma-joined: the first, as llm-d's sidecar
     refused = sidecar.target(["169.254.169.254:80"])
     assert isinstance(refused, PrefillOutcome) and refused.decision == "refused"
+    # --prefill-service: its ready pods by IP, any port (llm-d's sidecar allowlist)
+    assert isinstance(sidecar.target(["10.1.2.3:8000"]), PrefillOutcome)
+    sidecar.allow_peers({"http://10.1.2.3:8000"})
+    assert sidecar.target(["10.1.2.3:8200"]) == "http://10.1.2.3:8200"
+    sidecar.allow_peers(set())  # the pod went away
+    assert isinstance(sidecar.target(["10.1.2.3:8000"]), PrefillOutcome)
 
 
 def test_a_sidecar_needs_one_decode_engine_and_the_prefill_addresses():

@@ -4,7 +4,8 @@ in one asyncio loop until SIGTERM/SIGINT.
 
 The same RouterConfig as the proxy (so every routing flag means the same in both modes);
 the proxy-only parts (retries over HTTP, the ASGI app) are not built. ``--prefill-backend``
-adds the prefill pool P/D picks from (health and load watched as the proxy's is).
+and ``--prefill-service`` give the prefill pool P/D picks from (health and load watched as
+the proxy's is; the Service's pods by their own IPs, as llm-d's picker names them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from shoal.runtime.router.config import RouterConfig
 from shoal.runtime.router.epp.picker import EndpointPicker
 from shoal.runtime.router.epp.protocol import PROTOCOL_VERSION
 from shoal.runtime.router.epp.server import EppLimits, EppServer
-from shoal.runtime.router.fleet_view import FleetView, policy_of
+from shoal.runtime.router.fleet_view import FleetView, policy_of, prefill_discovery
 from shoal.runtime.router.policies.request_keys import KeyConfig, PromptTokenizer
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
@@ -35,9 +36,9 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[Endpoint
 
     fleet = FleetView(config, policy, engine_pool())
     key_config = KeyConfig(config.block_size, config.chars_per_block, config.model_revision)
-    prefill = engine_pool() if config.prefill_backends else None
+    prefill = engine_pool() if config.pd else None
     if prefill is not None:
-        prefill.sync(set(config.prefill_backends))
+        prefill.sync(set(config.prefill_backends))  # --prefill-service's pods: serve_epp
     picker = EndpointPicker(fleet.pool, policy, key_config, tokenizer,
                             endpoints_per_pick=config.max_attempts, shed_limit=shed_limit,
                             prefill_pool=prefill, pd_threshold=config.pd_threshold)
@@ -60,7 +61,11 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
         picker.tokenizer = fetched
 
     fleet.start(install if picker.tokenizer is None else None)
-    if picker.prefill_pool is not None:
+    prefills = prefill_discovery(config)
+    discovering: asyncio.Task[None] | None = None
+    if picker.prefill_pool is not None and prefills is not None:
+        discovering = asyncio.create_task(prefills.run(picker.prefill_pool.sync),
+                                          name="prefill discovery")
         picker.prefill_pool.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -78,6 +83,9 @@ async def serve_epp(config: RouterConfig, address: str, shed_limit: int | None,
             metrics.shutdown()
             metrics.server_close()
         await server.stop()
+        if discovering is not None:
+            discovering.cancel()
+            await asyncio.gather(discovering, return_exceptions=True)
         await fleet.stop()
         if picker.prefill_pool is not None:
             await picker.prefill_pool.stop()

@@ -9,8 +9,10 @@ Two ways to say which prefill replica computes a prompt, one leg:
 * ``shoal route --pd-sidecar`` in front of one decode engine, as llm-d's routing sidecar: the
   Endpoint Picker has decided already and names the prefill replica in the request header
   ``x-prefiller-host-port``; no header, no prefill leg (``HeaderPrefill``). The header is
-  honoured only for an address in ``--prefill-backend`` (a client-sent header must not make
-  the sidecar post prompts anywhere: llm-d's sidecar keeps an allowlist for the same reason).
+  honoured only for an address in ``--prefill-backend`` or, with ``--prefill-service``, a
+  host among that Service's ready endpoints (a client-sent header must not make the sidecar
+  post prompts anywhere: llm-d's sidecar keeps the same allowlist, the pods of its pool by
+  IP, any port).
 
 The leg is vLLM's proxy flow: the request with ``kv_transfer_params.do_remote_decode``,
 ``max_tokens`` 1, not streamed, then the decode replica gets the original request with the
@@ -28,6 +30,7 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
@@ -157,6 +160,12 @@ class HeaderPrefill:
 
     def __init__(self, allowed: list[str]) -> None:
         self.allowed = {normalize_url(url) for url in allowed}
+        self.peer_hosts: set[str] = set()  # --prefill-service: its ready pods' addresses
+
+    def allow_peers(self, urls: set[str]) -> None:
+        """The prefill Service's ready endpoints now (its discovery publishes them)."""
+        self.peer_hosts = {host for url in urls
+                           if (host := urlsplit(normalize_url(url)).hostname)}
 
     def target(self, values: list[str]) -> str | None | PrefillOutcome:
         """The prefill replica's URL from the header's values; None: no header (decode
@@ -168,9 +177,9 @@ class HeaderPrefill:
         if first is None:
             return None
         url = normalize_url(first)
-        if url not in self.allowed:
-            log.warning("%s %r is not a --prefill-backend: the decode engine computes the "
-                        "prompt", PREFILLER_HEADER, first)
+        if url not in self.allowed and urlsplit(url).hostname not in self.peer_hosts:
+            log.warning("%s %r is neither a --prefill-backend nor a ready prefill pod: the "
+                        "decode engine computes the prompt", PREFILLER_HEADER, first)
             return PrefillOutcome(b"", "refused", REASON_NOT_ALLOWED)
         return url
 

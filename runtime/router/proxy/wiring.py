@@ -4,10 +4,11 @@ flags ask."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from shoal.runtime.router.config import RouterConfig
-from shoal.runtime.router.fleet_view import FleetView, policy_of
+from shoal.runtime.router.fleet_view import FleetView, policy_of, prefill_discovery
 from shoal.runtime.router.policies.request_keys import KeyConfig, PromptTokenizer
 from shoal.runtime.router.proxy.app import ProxySettings, RouterApp
 from shoal.runtime.router.proxy.hold_queue import CapacityHold, HoldSettings
@@ -39,10 +40,13 @@ def build_router(config: RouterConfig) -> RouterApp:
 
     fleet = FleetView(config, policy, engine_pool())
     pool = fleet.pool
+    prefills = prefill_discovery(config)
     prefill = PrefillStage(engine_pool(), config.pd_threshold) \
-        if config.prefill_backends and not config.pd_sidecar else None
-    # a sidecar's prefill replica is the picker's choice: no pool of its own to watch
+        if prefills is not None and not config.pd_sidecar else None
+    # a sidecar's prefill replica is the picker's choice: no pool of its own to watch, only
+    # the addresses the picker may name
     sidecar = HeaderPrefill(config.prefill_backends) if config.pd_sidecar else None
+    tasks: list[asyncio.Task[None]] = []
 
     def install(fetched: PromptTokenizer) -> None:
         app.tokenizer = fetched
@@ -51,13 +55,20 @@ def build_router(config: RouterConfig) -> RouterApp:
         fleet.start(install if app.tokenizer is None else None)
         if fleet.subscriber is not None:
             app.metrics.watch_kv_events(fleet.subscriber.states)
-        if prefill is not None:
-            prefill.pool.sync(set(config.prefill_backends))
+        if prefill is not None and prefills is not None:
+            tasks.append(asyncio.create_task(prefills.run(prefill.pool.sync),
+                                             name="prefill discovery"))
             prefill.pool.start()
             await prefill.pool.wait_first_check(timeout=config.health_interval * 2)
+        if sidecar is not None and prefills is not None and prefills.service is not None:
+            tasks.append(asyncio.create_task(prefills.service.run(sidecar.allow_peers),
+                                             name="prefill peers"))
         await pool.wait_first_check(timeout=config.health_interval * 2)
 
     async def shutdown() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await fleet.stop()
         if prefill is not None:
             await prefill.pool.stop()

@@ -1,4 +1,5 @@
-"""Where the replicas are: a static list, or the engine Service's EndpointSlices.
+"""Where the replicas are: a static list, or the engine Service's EndpointSlices (for P/D's
+prefill pool, both: ``PrefillDiscovery``).
 
 Kubernetes discovery lists the EndpointSlices labelled ``kubernetes.io/service-name=<svc>``
 and then watches them, so pods that become ready (or go away) enter (or leave) the replica
@@ -133,3 +134,19 @@ class KubernetesDiscovery:
                     log.warning("endpointslice watch for %s/%s failed: %r; relisting",
                                 self.namespace, self.service, exc)
                 await asyncio.sleep(self.backoff_s)
+
+
+class PrefillDiscovery:
+    """P/D's prefill replicas: the fixed ``--prefill-backend`` URLs plus, with
+    ``--prefill-service``, the ready endpoints of that Service, each pod by its own IP (what
+    llm-d's picker names, and what lets the router weigh each prefill pod's load; a pool
+    scaled to zero has none)."""
+
+    def __init__(self, urls: Iterable[str], service: KubernetesDiscovery | None) -> None:
+        self.urls = set(urls)
+        self.service = service
+
+    async def run(self, publish: Callable[[set[str]], None]) -> None:
+        publish(set(self.urls))
+        if self.service is not None:
+            await self.service.run(lambda pods: publish(self.urls | pods))
