@@ -19,6 +19,13 @@ machine's load moves every row: compare rows of one run.
 
     .venv/bin/python bench/quant_decode.py [--layers 8] [--batches 1,16,64] [--tokens 16]
         [--modes f32,bf16,int4-w4a16,int4-bf16,gguf-q,gguf-f32] [--vllm bf16,int8-w8a8]
+        [--moe]
+
+``--moe``: the model is ``make_moe_model``'s Qwen3-MoE ``bench`` shape (hidden 1024, 64
+experts of 256, top-8, 16 query / 4 KV heads of 64, an 8192-token vocabulary) with
+``--layers`` layers, saved in bfloat16 (a bfloat16 release: compressed-tensors then writes
+bfloat16 scales); its experts stay quantized (``model/quant/experts.py``), one grouped kernel
+call per block, against the bf16 experts on the float experts kernel.
 
 ``--vllm MODES``: vLLM's CPU build (``bench/peers.py``, ``SHOAL_VLLM_VENV``) on the same
 checkpoints and prompts in the same run, after Shoal's rounds: one process per mode, the
@@ -52,6 +59,8 @@ MODES = {  # name -> (checkpoint format or None for the dense one, engine dtype)
     "int4-w4a16": ("ct-w4-group128", "float32"),
     "fp8-block": ("fp8-block128", "float32"),
     "int4-bf16": ("ct-w4-group128", "bfloat16"),
+    "int4-g32-bf16": ("ct-w4-group", "bfloat16"),  # group 32, as published W4A16 MoEs
+    "fp8-bf16": ("fp8-block128", "bfloat16"),
     "int8-w8a8": ("ct-w8a8-int", "bfloat16"),  # compressed-tensors W8A8 (vLLM serves it)
     "gguf-q": ("gguf", "float32"),  # the default model, Q4_1 layers kept quantized
     "gguf-f32": ("gguf", "float32"),  # the same file dequantized to float32 at load
@@ -80,6 +89,24 @@ def dense_checkpoint(layers: int) -> Path:
     for name in TOKENIZER_FILES:
         if (tokenizer_source / name).is_file() and name != "generation_config.json":
             shutil.copy(tokenizer_source / name, tmp / name)
+    os.rename(tmp, out)
+    return out
+
+
+def moe_checkpoint(layers: int) -> Path:
+    import torch
+    from shoal.runtime.model.make_model import cache_dir, random_model, save_checkpoint
+    from shoal.runtime.model.make_moe_model import moe_hf_config
+
+    out = cache_dir() / "models" / f"qwen3_moe-bench-shape-{layers}l-bf16"
+    if (out / "config.json").exists():
+        return out
+    config = moe_hf_config("qwen3_moe", "bench")
+    config.num_hidden_layers = layers
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_checkpoint(random_model(config, 0).to(torch.bfloat16), tmp, config.vocab_size)
     os.rename(tmp, out)
     return out
 
@@ -151,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of every (batch, mode), modes taking turns within a "
                              "round; the median round is reported")
     parser.add_argument("--vllm", default="", help="modes to run on vLLM's CPU build too")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE-shaped model: quantized experts against bf16 ones")
     parser.add_argument("--vllm-venv", default=peers.DEFAULT_VLLM_VENV)
     parser.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
-    dense = dense_checkpoint(args.layers)
+    dense = moe_checkpoint(args.layers) if args.moe else dense_checkpoint(args.layers)
     # every engine loaded first, then the modes take turns: a neighbour's load moves them
     # all alike within a round
     engines = {}

@@ -139,10 +139,10 @@ class FusedExperts(nn.Module):
         w13 = gate_up.packed(self.num_experts, gpu)  # type: ignore[operator]
         w2 = down.packed(self.num_experts, gpu)  # type: ignore[operator]
         del self.gate_up_proj, self.down_proj
-        for name, w in (("w13", w13), ("w2", w2)):
-            self.register_buffer(f"{name}_codes", w.codes)
-            self.register_buffer(f"{name}_scales", w.scales)
-            self.register_buffer(f"{name}_offsets", w.offsets)
+        for name, w in (("w13", w13), ("w2", w2)):  # packed on the host, kept on the device
+            self.register_buffer(f"{name}_codes", w.codes.to(self.device))
+            self.register_buffer(f"{name}_scales", w.scales.to(self.device))
+            self.register_buffer(f"{name}_offsets", w.offsets.to(self.device))
             setattr(self, f"{name}_layout", (w.group, w.in_features, w.zero_mode))
         self.quant_bits = w13.bits
 

@@ -143,6 +143,7 @@ def _grouped_gemm_q_kernel(a_ptr, w_ptr, s_ptr, o_ptr, c_ptr, sorted_ids_ptr, bl
     # of the step's bytes, the high nibble when c % 32 >= 16 (dequant_gemm's layout)
     byte_in_step = (ks // 32) * 16 + ks % 16
     shift = ((ks // 16) % 2) * 4
+    subs = tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -150,17 +151,27 @@ def _grouped_gemm_q_kernel(a_ptr, w_ptr, s_ptr, o_ptr, c_ptr, sorted_ids_ptr, bl
         a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
-        s_at = w_rows * stride_sn + (kk // group)[:, None]
-        scale = tl.load(s_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+        # groups are whole 32-column sub-blocks: one scale (offset) load per sub-block and
+        # column, broadcast over its 32 columns (as dequant_gemm's BY_SUB)
+        first = k0 + subs * 32
+        s_at = w_rows * stride_sn + (first // group)[:, None]
+        s_ok = (first < K)[:, None] & col_ok[None, :]
+        scale = tl.reshape(tl.broadcast_to(
+            tl.load(s_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)[:, None, :],
+            (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        if FORMAT != 0:
+            offset = tl.reshape(tl.broadcast_to(
+                tl.load(o_ptr + s_at, mask=s_ok, other=0.0).to(tl.float32)[:, None, :],
+                (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
         if FORMAT == 4:
             byte = tl.load(w_ptr + w_rows * stride_wn + (k0 // 2 + byte_in_step)[:, None],
                            mask=w_ok, other=0)
             code = ((byte.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32)
-            w = code * scale + tl.load(o_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+            w = code * scale + offset
         elif FORMAT == 8:
             code = tl.load(w_ptr + w_rows * stride_wn + kk[:, None], mask=w_ok,
                            other=0).to(tl.float32)
-            w = code * scale + tl.load(o_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)
+            w = code * scale + offset
         else:
             w = tl.load(w_ptr + w_rows * stride_wn + kk[:, None], mask=w_ok,
                         other=0.0).to(tl.float32) * scale
@@ -187,8 +198,13 @@ def _grouped_gemm_q(a: torch.Tensor, w, n_out: int, out: torch.Tensor,
         raise ValueError("the Triton experts read float offsets, not zero points")
     fmt = quantized_format(w.bits)
     k = w.in_features
-    block_n = min(64, max(16, triton.next_power_of_2(n_out)))
-    block_k = 64 if k % 64 == 0 else 32
+    if w.group % 32:
+        raise ValueError(f"quantized experts: groups of {w.group} columns (need multiples of 32)")
+    # float32 activations multiply on CUDA cores (an exact fp32 dot): narrower tiles, as
+    # dequant_gemm's, where 64 x 64 spilled 11 KB a thread (gpu-check)
+    wide = a.dtype != torch.float32
+    block_n = min(64 if wide else 32, max(16, triton.next_power_of_2(n_out)))
+    block_k = 64 if wide and k % 64 == 0 else 32
     codes = w.codes.view(torch.float8_e4m3fn) if fmt == FP8 else w.codes
     offsets = w.offsets if w.zero_mode == OFFSETS else w.scales
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))

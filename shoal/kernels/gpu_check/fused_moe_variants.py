@@ -54,7 +54,8 @@ def launcher_constexprs(n_out: int, k: int, weighted: bool, dtype: torch.dtype) 
     return constexprs
 
 
-def quantized_constexprs(n_out: int, k: int, weighted: bool, bits: int) -> dict:
+def quantized_constexprs(n_out: int, k: int, weighted: bool, bits: int,
+                         dtype: torch.dtype) -> dict:
     """The constexprs ``fused_moe._grouped_gemm_q`` launches with for quantized experts."""
     from shoal.kernels.int_matmul_cpu import FP8, NO_OFFSET, OFFSETS, IntPacked
 
@@ -71,7 +72,7 @@ def quantized_constexprs(n_out: int, k: int, weighted: bool, bits: int) -> dict:
     fused_moe._grouped_gemm_q_kernel = recorder  # type: ignore[assignment]
     try:
         fused_moe._grouped_gemm_q(
-            shaped(4, k), w, n_out, shaped(4, n_out), shaped(BLOCK_M, of=torch.int64),
+            shaped(4, k, of=dtype), w, n_out, shaped(4, n_out), shaped(BLOCK_M, of=torch.int64),
             shaped(1, of=torch.int64), shaped(4) if weighted else None,
             1 if weighted else 2, BLOCK_M)
     finally:
@@ -91,7 +92,7 @@ def quantized_variants() -> list:
                 for s_ty in ("fp32", "fp16", "bf16"):
                     for proj, n_out, k, weighted in (("w13", 2 * intermediate, hidden, False),
                                                      ("w2", hidden, intermediate, True)):
-                        constexprs = quantized_constexprs(n_out, k, weighted, bits)
+                        constexprs = quantized_constexprs(n_out, k, weighted, bits, dtype)
                         pointers = dict(a_ptr=ty, w_ptr=w_ty, s_ptr=s_ty, o_ptr=s_ty, c_ptr=ty,
                                         sorted_ids_ptr="i64", block_expert_ptr="i64",
                                         weights_ptr="fp32" if weighted else ty)
