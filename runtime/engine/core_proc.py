@@ -13,7 +13,8 @@ exits non-zero. It never outlives the API process, and only that process stops i
 SIGTERM and SIGINT are ignored, so a signal to the whole process group lets the API drain).
 
 Heartbeats are answered by a thread on their own socket, with how long the current step has
-been running: the API tells a slow step (seconds of CPU prefill) from a stuck one.
+gone without progress (CPU used): the API tells a slow step (a prefill on busy cores) from a
+stuck one.
 """
 
 from __future__ import annotations
@@ -128,15 +129,46 @@ def build_engine_core(config: EngineConfig, startup: _Startup):
 
 
 class LoopProgress:
-    """When the loop's current step started (None between steps); read by the heartbeat
-    thread (a plain attribute: reads and writes are atomic under the GIL)."""
+    """How long the loop's current step has gone without computing, for the heartbeat
+    thread. A step on a shared machine can run for minutes (a long prefill while other
+    processes hold the cores: over 30 s at load 10 on 2 cores, measured) and still be
+    working, so stuck means no progress, not a long step: the process's CPU time (every
+    thread's) is read at each heartbeat, and the step counts as stalled since the last beat
+    at which it had advanced (or since it began). A step that waits on something else (a
+    stopped or deadlocked rank, a lock, a blocking read) uses no CPU and stalls from its
+    start, as before. The step's start is one tuple, replaced whole (atomic under the GIL)."""
 
-    def __init__(self) -> None:
-        self.step_started: float | None = None
+    # the share of a core a step must use between two heartbeats to count as progress: a
+    # computing step gets a tenth of a core or more even at load 10 on 2 cores; the
+    # heartbeat and ZeroMQ threads use about a thousandth
+    MIN_PROGRESS_SHARE = 0.02
 
-    def step_running_s(self) -> float:
-        started = self.step_started
-        return 0.0 if started is None else time.monotonic() - started
+    def __init__(self, clock=time.monotonic, cpu_clock=time.process_time) -> None:
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self.step: tuple[float, float] | None = None  # (wall, CPU) when it began
+        # the step the last beat saw, that beat's (wall, CPU), when it last progressed
+        self._seen: tuple[tuple[float, float] | None, float, float, float] = (None, 0, 0, 0)
+
+    def begin_step(self) -> None:
+        self.step = (self._clock(), self._cpu_clock())
+
+    def end_step(self) -> None:
+        self.step = None
+
+    def step_stalled_s(self) -> float:
+        """Seconds since the current step last made progress (0 between steps); called by
+        the heartbeat thread only."""
+        step = self.step
+        if step is None:
+            return 0.0
+        now, cpu = self._clock(), self._cpu_clock()
+        seen_step, then, then_cpu, progressed_at = self._seen
+        if seen_step is not step:  # the first beat of this step: since its start
+            then, then_cpu, progressed_at = step[0], step[1], step[0]
+        if now > then and cpu - then_cpu >= self.MIN_PROGRESS_SHARE * (now - then):
+            progressed_at = now
+        self._seen = (step, now, cpu, progressed_at)
+        return now - progressed_at
 
 
 def start_heartbeat_thread(context: zmq.Context, address: str,
@@ -150,7 +182,7 @@ def start_heartbeat_thread(context: zmq.Context, address: str,
         try:
             while True:
                 call = decoder.decode(socket.recv())
-                socket.send(encoder.encode(Heartbeat(call.call_id, progress.step_running_s())))
+                socket.send(encoder.encode(Heartbeat(call.call_id, progress.step_stalled_s())))
         except zmq.ContextTerminated:
             socket.close()
 
@@ -261,11 +293,11 @@ class EngineLoop:
         self._last_rank_probe = time.monotonic()
 
     def _step(self) -> list:
-        self.progress.step_started = time.monotonic()
+        self.progress.begin_step()
         try:
             return self.core.step()
         finally:
-            self.progress.step_started = None
+            self.progress.end_step()
 
     def _take_inputs(self) -> None:
         while True:

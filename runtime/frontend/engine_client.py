@@ -4,8 +4,8 @@ It starts the engine-core process, follows its startup phases, sends requests an
 and routes each step's outputs to per-request queues. Outputs for requests it no longer
 tracks (aborted, finished) or for an older version of a request are stale and dropped. A
 heartbeat runs every ``heartbeat_interval`` seconds; if the process exits, a heartbeat is
-not answered within ``heartbeat_timeout``, or one step has run longer than the config's
-``rank_timeout``, the engine is dead: every live request gets an
+not answered within ``heartbeat_timeout``, or one step has made no progress (used no CPU)
+for the config's ``rank_timeout``, the engine is dead: every live request gets an
 ``EngineDeadError`` and ``on_dead`` is called (the server then exits non-zero).
 """
 
@@ -287,9 +287,10 @@ class AsyncEngineClient:
                 self._mark_dead(f"the engine core did not answer a heartbeat within "
                                 f"{self.heartbeat_timeout:.1f} s (stopped or hung)")
                 return
-            if beat.step_running_s > self.config.rank_timeout:
+            if beat.step_stalled_s > self.config.rank_timeout:
                 self._mark_dead(f"the engine core has been stuck in one step for "
-                                f"{beat.step_running_s:.1f} s (limit {self.config.rank_timeout} s)")
+                                f"{beat.step_stalled_s:.1f} s without progress (limit "
+                                f"{self.config.rank_timeout} s)")
                 return
 
     async def _beat(self) -> Heartbeat:

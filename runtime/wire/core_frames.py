@@ -38,7 +38,9 @@ class Heartbeat(msgspec.Struct, array_like=True):
     """Answered by the core's heartbeat thread, even in the middle of a long step."""
 
     call_id: int
-    step_running_s: float = 0.0  # how long the loop's current step has run; 0 between steps
+    # how long the loop's current step has gone without using CPU (0 between steps):
+    # a long step that computes is slow, one that does not is stuck
+    step_stalled_s: float = 0.0
 
 
 class UtilityReply(msgspec.Struct, array_like=True):
