@@ -85,6 +85,7 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    sent: float = 0.0  # perf_counter when the request was sent
     end: float = 0.0
 
 
@@ -100,6 +101,12 @@ class Result:
     itl_p99: float
     errors: int
     load_average: str
+    seconds: float = float("nan")  # first request sent to last one done (tok/s's divisor)
+    e2e_p50: float = float("nan")  # a request's own latency, sent to done
+    e2e_p99: float = float("nan")
+    tpot_p50: float = float("nan")  # a request's time per output token after its first
+    # each request in workload order: [sent (s after the first), TTFT, end, output tokens]
+    timeline: list[list[float]] = field(default_factory=list)
     cpu_ms_per_token: float = float("nan")  # the server's process tree, all its processes
     floor_share: float = float("nan")  # measured tok/s over the workload's floor tok/s
 
@@ -159,7 +166,7 @@ async def one_request(http: httpx.AsyncClient, url: str, request: Request) -> Re
             # each token when it is made, text or not (ids past a test tokenizer's vocabulary
             # make none): both servers then send a chunk per step
             "return_token_ids": True}
-    start = last = time.perf_counter()
+    start = last = result.sent = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -216,13 +223,24 @@ async def drive(url: str, workload: Workload, seed: int = 1) -> tuple[list[Reque
 
 def summarise(server: str, workload: Workload, results: list[RequestResult], start: float,
               load: str) -> Result:
+    # Throughput as vLLM's own serving benchmark counts it (output tokens over the time from
+    # the first request sent to the last one done), the same clock for every server. Under
+    # open-loop (Poisson) arrivals that a server keeps up with it is close to the offered
+    # load whoever serves, so the latencies below are what tell servers apart there.
     ok = [r for r in results if r.error is None]
     elapsed = max(r.end for r in results) - start
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
+    e2es = [r.end - r.sent for r in ok]
+    tpots = [(r.end - r.sent - r.ttft) / (r.output_tokens - 1) for r in ok
+             if r.ttft is not None and r.output_tokens > 1]
     return Result(server, workload.name, sum(r.output_tokens for r in ok) / elapsed,
                   len(ok) / elapsed, percentile(ttfts, 50), percentile(ttfts, 99),
-                  percentile(gaps, 50), percentile(gaps, 99), len(results) - len(ok), load)
+                  percentile(gaps, 50), percentile(gaps, 99), len(results) - len(ok), load,
+                  seconds=elapsed, e2e_p50=percentile(e2es, 50), e2e_p99=percentile(e2es, 99),
+                  tpot_p50=percentile(tpots, 50),
+                  timeline=[[round(r.sent - start, 3), round(r.ttft or math.nan, 3),
+                             round(r.end - start, 3), r.output_tokens] for r in results])
 
 
 def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
@@ -235,9 +253,11 @@ def run_one(server: peers.ServerProcess, workload: Workload) -> Result:
         result.cpu_ms_per_token = 1000 * (server.cpu_seconds() - cpu_before) / tokens
     result.floor_share = result.tokens_per_s / workload.floor_tokens_per_s
     errors = [r.error for r in results if r.error]
-    print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s  TTFT p50/p99 "
+    print(f"  {workload.name:<34} {server.name:<16} {result.tokens_per_s:8.1f} tok/s "
+          f"({result.seconds:.1f} s)  TTFT p50/p99 "
           f"{result.ttft_p50:.3f}/{result.ttft_p99:.3f} s  ITL p50/p99 {result.itl_p50:.3f}/"
-          f"{result.itl_p99:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  floor "
+          f"{result.itl_p99:.3f} s  E2E p50/p99 {result.e2e_p50:.2f}/{result.e2e_p99:.2f} s  "
+          f"TPOT p50 {result.tpot_p50:.3f} s  CPU {result.cpu_ms_per_token:.1f} ms/token  floor "
           f"{percent(result.floor_share)}  load {load}"
           + (f"  errors: {errors[:2]}" if errors else ""),
           flush=True)
