@@ -75,6 +75,9 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
+    # vLLM's flag: one block table for every layer even when sliding and full layers mix
+    # (each layer then keeps every block; ``kv/kv_groups.py``)
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_memory: int | None = None  # bytes of KV cache (CPU); None: a default budget
     num_kv_blocks: int | None = None  # exact block count, overrides the memory budget (tests)
     gpu_memory_utilization: float = 0.9

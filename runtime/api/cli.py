@@ -56,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer of a model mixing sliding-window and "
+                   "full-attention layers (each layer keeps every block)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact KV block count (overrides the memory budget)")
@@ -311,6 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, rank_timeout=args.rank_timeout,

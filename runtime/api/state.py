@@ -101,8 +101,11 @@ class ServerState:
 
     @property
     def num_kv_blocks(self) -> int:
+        """Blocks of tokens the KV cache holds for admission's estimate: with several KV
+        cache groups a token block takes one block in each (at least: a sliding group holds
+        fewer for a long request), so the pool's count over the groups."""
         info = self.client.ready_info
-        return info.num_kv_blocks if info is not None else 0
+        return info.num_kv_blocks // max(info.kv_cache_groups, 1) if info is not None else 0
 
     @property
     def request_limits(self) -> RequestLimits:

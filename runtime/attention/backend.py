@@ -40,6 +40,10 @@ class AttentionMetadata:
     # (``worker/state_slots.py``); None for models whose every layer attends
     state_slots: torch.Tensor | None = None  # int64 [B]
     state_slots_cpu: list[int] | None = None
+    # a model with several KV cache groups (``kv/kv_groups.py``): each group's metadata (its
+    # block tables and slot mapping; entry 0 is this one) and each model layer's group
+    group_metas: list[AttentionMetadata] | None = None
+    layer_group: tuple[int, ...] = ()
 
     @property
     def num_reqs(self) -> int:

@@ -24,6 +24,7 @@ from shoal.runtime.engine.remote_kv import RemoteKV
 from shoal.runtime.engine.validation import validate_request
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.kv.events import KVEvent
+from shoal.runtime.kv.kv_groups import KVGroups, plan_kv_groups
 from shoal.runtime.kv.kv_manager import window_peak_blocks
 from shoal.runtime.kv_transfer.params import KVTransferConfig
 from shoal.runtime.log_limits import RateLimitedLog
@@ -48,14 +49,17 @@ def default_kv_cache_bytes(max_num_seqs: int, kv_bytes_per_token: int) -> int:
     return min(wanted, int(psutil.virtual_memory().total * DEFAULT_KV_RAM_SHARE))
 
 
-def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int) -> int:
+def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int,
+                          num_groups: int = 1) -> int:
+    """``num_groups``: KV cache groups (``kv/kv_groups.py``); a token of a short request
+    takes a block slot in each, so the default budget counts all of them per token."""
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:
         budget = config.kv_cache_memory
         if budget is None:
-            budget = default_kv_cache_bytes(config.max_num_seqs,
-                                            kv_bytes_per_block // config.block_size)
+            budget = default_kv_cache_bytes(
+                config.max_num_seqs, kv_bytes_per_block * num_groups // config.block_size)
         blocks = budget // kv_bytes_per_block
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block ({kv_bytes_per_block} bytes each)")
@@ -80,6 +84,37 @@ def freeze_gc_after_startup() -> None:
 _UNFREEZE_AT_EXIT = False
 
 
+def kv_groups_of(model_config, disable_hybrid: bool = False) -> KVGroups:
+    """The model's KV cache groups; a hybrid linear-attention model keeps one (its state
+    slots are per layer, not per group), and so does ``--disable-hybrid-kv-cache-manager``.
+    The worker's ``ModelRunner`` plans the same."""
+    return plan_kv_groups(getattr(model_config, "layer_windows", ()),
+                          split=not disable_hybrid
+                          and getattr(model_config, "linear_attn", None) is None)
+
+
+def hybrid_token_limit(groups: KVGroups, num_blocks: int, block_size: int,
+                       max_step_tokens: int, model_limit: int) -> int:
+    """The longest request (at most ``model_limit``) that ``num_blocks`` hold alone with
+    several KV cache groups: ``n`` tokens take ``ceil(n / block_size)`` blocks in each full
+    group and, in each sliding group, no more than its window's peak with steps of at most
+    ``min(max_step_tokens, n)`` tokens."""
+    def blocks_for(n: int) -> int:
+        covered = -(-n // block_size)
+        return sum(covered if w is None else
+                   min(covered, window_peak_blocks(w, min(max_step_tokens, n), block_size))
+                   for w in groups.windows)
+
+    lo, hi = 0, model_limit  # blocks_for grows with n: the largest n that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_for(mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         check_lora_limits(config.enable_lora, config.lora_modules, config.max_loras,
@@ -96,11 +131,16 @@ class EngineCore:
         profile = getattr(executor, "profile_num_kv_blocks", None)  # test fakes may lack it
         profiled = (profile() if profile is not None and config.num_kv_blocks is None
                     and config.kv_cache_memory is None else None)
-        num_blocks = profiled or resolve_num_kv_blocks(config, executor.kv_bytes_per_block())
+        # sliding and full layers: a block table per group (the worker plans the same groups)
+        self.kv_groups = kv_groups_of(self.model_config, config.disable_hybrid_kv_cache_manager)
+        num_blocks = profiled or resolve_num_kv_blocks(config, executor.kv_bytes_per_block(),
+                                                       self.kv_groups.num_groups)
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token per rank%s", num_blocks,
                     config.block_size, executor.kv_bytes_per_block() // config.block_size,
                     " (latent + rotary key: multi-head latent attention)"
-                    if getattr(self.model_config, "mla", None) is not None else "")
+                    if getattr(self.model_config, "mla", None) is not None else
+                    f" per KV cache group ({self.kv_groups.describe()})"
+                    if self.kv_groups.hybrid else "")
         self._log_linear_state(config)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         executor.initialize_kv_cache(num_blocks)
@@ -116,6 +156,7 @@ class EngineCore:
                 model_revision=config.model_revision,
                 max_loras=config.max_loras if config.enable_lora else 0,
                 sliding_window=self.model_config.sliding_window,
+                kv_group_windows=self.kv_groups.windows if self.kv_groups.hybrid else (),
             ),
             default_eos=self.model_config.eos_token_ids,
         )
@@ -179,6 +220,12 @@ class EngineCore:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
                              "between tensor-parallel engines is not supported yet)")
+        if self.kv_groups.hybrid:  # one table's blocks move; a request here has several
+            raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} mixes "
+                             "sliding-window and full-attention layers, whose KV lives in "
+                             f"{self.kv_groups.num_groups} KV cache groups; moving them "
+                             "between engines is not supported (--disable-hybrid-kv-cache-"
+                             "manager keeps one block table for every layer)")
         if self._hybrid:  # blocks move, but not the linear layers' per-request state
             raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} keeps "
                              "linear-attention state outside the KV blocks; moving it between "
@@ -201,7 +248,13 @@ class EngineCore:
         model_limit = self.model_config.max_position_embeddings
         kv_limit = num_blocks * self.config.block_size
         window = self.model_config.sliding_window
-        if window is not None:
+        if self.kv_groups.hybrid:
+            kv_limit = hybrid_token_limit(self.kv_groups, num_blocks, self.config.block_size,
+                                          self.config.max_num_batched_tokens, model_limit)
+            logger.info("KV cache groups: %s; a request holds its length in each full group "
+                        "and at most its window in each sliding group: one request fits %d "
+                        "tokens", self.kv_groups.describe(), kv_limit)
+        elif window is not None:
             peak = window_peak_blocks(window, self.config.max_num_batched_tokens,
                                       self.config.block_size)
             logger.info("KV cache: every layer attends to the last %d positions, so a "

@@ -223,6 +223,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         freeze_gc_after_startup()  # no full-GC pass over every KV block during serving
         startup.begin("ready", max_model_len=core.max_model_len,
                       num_kv_blocks=core.stats().num_kv_blocks,
+                      kv_cache_groups=core.kv_groups.num_groups,
                       eos_token_ids=list(core.model_config.eos_token_ids),
                       vocab_size=core.model_config.vocab_size,
                       quantization=served_quantization(config, core.model_config))

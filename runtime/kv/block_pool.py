@@ -4,6 +4,11 @@ A block with ``ref_cnt == 0`` is free and sits in a doubly linked free list. Fre
 to the tail and allocation takes from the head, so the least recently freed block is reused
 first. A freed block keeps its hash and stays findable through ``cached`` until it is
 reallocated, which is when it is evicted. Every operation is O(1) per block.
+
+A model with several KV cache groups (``kv_groups.py``) keeps one hash map per group: the
+same prefix has a block in each group (different layers' K/V), found by the same hash. Only
+group 0's blocks make KV events (the router's view of the cache is the full-attention
+layers').
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from shoal.runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.group = 0  # the KV cache group whose hash map finds it (``kv_groups.py``)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -73,14 +79,17 @@ class FreeBlockList:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1
+                 ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_list = FreeBlockList(self.blocks)
-        self.cached: dict[int, KVBlock] = {}  # block hash -> the block holding that KV
+        # per KV cache group: block hash -> the block holding that KV (``cached``: group 0's)
+        self.group_cached: list[dict[int, KVBlock]] = [{} for _ in range(max(num_groups, 1))]
+        self.cached = self.group_cached[0]
         self.events: list[KVEvent] = []
         self.record_events = True
 
@@ -127,26 +136,29 @@ class BlockPool:
 
     def cache_blocks(self, blocks: list[KVBlock], hashes: list[int], parent_hash: int | None,
                      block_size: int, token_ids: Sequence[int] = (),
-                     lora_name: str | None = None) -> None:
-        """Make full blocks findable by hash. A hash already held by another block (the same
-        prefix computed twice) leaves this block unhashed: one block per hash. With events
-        on, ``token_ids`` are the blocks' tokens (block_size each), and each run of newly
-        stored blocks is one BlockStored with its own parent and tokens."""
+                     lora_name: str | None = None, group: int = 0) -> None:
+        """Make full blocks findable by hash (in ``group``'s map). A hash already held by
+        another block (the same prefix computed twice) leaves this block unhashed: one block
+        per hash. With events on, ``token_ids`` are the blocks' tokens (block_size each), and
+        each run of newly stored blocks is one BlockStored with its own parent and tokens."""
         run: list[int] = []  # indices of the current run of stored blocks
+        cached = self.group_cached[group]
         for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
-            if block.block_hash is not None or block_hash in self.cached:
-                self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name)
+            if block.block_hash is not None or block_hash in cached:
+                self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name,
+                                   group)
                 run = []
                 continue
             block.block_hash = block_hash
-            self.cached[block_hash] = block
+            block.group = group
+            cached[block_hash] = block
             run.append(i)
-        self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name)
+        self._stored_event(run, hashes, parent_hash, block_size, token_ids, lora_name, group)
 
     def _stored_event(self, run: list[int], hashes: list[int], parent_hash: int | None,
                       block_size: int, token_ids: Sequence[int],
-                      lora_name: str | None) -> None:
-        if not run or not self.record_events:
+                      lora_name: str | None, group: int) -> None:
+        if not run or not self.record_events or group:
             return
         first, last = run[0], run[-1] + 1
         parent = hashes[first - 1] if first else parent_hash
@@ -156,13 +168,15 @@ class BlockPool:
 
     def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int | None,
                     block_size: int, token_ids: Sequence[int] = (),
-                    lora_name: str | None = None) -> None:
+                    lora_name: str | None = None, group: int = 0) -> None:
         """``cache_blocks`` for one block (a decode step fills one block per row)."""
-        if block.block_hash is not None or block_hash in self.cached:
+        cached = self.group_cached[group]
+        if block.block_hash is not None or block_hash in cached:
             return
         block.block_hash = block_hash
-        self.cached[block_hash] = block
-        if self.record_events:
+        block.group = group
+        cached[block_hash] = block
+        if self.record_events and not group:
             self.events.append(BlockStored([block_hash], parent_hash, list(token_ids),
                                            block_size, lora_name=lora_name))
 
@@ -174,11 +188,13 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None
-        if self.cached.get(block_hash) is block:
-            del self.cached[block_hash]
-            if self.record_events:
+        cached = self.group_cached[block.group]
+        if cached.get(block_hash) is block:
+            del cached[block_hash]
+            if self.record_events and not block.group:
                 self.events.append(BlockRemoved([block_hash]))
         block.block_hash = None
+        block.group = 0
 
     def reset_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
@@ -186,7 +202,9 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
-        self.cached.clear()
+            block.group = 0
+        for cached in self.group_cached:
+            cached.clear()
         if self.record_events:
             self.events.append(AllBlocksCleared())
         return True

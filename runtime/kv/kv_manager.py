@@ -26,8 +26,13 @@ positionally aligned: a freed entry becomes ``FREED`` (block id 0 in the array, 
 value, never read: every attention backend starts reading at the window). A freed block
 keeps its hash like any freed block: its K/V stays right for that prefix until the block is
 reallocated (which evicts the hash), so another request may still take it as a cached
-prefix. With even one full-attention layer (Gemma 2/3, gpt-oss alternate sliding and full
-layers) every block stays needed, and nothing is freed early.
+prefix.
+
+Mixed models (Gemma 2/3, gpt-oss, Cohere2 alternate sliding and full layers) have several KV
+cache groups (``kv_groups.py``): each group has its own table per request, all of one
+request's tables cover the same positions (one length, one row in every group's array), and
+a windowed group frees its leading blocks as above while the full group keeps them. A prefix
+hit must be a hit in every group (``find_cached_prefix``).
 """
 
 from __future__ import annotations
@@ -71,29 +76,51 @@ def window_peak_blocks(window: int, max_step_tokens: int, block_size: int) -> in
     return cdiv(window - 1 + max_step_tokens, block_size) + 1
 
 
+class PrefixHits(list[KVBlock]):
+    """``find_cached_prefix``'s answer: group 0's hit blocks (a list, as a one-group model
+    has always had) and, for the other KV cache groups, the hits their layers read: a
+    sliding group's window before the first uncached token, a full group's every block."""
+
+    def __init__(self, blocks: Sequence[KVBlock], groups: list[list[KVBlock]]) -> None:
+        super().__init__(blocks)
+        self.groups = groups
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        windows = tuple(group_windows) if group_windows else (sliding_window,)
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"sliding_window must be at least 1, got {windows}")
         self.block_size = block_size
+        # per KV cache group (``kv_groups.py``): its layers' window, None for full attention
+        self.windows = windows
+        self.num_groups = len(windows)
         # the window of every layer (None: some layer attends to all positions)
-        self.sliding_window = sliding_window
+        self.sliding_window = windows[0] if self.num_groups == 1 else None
+        self.frees_blocks = any(w is not None for w in windows)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, self.num_groups)
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.tables: dict[str, list[KVBlock]] = {}
+        # per group: request -> its block table; all of one request's tables have one length
+        self.group_tables: list[dict[str, list[KVBlock]]] = [{} for _ in windows]
+        self.tables = self.group_tables[0]
         # blocks a request holds outside any block table (KV transfer, ``hold_table``)
         self.holds: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading table blocks already offered to the cache
         self._unwritten: list[KVBlock] = []  # hashed ahead by the step in flight
-        self.rows: dict[str, int] = {}
+        self.rows: dict[str, int] = {}  # one row per request, the same in every group
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.block_table_array = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
-        self.num_freed = np.zeros(max_num_seqs, np.int64)  # per table row: leading FREED entries
+        self.group_arrays = [np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
+                             for _ in windows]
+        self.block_table_array = self.group_arrays[0]
+        # per group, per table row: leading FREED entries
+        self.group_freed = [np.zeros(max_num_seqs, np.int64) for _ in windows]
+        self.num_freed = self.group_freed[0]
 
     @property
     def num_blocks(self) -> int:
@@ -112,18 +139,36 @@ class KVCacheManager:
         return 0 if table is None else len(table)
 
     def num_blocks_held(self, req_id: str) -> int:
-        """The pool blocks the request holds now (its table less the freed entries)."""
-        row = self.rows.get(req_id)
-        return 0 if row is None else len(self.tables[req_id]) - int(self.num_freed[row])
+        """The pool blocks the request holds now, every group (tables less freed entries)."""
+        return sum(self.num_blocks_held_by_group(req_id))
 
-    def block_ids(self, req_id: str) -> list[int]:
+    def num_blocks_held_by_group(self, req_id: str) -> list[int]:
+        row = self.rows.get(req_id)
+        if row is None:
+            return [0] * self.num_groups
+        return [len(tables[req_id]) - int(freed[row])
+                for tables, freed in zip(self.group_tables, self.group_freed, strict=True)]
+
+    def blocks_held_by_group(self) -> list[int]:
+        """Pool blocks every running request holds, per group (the KV accounting: how much a
+        windowed group holds against a full one)."""
+        rows = list(self.rows.values())
+        return [sum(len(t) for t in tables.values()) - int(freed[rows].sum())
+                for tables, freed in zip(self.group_tables, self.group_freed, strict=True)]
+
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
         """The table's block ids; a freed entry is -1."""
-        return [b.block_id for b in self.tables.get(req_id, [])]
+        return [b.block_id for b in self.group_tables[group].get(req_id, [])]
 
     # -- prefix cache -------------------------------------------------------------------
     def find_cached_prefix(self, seq: KVSequence) -> list[KVBlock]:
         """Cached blocks matching the sequence's leading full blocks. The last token is never
-        served from cache: the step that computes it produces the next token's logits."""
+        served from cache: the step that computes it produces the next token's logits.
+
+        Several groups: a prefix of ``k`` blocks is a hit only if every group has what its
+        layers read at position ``k * block_size``: a full group all ``k`` blocks, a sliding
+        group the blocks its window reaches (vLLM's rule too). The longest such ``k`` at or
+        below group 0's chain wins; the answer is a ``PrefixHits``."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(seq.all_token_ids) - 1) // self.block_size
@@ -135,7 +180,26 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        if self.num_groups == 1:
+            return hits
+        return self._hits_in_every_group(seq.block_hashes, hits)
+
+    def _hits_in_every_group(self, hashes: list[int], hits: list[KVBlock]) -> PrefixHits:
+        k = len(hits)
+        while k > 0:
+            groups: list[list[KVBlock]] = []
+            for g in range(1, self.num_groups):
+                cached = self.pool.group_cached[g]
+                lo = self._dead_blocks(self.windows[g], k * self.block_size)
+                found = [cached.get(h) for h in hashes[lo:k]]
+                missing = [i for i, b in enumerate(found) if b is None]
+                if missing:  # no k' above the last miss can work: its window still holds it
+                    k = lo + missing[-1]
+                    break
+                groups.append(found)  # type: ignore[arg-type]  # no None: checked above
+            else:
+                return PrefixHits(hits[:k], groups)
+        return PrefixHits([], [[] for _ in range(1, self.num_groups)])
 
     def prefix_hashes(self, seq: KVSequence, num_blocks: int) -> list[int]:
         """The hashes of the sequence's first ``num_blocks`` full blocks."""
@@ -153,7 +217,7 @@ class KVCacheManager:
                                        seq.extra_digest))
 
     def cache_full_blocks(self, seq: KVSequence, num_computed_tokens: int) -> None:
-        """Offer the blocks whose KV is now complete to the prefix cache."""
+        """Offer the blocks whose KV is now complete to the prefix cache (every group)."""
         if not self.enable_prefix_caching:
             return
         full = num_computed_tokens // self.block_size
@@ -162,11 +226,15 @@ class KVCacheManager:
             return
         self._ensure_hashes(seq, full)
         parent = seq.block_hashes[done - 1] if done else None
-        table = self.tables[seq.req_id]
         size = self.block_size
         tokens = seq.all_token_ids[done * size:full * size] if self.pool.record_events else ()
-        self.pool.cache_blocks(table[done:full], seq.block_hashes[done:full], parent, size,
-                               tokens, getattr(seq, "lora_name", None))
+        hashes = seq.block_hashes[done:full]
+        for g, tables in enumerate(self.group_tables):
+            blocks = tables[seq.req_id][done:full]
+            if g and any(b is FREED for b in blocks):  # not expected: never hash FREED
+                continue
+            self.pool.cache_blocks(blocks, hashes, parent, size, tokens,
+                                   getattr(seq, "lora_name", None), g)
         self._num_hashed[seq.req_id] = full
 
     def cache_blocks_ahead(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int]
@@ -177,7 +245,8 @@ class KVCacheManager:
         token fills one block, hashes just that block."""
         if not self.enable_prefix_caching:
             return
-        size, num_hashed, tables, pool = self.block_size, self._num_hashed, self.tables, self.pool
+        size, num_hashed, pool = self.block_size, self._num_hashed, self.pool
+        group_tables = self.group_tables
         unwritten = self._unwritten
         for seq, total in zip(seqs, num_tokens, strict=True):
             full = total // size
@@ -185,18 +254,20 @@ class KVCacheManager:
             if done is None or full <= done:
                 continue
             hashes = seq.block_hashes
-            table = tables[seq.req_id]
             if full == done + 1 and len(hashes) == done:  # one new block, not hashed before
                 parent = hashes[-1] if done else NONE_HASH
                 tokens = seq.all_token_ids[done * size:full * size]
                 block_hash = hash_block(parent, tokens, seq.extra_digest)
                 hashes.append(block_hash)
-                pool.cache_block(table[done], block_hash, parent if done else None, size,
-                                 tokens, getattr(seq, "lora_name", None))
+                for g, tables in enumerate(group_tables):
+                    pool.cache_block(tables[seq.req_id][done], block_hash,
+                                     parent if done else None, size, tokens,
+                                     getattr(seq, "lora_name", None), g)
                 num_hashed[seq.req_id] = full
             else:
                 self.cache_full_blocks(seq, total)
-            unwritten.extend(table[done:full])
+            for tables in group_tables:
+                unwritten.extend(tables[seq.req_id][done:full])
 
     def written(self) -> None:
         """The step in flight ran: its ahead-hashed blocks hold their K/V."""
@@ -213,8 +284,8 @@ class KVCacheManager:
     def allocate_slots(self, seq: KVSequence, num_computed_tokens: int, num_new_tokens: int,
                        cached_blocks: list[KVBlock] | None = None) -> bool:
         """Blocks for ``num_new_tokens`` after ``num_computed_tokens``; ``cached_blocks``
-        (admission only) become the head of the table. False, with nothing changed, when
-        the pool cannot cover it."""
+        (admission only; with several groups a ``PrefixHits``) become the head of the
+        tables. False, with nothing changed, when the pool cannot cover it."""
         req_id = seq.req_id
         table = self.tables.get(req_id)
         hits = cached_blocks or []
@@ -222,42 +293,64 @@ class KVCacheManager:
             raise ValueError(f"cached blocks offered to {req_id!r}, which already holds blocks")
         have = len(table) if table is not None else 0
         total_tokens = num_computed_tokens + num_new_tokens
-        needed = cdiv(total_tokens, self.block_size) - have - len(hits)
         if cdiv(total_tokens, self.block_size) > self.max_blocks_per_seq:
             raise ValueError(f"{req_id!r}: {total_tokens} tokens exceed max_model_len")
-        # leading hits no window reaches are not taken (FREED in the table): a long cached
-        # prefix then needs only the window's blocks, like a running request
-        dead = min(self._dead_blocks(num_computed_tokens), len(hits)) if table is None else 0
-        hits = hits[dead:]
+        group_hits = self._group_hits(req_id, num_computed_tokens, hits, table is None)
+        # per group: leading hits no window reaches are not taken (FREED in the table): a
+        # long cached prefix then needs only the window's blocks, like a running request
+        total_blocks = cdiv(total_tokens, self.block_size)
+        needed = [max(total_blocks - have - dead - len(taken), 0) for dead, taken in group_hits]
         # hits sitting in the free list leave it, so they cannot also be allocated fresh
-        hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
-        if needed > self.pool.free_list.num_free - hits_in_free_list:
+        hits_in_free_list = sum(1 for _, taken in group_hits for b in taken if b.ref_cnt == 0)
+        if sum(needed) > self.pool.free_list.num_free - hits_in_free_list:
             return False
         if table is None:
             if not self._free_rows:
                 return False
-            table = self.tables[req_id] = [FREED] * dead
-            self.rows[req_id] = self._free_rows.pop()
-            self.num_freed[self.rows[req_id]] = dead
-            self._num_hashed[req_id] = dead + len(hits)
-        if not hits and needed <= 0:
+            row_id = self.rows[req_id] = self._free_rows.pop()
+            for g, (dead, _) in enumerate(group_hits):
+                self.group_tables[g][req_id] = [FREED] * dead
+                self.group_freed[g][row_id] = dead
+            self._num_hashed[req_id] = group_hits[0][0] + len(group_hits[0][1])
+        if not hits and not any(needed):
             return True
-        self.pool.touch(hits)
-        new_blocks = self.pool.allocate(max(needed, 0))
-        start = len(table)  # after any FREED entries (0 in the array already)
-        table.extend(hits)
-        table.extend(new_blocks)
-        row = self.block_table_array[self.rows[req_id]]
-        if len(table) == start + 1:  # the common case: one new block (a scalar store)
-            row[start] = table[start].block_id
-        else:
-            row[start:len(table)] = [b.block_id for b in table[start:]]
+        row_id = self.rows[req_id]
+        for g, (_, taken) in enumerate(group_hits):
+            self.pool.touch(taken)
+            table = self.group_tables[g][req_id]
+            start = len(table)  # after any FREED entries (0 in the array already)
+            table.extend(taken)
+            table.extend(self.pool.allocate(needed[g]))
+            row = self.group_arrays[g][row_id]
+            if len(table) == start + 1:  # the common case: one new block (a scalar store)
+                row[start] = table[start].block_id
+            else:
+                row[start:len(table)] = [b.block_id for b in table[start:]]
         return True
+
+    def _group_hits(self, req_id: str, num_computed: int, hits: list[KVBlock], new: bool
+                    ) -> list[tuple[int, list[KVBlock]]]:
+        """Per group: the leading entries left FREED and the hit blocks taken after them."""
+        if not new:
+            return [(0, [])] * self.num_groups
+        dead = min(self._dead_blocks(self.windows[0], num_computed), len(hits))
+        out = [(dead, list(hits[dead:]))]
+        if self.num_groups == 1:
+            return out
+        others = getattr(hits, "groups", None)
+        if hits and others is None:
+            raise ValueError(f"{req_id!r}: cached blocks of group 0 only, for a model with "
+                             f"{self.num_groups} KV cache groups")
+        for g in range(1, self.num_groups):
+            taken = others[g - 1] if others is not None else []
+            out.append((len(hits) - len(taken), list(taken)))
+        return out
 
     def extend_tables(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> bool:
         """Grow the tables of requests that hold blocks to cover ``num_tokens[i]`` tokens
         each, all or nothing (False, nothing changed, when the pool cannot cover them all):
-        the running rows' one call per step instead of ``allocate_slots`` per row."""
+        the running rows' one call per step instead of ``allocate_slots`` per row. Every
+        group's table grows by the same count (they cover the same positions)."""
         size, tables, max_blocks = self.block_size, self.tables, self.max_blocks_per_seq
         growth = []
         for req_id, total in zip(req_ids, num_tokens, strict=True):
@@ -266,71 +359,77 @@ class KVCacheManager:
             if needed > 0:
                 if len(table) + needed > max_blocks:
                     raise ValueError(f"{req_id!r}: {total} tokens exceed max_model_len")
-                growth.append((req_id, table, needed))
-        total = sum(n for _, _, n in growth)
+                growth.append((req_id, needed))
+        total = sum(n for _, n in growth) * self.num_groups
         if total > self.pool.free_list.num_free:
             return False
-        array, rows = self.block_table_array, self.rows
+        rows = self.rows
         blocks = self.pool.allocate(total)
         at = 0
-        for req_id, table, needed in growth:
-            start = len(table)
-            if needed == 1:
-                block = blocks[at]
-                table.append(block)
-                array[rows[req_id], start] = block.block_id
-            else:
-                table.extend(blocks[at:at + needed])
-                array[rows[req_id], start:len(table)] = [b.block_id for b in table[start:]]
-            at += needed
+        for group_tables, array in zip(self.group_tables, self.group_arrays, strict=True):
+            for req_id, needed in growth:
+                table = group_tables[req_id]
+                start = len(table)
+                if needed == 1:
+                    block = blocks[at]
+                    table.append(block)
+                    array[rows[req_id], start] = block.block_id
+                else:
+                    table.extend(blocks[at:at + needed])
+                    array[rows[req_id], start:len(table)] = [b.block_id for b in table[start:]]
+                at += needed
         return True
 
     def free_outside_window(self, req_ids: Sequence[str], num_computed: np.ndarray,
                             rows: np.ndarray) -> int:
         """Running requests (``num_computed[i]`` tokens of ``req_ids[i]`` computed, table
-        row ``rows[i]``): give back the leading blocks no layer reads again, and return how
-        many went back. The next token computed sits at position ``num_computed``; its
-        window starts at ``num_computed - W + 1`` and later tokens' windows start later, so
-        block ``b`` is dead once ``(b + 1) * block_size <= num_computed - W + 1``. Those
-        blocks are complete (their tokens are computed), so they were offered to the prefix
-        cache already. A no-op unless every layer is windowed."""
-        window = self.sliding_window
-        if window is None or not len(req_ids):
+        row ``rows[i]``): give back, in every windowed group, the leading blocks its layers
+        never read again, and return how many went back. The next token computed sits at
+        position ``num_computed``; its window starts at ``num_computed - W + 1`` and later
+        tokens' windows start later, so block ``b`` is dead once
+        ``(b + 1) * block_size <= num_computed - W + 1``. Those blocks are complete (their
+        tokens are computed), so they were offered to the prefix cache already."""
+        if not self.frees_blocks or not len(req_ids):
             return 0
-        dead = np.maximum(num_computed - (window - 1), 0) // self.block_size
         freed = 0
-        for i in np.flatnonzero(dead > self.num_freed[rows]).tolist():
-            freed += self._free_leading(req_ids[i], int(rows[i]), int(dead[i]))
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            dead = np.maximum(num_computed - (window - 1), 0) // self.block_size
+            for i in np.flatnonzero(dead > self.group_freed[g][rows]).tolist():
+                freed += self._free_leading(g, req_ids[i], int(rows[i]), int(dead[i]))
         return freed
 
-    def _dead_blocks(self, num_computed: int) -> int:
+    def _dead_blocks(self, window: int | None, num_computed: int) -> int:
         """Leading blocks no window reaches once ``num_computed`` tokens are computed."""
-        window = self.sliding_window
         return 0 if window is None else max(num_computed - (window - 1), 0) // self.block_size
 
-    def _free_leading(self, req_id: str, row: int, count: int) -> int:
-        table = self.tables[req_id]
-        start = int(self.num_freed[row])
+    def _free_leading(self, group: int, req_id: str, row: int, count: int) -> int:
+        table = self.group_tables[group][req_id]
+        freed = self.group_freed[group]
+        start = int(freed[row])
         count = min(count, len(table))
         if self._num_hashed[req_id] < count:  # never offered (not expected): the cache skips
             self._num_hashed[req_id] = count  # them, so FREED itself is never hashed
         gone = table[start:count]
         table[start:count] = [FREED] * len(gone)
         self.pool.free(reversed(gone))  # the later block first: the head is more shareable
-        self.block_table_array[row, start:count] = 0
-        self.num_freed[row] = count
+        self.group_arrays[group][row, start:count] = 0
+        freed[row] = count
         return len(gone)
 
     def free(self, req_id: str) -> None:
         """Release a request's blocks, tail first (its tail is the least shareable)."""
-        table = self.tables.pop(req_id, None)
-        if table is None:
+        if req_id not in self.tables:
             return
         row = self.rows.pop(req_id)
-        self.pool.free(reversed(table[int(self.num_freed[row]):]))
+        for tables, array, freed in zip(self.group_tables, self.group_arrays,
+                                        self.group_freed, strict=True):
+            table = tables.pop(req_id)
+            self.pool.free(reversed(table[int(freed[row]):]))
+            array[row, :len(table)] = 0
+            freed[row] = 0
         del self._num_hashed[req_id]
-        self.block_table_array[row, :len(table)] = 0
-        self.num_freed[row] = 0
         self._free_rows.append(row)
 
     # -- holds: blocks kept for a KV transfer, outside any block table ------------------
@@ -338,8 +437,11 @@ class KVCacheManager:
         """A finishing request (``free`` otherwise): its first ``keep`` blocks stay held under
         its id for a remote engine to pull; the rest are freed. Returns the held blocks."""
         table = self.tables.get(req_id)
-        if table is None or keep <= 0 or any(b is FREED for b in table[:keep]):
-            self.free(req_id)  # nothing to offer (a sliding window freed its head)
+        if (table is None or keep <= 0 or any(b is FREED for b in table[:keep])
+                or self.num_groups > 1):
+            # nothing to offer (a sliding window freed its head; several groups' blocks do
+            # not travel: the engine refuses KV transfer for such models)
+            self.free(req_id)
             return []
         kept = table[:keep]
         for block in kept:
@@ -353,6 +455,9 @@ class KVCacheManager:
         for a pull; None, nothing changed, when the pool cannot cover them."""
         if req_id in self.holds:
             raise ValueError(f"{req_id!r} already holds blocks")
+        if self.num_groups > 1:
+            raise ValueError("KV transfer holds one KV cache group's blocks; this model has "
+                             f"{self.num_groups}")
         hits_in_free_list = sum(1 for b in hits if b.ref_cnt == 0)
         if count > self.pool.free_list.num_free - hits_in_free_list:
             return None
@@ -390,8 +495,10 @@ class KVCacheManager:
         """Raise KVInvariantError if the bookkeeping is inconsistent (tests call this after
         every step)."""
         pool = self.pool
-        refs = Counter(b.block_id for table in (*self.tables.values(), *self.holds.values())
-                       for b in table if b is not FREED)
+        refs = Counter(b.block_id for tables in (*self.group_tables, self.holds)
+                       for table in tables.values() for b in table if b is not FREED)
+        if self.num_groups > 1 and self.holds:
+            raise KVInvariantError("KV transfer holds with several KV cache groups")
         free_ids = [b.block_id for b in pool.free_list]
         free_set = set(free_ids)
         if len(free_ids) != len(free_set):
@@ -407,26 +514,38 @@ class KVCacheManager:
                                        "ref count")
             if block.ref_cnt > 1 and block.block_hash is None:
                 raise KVInvariantError(f"{block} is shared but not a full block")
-            if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
+            if (block.block_hash is not None
+                    and pool.group_cached[block.group].get(block.block_hash) is not block):
                 raise KVInvariantError(f"{block}: hash not mapped to it")
-        for block_hash, block in pool.cached.items():
-            if block.block_hash != block_hash:
-                raise KVInvariantError(f"{block}: hash map entry {block_hash}")
+        for group, cached in enumerate(pool.group_cached):
+            for block_hash, block in cached.items():
+                if block.block_hash != block_hash or block.group != group:
+                    raise KVInvariantError(f"{block}: hash map entry {block_hash} of group "
+                                           f"{group}")
         if set(self.rows) != set(self.tables):
             raise KVInvariantError("block-table rows disagree with tables")
-        for req_id, table in self.tables.items():
-            freed = int(self.num_freed[self.rows[req_id]])
-            if any(b is FREED for b in table[freed:]) or any(b is not FREED
-                                                              for b in table[:freed]):
-                raise KVInvariantError(f"{req_id}: freed entries are not its leading {freed}")
-            if freed and self.sliding_window is None:
-                raise KVInvariantError(f"{req_id}: blocks freed without a sliding window")
-            row = self.block_table_array[self.rows[req_id]]
-            if (row[:len(table)].tolist() != [0 if b is FREED else b.block_id for b in table]
-                    or row[len(table):].any()):
-                raise KVInvariantError(f"{req_id}: block-table row is stale")
-        if self.num_freed[self._free_rows].any():
-            raise KVInvariantError("a free block-table row counts freed entries")
+        for g, (tables, array, num_freed) in enumerate(zip(
+                self.group_tables, self.group_arrays, self.group_freed, strict=True)):
+            if set(tables) != set(self.tables):
+                raise KVInvariantError(f"group {g} has tables of other requests")
+            for req_id, table in tables.items():
+                if len(table) != len(self.tables[req_id]):
+                    raise KVInvariantError(f"{req_id}: group {g}'s table covers other "
+                                           "positions than group 0's")
+                freed = int(num_freed[self.rows[req_id]])
+                if any(b is FREED for b in table[freed:]) or any(b is not FREED
+                                                                  for b in table[:freed]):
+                    raise KVInvariantError(f"{req_id}: freed entries are not its leading "
+                                           f"{freed}")
+                if freed and self.windows[g] is None:
+                    raise KVInvariantError(f"{req_id}: blocks freed without a sliding window")
+                row = array[self.rows[req_id]]
+                if (row[:len(table)].tolist() != [0 if b is FREED else b.block_id
+                                                  for b in table]
+                        or row[len(table):].any()):
+                    raise KVInvariantError(f"{req_id}: block-table row is stale")
+            if num_freed[self._free_rows].any():
+                raise KVInvariantError("a free block-table row counts freed entries")
         if not self.tables and not self.holds and pool.num_free != pool.num_blocks:
             raise KVInvariantError(f"{pool.num_blocks - pool.num_free} blocks leaked with no "
                                    "request")

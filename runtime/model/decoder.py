@@ -287,10 +287,12 @@ class DecoderModel(nn.Module):
         for key, rotary in self.rotary.items():
             assert isinstance(rotary, RotaryEmbedding)
             ropes[key] = rotary.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        metas, groups = meta.group_metas, meta.layer_group  # several KV cache groups
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             assert isinstance(layer, DecoderLayer)
             rope = ropes[layer.rope_key] if layer.rope_key is not None else None
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rope)
+            layer_meta = meta if metas is None else metas[groups[i]]
+            hidden, residual = layer(positions, hidden, residual, kv_cache, layer_meta, rope)
         return self.norm(hidden, residual)[0]
 
 

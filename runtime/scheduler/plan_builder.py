@@ -16,11 +16,12 @@ def allot_budget(wanted: np.ndarray, budget: int) -> np.ndarray:
 
 
 def build_plan(step_id: int, batch: RunningBatch, counts: np.ndarray,
-               block_table_array: np.ndarray, block_size: int,
+               group_arrays: list[np.ndarray], block_size: int,
                new_requests: list[NewRequestData], finished_req_ids: list[str]) -> StepPlan:
     """The plan of the batch's first ``len(counts)`` rows, ``counts[i]`` tokens each from
     where row i has computed to (before ``batch.advance``). Every array is a fresh copy the
-    plan owns."""
+    plan owns. ``group_arrays``: the KV manager's block-table array of each KV cache group
+    (one for most models); groups past the first travel as ``group_block_tables``."""
     num_reqs = len(counts)
     starts = batch.computed[:num_reqs].copy()
     seq_lens = (starts + counts).astype(np.int32)
@@ -46,9 +47,13 @@ def build_plan(step_id: int, batch: RunningBatch, counts: np.ndarray,
             count = int(counts[i])
             input_ids[at:at + count] = reqs[i].all_token_ids[start:start + count]
     max_blocks = -(-int(seq_lens.max()) // block_size) if num_reqs else 0
-    block_tables = block_table_array[batch.table_rows[:num_reqs], :max_blocks]
-    slot_mapping = (block_tables[token_rows, positions // block_size].astype(np.int64)
-                    * block_size + positions % block_size)
+    rows, column, offset = batch.table_rows[:num_reqs], positions // block_size, \
+        positions % block_size
+    block_tables = group_arrays[0][rows, :max_blocks]
+    slot_mapping = (block_tables[token_rows, column].astype(np.int64) * block_size + offset)
+    group_tables = [array[rows, :max_blocks] for array in group_arrays[1:]]
+    group_slots = [table[token_rows, column].astype(np.int64) * block_size + offset
+                   for table in group_tables]
     return StepPlan(
         step_id=step_id,
         req_ids=batch.req_ids[:num_reqs],
@@ -61,4 +66,6 @@ def build_plan(step_id: int, batch: RunningBatch, counts: np.ndarray,
         sample_rows=seq_lens >= batch.num_tokens[:num_reqs],
         new_requests=new_requests,
         finished_req_ids=finished_req_ids,
+        group_block_tables=group_tables,
+        group_slot_mappings=group_slots,
     )

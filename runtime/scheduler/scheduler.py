@@ -70,6 +70,9 @@ class SchedulerConfig:
     # every attention layer's window (None: some layer attends to everything); with one,
     # blocks no window reaches go back to the pool while their request runs
     sliding_window: int | None
+    # per KV cache group (``kv/kv_groups.py``), its window: a mixed model's sliding groups
+    # free their blocks outside the window while the full group keeps them (empty: one group)
+    kv_group_windows: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -91,7 +94,7 @@ class Scheduler:
         self.default_eos = list(default_eos or [])
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.max_num_seqs,
                                  config.max_model_len, config.enable_prefix_caching,
-                                 config.sliding_window)
+                                 config.sliding_window, config.kv_group_windows)
         self.waiting = make_waiting_queue(config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self._batch = RunningBatch(config.max_num_seqs, config.max_model_len)
@@ -172,7 +175,7 @@ class Scheduler:
             return None
         self._step_id += 1
         batch = self._batch
-        plan = build_plan(self._step_id, batch, counts, self.kv.block_table_array,
+        plan = build_plan(self._step_id, batch, counts, self.kv.group_arrays,
                           self.config.block_size, new_requests, self._finished_for_worker)
         self._finished_for_worker = []
         batch.advance(len(counts), counts, decode_only, plan.sample_rows)
@@ -188,7 +191,7 @@ class Scheduler:
         if not num_rows:
             return _NO_ROWS, 0, False, False
         computed = batch.computed[:num_rows]
-        if kv.sliding_window is not None:  # before growing tables: the freed blocks serve
+        if kv.frees_blocks:  # before growing tables: the freed blocks serve
             kv.free_outside_window(batch.req_ids, computed, batch.table_rows[:num_rows])
         counts = batch.num_tokens[:num_rows] - computed
         wanted = int(counts.sum())

@@ -57,6 +57,9 @@ class StartupPhase(msgspec.Struct, kw_only=True, array_like=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     vocab_size: int = 0
     quantization: str = ""  # the checkpoint's quantization method ("": full precision)
+    # KV cache groups (kv/kv_groups.py): a short request takes a block in each per block of
+    # its tokens, so admission counts num_kv_blocks / kv_cache_groups blocks of tokens
+    kv_cache_groups: int = 1
 
 
 class RequestError(msgspec.Struct, array_like=True):

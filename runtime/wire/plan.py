@@ -43,6 +43,10 @@ class StepPlan:
     sample_rows: np.ndarray  # bool [B]: the row's prompt is complete after this step
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # drop worker-side state
+    # a model with several KV cache groups (``kv/kv_groups.py``): groups 1.. have their own
+    # block tables [B, max_blocks] and slot mappings [T] (group 0's are the fields above)
+    group_block_tables: list[np.ndarray] = field(default_factory=list)
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

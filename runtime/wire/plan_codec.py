@@ -41,6 +41,11 @@ class PlanWire(msgspec.Struct, array_like=True):
     sample_rows: bytes  # packed bits [B]
     new_requests: list[NewRequestData]
     finished_req_ids: list[str]
+    # KV cache groups past the first (``kv/kv_groups.py``): their tables int32 [G-1, B, width]
+    # and slot mappings int64 [G-1, T], whole (no deltas: only mixed sliding-window models)
+    extra_groups: int = 0
+    group_tables: bytes = b""
+    group_slots: bytes = b""
 
 
 def _narrow_ids(values: np.ndarray) -> tuple[bytes, str]:
@@ -165,6 +170,12 @@ class PlanEncoder:
             new_requests=plan.new_requests,
             finished_req_ids=plan.finished_req_ids,
         )
+        if plan.group_block_tables:
+            wire.extra_groups = len(plan.group_block_tables)
+            wire.group_tables = b"".join(np.ascontiguousarray(t, dtype=np.int32).tobytes()
+                                         for t in plan.group_block_tables)
+            wire.group_slots = b"".join(np.ascontiguousarray(m, dtype=np.int64).tobytes()
+                                        for m in plan.group_slot_mappings)
         for req_id in plan.finished_req_ids:
             if req_id in self._handles:
                 self._free.append(self._handles.pop(req_id))
@@ -218,7 +229,14 @@ class PlanDecoder:
         for req_id in wire.finished_req_ids:
             if req_id in self._by_id:
                 del self._ids[self._by_id.pop(req_id)]
+        extra = wire.extra_groups
+        group_tables = list(np.frombuffer(wire.group_tables, dtype=np.int32).reshape(
+            extra, num_reqs, width).copy()) if extra else []
+        group_slots = list(np.frombuffer(wire.group_slots, dtype=np.int64).reshape(
+            extra, len(slots)).copy()) if extra else []
         return StepPlan(
+            group_block_tables=group_tables,
+            group_slot_mappings=group_slots,
             step_id=wire.step_id,
             req_ids=req_ids,
             input_ids=np.frombuffer(wire.input_ids, dtype=wire.input_ids_dtype).astype(np.int64),

@@ -200,7 +200,7 @@ def try_replay(
     meta: AttentionMetadata,
 ) -> torch.Tensor | None:
     """Hidden states from a graph replay, or None when this step must run eagerly."""
-    if graphs is None or input_ids.shape[0] != meta.num_reqs:
+    if graphs is None or input_ids.shape[0] != meta.num_reqs or meta.group_metas is not None:
         return None
     if graph_batch_size(meta.num_reqs, meta.max_query_len, graphs.sizes, enforce_eager=False) is None:
         return None

@@ -9,11 +9,12 @@ runs the whole flat batch, and logits are computed only for rows that sample thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from shoal.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from shoal.runtime.kv.kv_groups import plan_kv_groups
 from shoal.runtime.model.decoder import DecoderForCausalLM
 from shoal.runtime.wire.plan import StepPlan
 from shoal.runtime.worker.cuda_graphs import DecodeGraphRunner, try_replay
@@ -31,7 +32,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend,
                  device: torch.device, dtype: torch.dtype, block_size: int,
-                 kv_cache_dtype: torch.dtype | None = None, state_slots: int = 0) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, state_slots: int = 0,
+                 hybrid_kv: bool = True) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -46,6 +48,10 @@ class ModelRunner:
         # one slot per request that may run at once (max_num_seqs): made once, kept across
         # init_kv_cache calls (the memory profile re-sizes only the KV cache)
         self.states = StateCache(lin, state_slots, dtype, device) if lin is not None else None
+        # sliding and full layers in one model: per-group block tables over shared tensors
+        # (``kv/kv_groups.py``; the engine core plans the same groups from the same config)
+        self.kv_groups = plan_kv_groups(model.config.layer_windows,
+                                        split=hybrid_kv and lin is None)
 
     def _attention_layers(self) -> list[int]:
         """Indices of the layers with a KV cache (all but linear-attention layers)."""
@@ -68,6 +74,8 @@ class ModelRunner:
         heads, k_width, v_width = self._cache_dims()
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_layer = self.block_size * heads * (k_width + v_width) * elem
+        if self.kv_groups.hybrid:  # a block id is a page in each of ``slots`` tensor pairs
+            return per_layer * self.kv_groups.slots
         return per_layer * len(self._attention_layers())
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -76,13 +84,19 @@ class ModelRunner:
         heads, k_width, v_width = self._cache_dims()
         self.kv_caches = []  # release the old tensors before allocating new ones
         states = self.states.layers if self.states is not None else {}
-        self.kv_caches = [
-            states[i] if i in states else
-            (torch.zeros((num_blocks, self.block_size, heads, k_width),
-                         dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros((num_blocks, self.block_size, heads, v_width),
-                         dtype=self.kv_cache_dtype, device=self.device))
-            for i in range(len(self.model.model.layers))]
+
+        def pair() -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros((num_blocks, self.block_size, heads, k_width),
+                                dtype=self.kv_cache_dtype, device=self.device),
+                    torch.zeros((num_blocks, self.block_size, heads, v_width),
+                                dtype=self.kv_cache_dtype, device=self.device))
+
+        if self.kv_groups.hybrid:  # layer j of every group shares tensor pair j
+            shared = [pair() for _ in range(self.kv_groups.slots)]
+            self.kv_caches = [shared[slot] for slot in self.kv_groups.layer_slot]
+            return
+        self.kv_caches = [states[i] if i in states else pair()
+                          for i in range(len(self.model.model.layers))]
 
     @property
     def num_blocks(self) -> int:
@@ -121,10 +135,19 @@ class ModelRunner:
                                        else np.zeros(0, np.int64))
             attn.state_slots_cpu = slots
             attn.state_slots = torch.tensor(slots, dtype=torch.int64, device=to)
+        attn = self.backend.build_metadata(attn)
+        if plan.group_block_tables:  # each KV cache group reads and writes its own blocks
+            attn.group_metas = [attn] + [
+                self.backend.build_metadata(replace(
+                    attn, block_tables=_to(tables, torch.int32, to),
+                    slot_mapping=_to(slots, torch.int64, to), extra=None))
+                for tables, slots in zip(plan.group_block_tables, plan.group_slot_mappings,
+                                         strict=True)]
+            attn.layer_group = self.kv_groups.layer_group
         return StepInputs(
             input_ids=_to(plan.input_ids, torch.int64, to),
             positions=_to(plan.positions, torch.int64, to),
-            attn=self.backend.build_metadata(attn),
+            attn=attn,
             logits_indices=_to(logits_indices, torch.int64, to),
         )
 

@@ -112,7 +112,8 @@ class Worker:
                                 self.config.quantization)
         self.runner = ModelRunner(model, backend, self.device, self.dtype,
                                   self.config.block_size, kv_cache_torch_dtype(kv_name, self.dtype),
-                                  state_slots=self.config.max_num_seqs)
+                                  state_slots=self.config.max_num_seqs,
+                                  hybrid_kv=not self.config.disable_hybrid_kv_cache_manager)
         if self.config.enable_lora:
             self.lora = self._attach_lora(model)
 
@@ -166,9 +167,10 @@ class Worker:
         runner.decode_graphs = capture_decode_graphs(
             runner.model, runner.kv_caches, runner.backend, self.device, self.config.max_num_seqs,
             self.max_model_len, self.config.block_size,
-            # LoRA steps run eager; so do hybrid models (their state slots are per step)
+            # LoRA steps run eager; so do hybrid models (their state slots are per step) and
+            # models with several KV cache groups (one block table per group)
             self.config.enforce_eager or self.config.enable_lora
-            or runner.states is not None)
+            or runner.states is not None or runner.kv_groups.hybrid)
         if runner.decode_graphs is not None:
             self.graph_capture_seconds = runner.decode_graphs.capture_seconds
         # before the engine reports ready: built later, it held the GIL against the first steps

@@ -241,6 +241,18 @@ def test_a_transfer_needs_one_rank_and_a_decode_side_prefix_cache(tiny_llama):
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
 
 
+def test_a_model_mixing_sliding_and_full_layers_is_refused_naming_why():
+    """Gemma 2's KV lives in two KV cache groups (runtime/kv/kv_groups.py); only one table's
+    blocks travel, so P/D is refused at startup rather than moving half a request."""
+    from shoal.runtime.model.make_family_model import cached_family_model
+
+    with pytest.raises(ValueError, match="--kv-transfer-config: Gemma2ForCausalLM mixes "
+                                         "sliding-window and full-attention layers"):
+        EngineCore(EngineConfig.from_kwargs(
+            str(cached_family_model("gemma2")), dtype="float32", device="cpu",
+            num_kv_blocks=16, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
+
+
 def test_a_latent_attention_cache_moves_too():
     """DeepSeek-V3's cache holds a latent and a rotary key per layer (different widths)."""
     from shoal.runtime.model.make_mla_model import cached_mla_model

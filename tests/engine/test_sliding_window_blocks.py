@@ -228,27 +228,32 @@ def test_a_cache_smaller_than_the_window_keeps_the_limit(sliding_model):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "ministral", "gpt_oss"])
-def test_a_model_with_full_attention_layers_keeps_every_block_and_equals_hf(
+def test_a_mixed_model_frees_its_sliding_groups_blocks_and_equals_hf(
         name, hf_greedy, assert_matches_hf, caplog):
-    """Windowed layers alternating with full ones: the full layers read every position, so
-    over a sequence many windows long nothing is freed (and the cache still bounds the
-    length), and the output equals HF's."""
+    """Windowed layers alternating with full ones: each kind has its own KV cache group, so
+    over a sequence many windows long the full group keeps every block while the sliding
+    group holds only its window's, and the output equals HF's."""
     from shoal.runtime.model.make_family_model import cached_family_model
     from shoal.runtime.model.make_moe_model import cached_moe_model
 
     model_dir = cached_moe_model(name) if name == "gpt_oss" else cached_family_model(name)
     with caplog.at_level("INFO", logger="shoal.engine.core"):
-        core = _engine(model_dir, num_kv_blocks=40, max_num_batched_tokens=16)
+        # 80 blocks of one layer each: the bytes 40 blocks of both layers took with one table
+        core = _engine(model_dir, num_kv_blocks=80, max_num_batched_tokens=16)
     assert set(core.model_config.layer_windows) == {WINDOW, None}
-    assert "1 of 2 layers are windowed" in caplog.text
-    assert core.scheduler.kv.sliding_window is None
-    assert core.max_model_len == 160  # 40 blocks of 4, not the model's 1024
+    assert "KV cache groups: full attention: 1 layers in 1 group(s); window 16" in caplog.text
+    kv = core.scheduler.kv
+    assert kv.windows == (None, WINDOW) and kv.sliding_window is None
+    peak = window_peak_blocks(WINDOW, 16, 4)
+    assert core.max_model_len == (80 - peak) * 4  # was 160 with one table per request
     prompt = random.Random(7).sample(range(3, 1000), 20)
-    tables: list[tuple[int, int]] = []
+    tables: list[tuple[list[int], int]] = []
     outputs = _run(core, {"long": prompt}, 120, lambda c: tables.append(
-        (c.scheduler.kv.num_blocks_held("long"), c.scheduler.kv.num_blocks_of("long"))))
-    assert all(held == covered for held, covered in tables)
-    assert max(held for held, _ in tables) == 35  # 139 positions computed, 4 per block
+        (c.scheduler.kv.num_blocks_held_by_group("long"), c.scheduler.kv.num_blocks_of("long"))))
+    assert all(full == covered for (full, _), covered in tables)
+    assert max(full for (full, _), _ in tables) == 35  # 139 positions computed, 4 per block
+    assert max(sliding for (_, sliding), _ in tables) <= peak, tables
+    assert max(sliding for (_, sliding), _ in tables[3:]) <= WINDOW // 4 + 2, tables
     assert check(hf_greedy(model_dir), assert_matches_hf, {"long": prompt}, outputs,
                  120) <= 1
 

@@ -148,3 +148,17 @@ def test_results_round_trip_and_req_ids_come_from_the_plan():
     bare = StepResult(step_id=0, req_ids=["other"], sampled_token_ids=np.array([1]))
     got = decode_result(encode_result(bare, plan), plan)
     assert got.req_ids == ["other"] and got.logprobs is None and got.top_token_ids is None
+
+
+def test_a_mixed_models_group_tables_cross_the_wire():
+    """KV cache groups past the first (``kv/kv_groups.py``) travel whole beside group 0's."""
+    sampling = SamplingParams(temperature=0.0)
+    plan = make_plan(1, [("a", 0, 5, [3, 4]), ("b", 8, 1, [5, 6, 7])],
+                     [NewRequestData("a", [1] * 5, [], sampling)], [])
+    plan.group_block_tables = [np.array([[9, 10, 0], [0, 0, 11]], dtype=np.int32)]
+    plan.group_slot_mappings = [np.array([36, 37, 38, 39, 40, 44], dtype=np.int64)]
+    got = PlanDecoder(BLOCK).decode(PlanEncoder(BLOCK).encode(plan))
+    assert_same_plan(got, plan)
+    assert len(got.group_block_tables) == 1 and len(got.group_slot_mappings) == 1
+    np.testing.assert_array_equal(got.group_block_tables[0], plan.group_block_tables[0])
+    np.testing.assert_array_equal(got.group_slot_mappings[0], plan.group_slot_mappings[0])
