@@ -14,6 +14,20 @@ import pytest
 from .hf_reference import HFGreedy
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch in the test process on one thread for a module (restored after): test models
+    gain little from threads, and on a shared 2-core machine OpenMP barriers stall for whole
+    scheduler slices (a 135M model's chat answers took 10x longer on two threads beside other
+    jobs). Autouse in the engine and serving areas; kernel tests keep the threads they test."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model(arch: str, size: str) -> Path:
     from shoal.runtime.model.make_model import cached_model
 

@@ -20,6 +20,11 @@ from ..processes import free_port, kill_tree, wait_until
 API_KEY = "sk-shoal-test"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def serving_tests_run_single_threaded(one_torch_thread):
+    """(``one_torch_thread``: the references and offline engines here are small models.)"""
+
+
 def assert_equal_up_to_a_near_tie(ours: list[int], want: list[int], margins: list[float],
                                   near_tie: float) -> None:
     """Token for token; a divergence is accepted only where the reference's top-2 margin is

@@ -11,15 +11,8 @@ from ..hf_reference import NEAR_TIE, HFGreedy
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP barriers
-    stall for whole scheduler slices: engine tests run single-threaded (restored after)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def engine_tests_run_single_threaded(one_torch_thread):
+    """(``one_torch_thread``: tiny models gain nothing from threads.)"""
 
 
 @dataclass
