@@ -286,7 +286,7 @@ static inline __attribute__((always_inline)) void tile(
 /* One activation row (decode at batch 1): each sub-block's weights go from codes to FMAs in
    registers, never through the tile buffer, whose stores and reloads were a third of the
    instructions per weight when a single row uses them. The same weights (one FMA each from
-   code, scale and offset), summed in another order. */
+   code, scale and offset), summed in another order. out[r - n0] for rows [n0, n1). */
 static void gemv_rows(const float *x, const uint8_t *codes, const void *scales,
                       const void *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
                       int64_t bits, int64_t sfmt, float *out) {
@@ -350,7 +350,7 @@ static void gemv_rows(const float *x, const uint8_t *codes, const void *scales,
         const __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
         const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+        out[r - n0] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
     }
 }
 #endif
@@ -367,7 +367,7 @@ void shoal_int_matmul_f32(const float *x, int64_t x_stride, int64_t rows, const 
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
         for (int64_t t = 0; t < tiles; ++t)
             gemv_rows(x, codes, scales, offsets, t * NR, t * NR + NR < n ? t * NR + NR : n, k,
-                      group, bits, sfmt, out);
+                      group, bits, sfmt, out + t * NR);
         return;
     }
 #endif
@@ -418,4 +418,20 @@ void shoal_int_dequant_row(const uint8_t *codes, const void *scales, const void 
                            int64_t n, int64_t k, int64_t group, int64_t bits, int64_t fmt,
                            float *dst) {
     dequant_row(codes, scales, offsets, n, k, group, bits, fmt, 0, k, dst);
+}
+
+/* out[r - n0] = x . W[r, :] for rows [n0, n1), one activation row, straight from the codes
+   (the quantized experts' one-token items); returns 0 where there is no such path (no AVX2:
+   the caller dequantizes the rows and multiplies them itself). */
+int shoal_int_gemv_rows(const float *x, const uint8_t *codes, const void *scales,
+                        const void *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
+                        int64_t bits, int64_t fmt, float *out) {
+#ifdef SHOAL_AVX2
+    gemv_rows(x, codes, scales, offsets, n0, n1, k, group, bits, fmt, out);
+    return 1;
+#else
+    (void)x, (void)codes, (void)scales, (void)offsets, (void)n0, (void)n1, (void)k;
+    (void)group, (void)bits, (void)fmt, (void)out;
+    return 0;
+#endif
 }

@@ -36,9 +36,11 @@
 
    Quantized experts (shoal_moe_experts_q): the weights are int_matmul_cpu.c's packed layout
    (int4 / int8 codes with a scale and offset or zero point per group, or FP8 with a scale
-   per block), the E experts' rows stacked into one [E * rows, cols] matrix. An item first
-   dequantizes its PW weight rows into a per-thread float32 stage (each weight once per step,
-   read at its packed size), then runs the float32 paths above on the stage.
+   per block), the E experts' rows stacked into one [E * rows, cols] matrix. An item of an
+   expert with one token (decode) goes from codes to sums in registers (int_matmul_cpu.c's
+   one-row loop, AVX2); otherwise it first dequantizes its PW weight rows into a per-thread
+   float32 stage (each weight once per step, read at its packed size), then runs the float32
+   paths above on the stage.
 
    AVX2 + FMA intrinsics where -march=native has them, the same loops in portable C
    elsewhere; H must be a multiple of 16 and I of 8 (moe_experts_cpu.py checks, and keeps
@@ -72,6 +74,18 @@ typedef struct {
 void shoal_int_dequant_row(const uint8_t *codes, const void *scales, const void *offsets,
                            int64_t n, int64_t k, int64_t group, int64_t bits, int64_t fmt,
                            float *dst);
+
+int shoal_int_gemv_rows(const float *x, const uint8_t *codes, const void *scales,
+                        const void *offsets, int64_t n0, int64_t n1, int64_t k, int64_t group,
+                        int64_t bits, int64_t fmt, float *out);
+
+/* out[j] = x . W[row0 + j, :] for j < count, one activation row, straight from packed
+   codes: 1, or 0 where that path does not exist here (then the rows are staged) */
+static inline int gemv_of(const wsrc_t *w, const float *x, int64_t row0, int64_t count,
+                          int64_t cols, float *out) {
+    return shoal_int_gemv_rows(x, (const uint8_t *)w->data, w->scales, w->offsets, row0,
+                               row0 + count, cols, w->group, w->bits, w->fmt, out);
+}
 
 /* weight row `row` ([cols] wide): in place, or dequantized into `stage` */
 static inline const void *row_of(const wsrc_t *w, int64_t row, int64_t cols, float *stage) {
@@ -345,6 +359,18 @@ static int experts_impl(const float *x, int64_t tokens, int64_t hidden, int64_t 
         for (int64_t item = 0; item < n_active * i_items; ++item) {
             const int64_t e = s.active[item / i_items], j0 = (item % i_items) * (PW / 2);
             const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+            if (w13s->quant && r1 - r0 == 1) {  /* one token (decode): codes to sums */
+                const float *xr = x + (s.src[r0] / top_k) * hidden;
+                const int64_t g = e * 2 * inter + j0;
+                float gu[PW];
+                if (gemv_of(w13s, xr, g, PW / 2, hidden, gu) &&
+                    gemv_of(w13s, xr, g + inter, PW / 2, hidden, gu + PW / 2)) {
+                    const float wt = weights[s.src[r0]];
+                    float *a = s.act + r0 * inter + j0;
+                    for (int j = 0; j < PW / 2; ++j) a[j] = silu(gu[j]) * gu[PW / 2 + j] * wt;
+                    continue;
+                }
+            }
             const void *all[PW];  /* the item's gate rows, then its up rows */
             for (int j = 0; j < PW / 2; ++j) {
                 const int64_t g = e * 2 * inter + j0 + j;
@@ -410,6 +436,10 @@ static int experts_impl(const float *x, int64_t tokens, int64_t hidden, int64_t 
         for (int64_t item = 0; item < n_active * h_items; ++item) {
             const int64_t e = s.active[item / h_items], n0 = (item % h_items) * PW;
             const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+            if (w2s->quant && r1 - r0 == 1 &&
+                gemv_of(w2s, s.act + r0 * inter, e * hidden + n0, PW, inter,
+                        s.y + r0 * hidden + n0))
+                continue;
             const void *all[PW];
             for (int j = 0; j < PW; ++j)
                 all[j] = row_of(w2s, e * hidden + n0 + j, inter, stage + j * inter);

@@ -5,8 +5,9 @@ per [block_out, block_in] tile (the last tiles may be partial): ``W = fp8 * scal
 tile, as transformers' and DeepSeek's dequantization compute it. Weights stay FP8 in memory
 (1 byte each). Scales are kept one row per output row (``[out, ceil(in / block_in)]``,
 3% of the FP8 bytes at 128-wide blocks), so q/k/v or gate/up parts fused into one layer need
-not start on a block boundary. The matmul dequantizes a band of output rows at a time into
-the activation dtype and multiplies it, so no full-precision copy of a layer ever exists.
+not start on a block boundary. On CPU the matmul is the native int kernel's FP8 form (whole 32-column blocks;
+``int_matmul_cpu``); otherwise it dequantizes a band of output rows at a time into the
+activation dtype and multiplies it, so no full-precision copy of a layer ever exists.
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def dequantize_rows(weight: torch.Tensor, scale_rows: torch.Tensor, block_in: in
     return full.to(dtype)
 
 
+_NO_OFFSETS = torch.empty(0, dtype=torch.uint8)
+
+
+def _native_fits(x: torch.Tensor, in_features: int, block_in: int,
+                 scale_rows: torch.Tensor) -> bool:
+    """The native int kernel reads FP8 codes too (``bits`` FP8: each byte widened exactly,
+    times its block's scale) where blocks are whole multiples of 32 columns: one pass from
+    the FP8 bytes to the sums, no dequantized band written and re-read."""
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    return (x.dtype in (torch.float32, torch.bfloat16) and in_features % 32 == 0
+            and block_in % 32 == 0 and in_features % block_in == 0
+            and scale_rows.dtype == torch.float32 and scale_rows.is_contiguous()
+            and unavailable_reason() is None)
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Tensor,
                      block_in: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias``, one band of output rows at a time."""
@@ -85,6 +102,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_rows: torch.Te
         out = dequant_gemm(x, weight, scale_rows, None, FP8, block_in)
         return out if bias is None else out + bias
     out_rows, in_features = weight.shape
+    if _native_fits(x, in_features, block_in, scale_rows):
+        from shoal.kernels.int_matmul_cpu import FP8 as NATIVE_FP8
+        from shoal.kernels.int_matmul_cpu import NO_OFFSET, IntPacked, int_matmul
+
+        out = int_matmul(x, IntPacked(weight.view(torch.uint8), scale_rows,
+                                      _NO_OFFSETS, NATIVE_FP8, block_in, in_features,
+                                      NO_OFFSET))
+        return out if bias is None else out + bias
     band = max(1, BAND_ELEMENTS // max(1, in_features))
     if band >= out_rows:
         return F.linear(x, dequantize_rows(weight, scale_rows, block_in, x.dtype), bias)
