@@ -7,7 +7,12 @@ kernel (``shoal.kernels.paged_decode_cpu``) reads every K/V row once, in place. 
 chunks are compute-bound: torch's SDPA computes a causal prompt at the cost of a full one
 and needs a chunk's cached prefix gathered and masked, so ``shoal.kernels.paged_prefill_cpu``
 computes only the tiles at or below the diagonal, reading the pages in place (head sizes
-that are multiples of 16; others go through the torch backend's SDPA path). The model runs
+that are multiples of 16; others go through the torch backend's SDPA path). Its tiles keep
+16 keys' scores of 16 rows in 16-float vectors: 16 registers with AVX-512, 32 with AVX2,
+which has 16, so on AVX2 it spills on every FMA (6.5 GFLOP/s on one Zen 3 core for a
+2,048-token causal prompt; the bench llama's whole 2,048-token prefill on one thread took
+about 7 CPU-seconds through it against 2.4-2.5 through SDPA, chunked by 256 or not): without
+AVX-512 prefill chunks take the SDPA path, decode rows still the native kernel. The model runs
 in float32 or bfloat16: the caches are in the model's dtype and the kernels widen each K/V
 row to float32 as they read it; a bfloat16 model's q goes in widened (a few KB per step)
 and the float32 output is rounded back. ``auto`` picks this backend on CPU when the kernels
@@ -36,6 +41,10 @@ from shoal.runtime.attention.torch_backend import (
 from shoal.kernels import cpu_ops, native_cpu, paged_decode_cpu, paged_prefill_cpu
 
 _NO_SPANS = paged_prefill_cpu.prefill_spans_tensor([])
+
+
+# the native prefill kernel's tiles fit the registers only with AVX-512 (docstring above)
+PREFILL_KERNEL_HERE = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 @dataclass
@@ -88,7 +97,8 @@ class CpuAttentionBackend:
         else:
             kv_scales = None  # the cache holds the model's dtype: nothing to scale
             cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        native_prefill = bool(plan.prefills) and paged_prefill_cpu.supports_head_dim(q.shape[2])
+        native_prefill = bool(plan.prefills) and PREFILL_KERNEL_HERE \
+            and paged_prefill_cpu.supports_head_dim(q.shape[2])
         # the kernels take float32 queries and write float32 rows (q may be a view into the
         # qkv rows: float32 q is passed as it is)
         q32 = q if q.dtype == torch.float32 else q.float()
