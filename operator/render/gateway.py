@@ -28,9 +28,10 @@ from shoal.operator.names import (
     selector_labels,
 )
 from shoal.operator.render.extras import render_endpointslice_reader_rbac
-from shoal.operator.render.pd import wants_pd_sidecar
+from shoal.operator.render.pd import prefill_scales_to_zero, wants_pd_sidecar
 from shoal.operator.render.router import (
     PROBE_TIMING,
+    capacity_request_rule,
     router_args,
     shoal_process_deployment,
 )
@@ -108,7 +109,10 @@ def epp_args(owner: Owner, spec: ServiceSpec) -> list[str]:
         # engine's; load is still scraped from the engine's metrics port); --prefill-backend
         # and --pd-threshold come with the router's flags
         args[args.index("--engine-port") + 1] = str(PD_SIDECAR_PORT)
-    for proxy_only in ("--hold-timeout", "--capacity-request"):  # the proxy's, not the EPP's
+    # holding requests is the proxy's, not the EPP's; asking for capacity stays where the
+    # picker may ask for a prefill replica (a prefill pool that scales to zero)
+    for proxy_only in ("--hold-timeout",) + (
+            () if prefill_scales_to_zero(spec) else ("--capacity-request",)):
         if proxy_only in args:
             i = args.index(proxy_only)
             del args[i:i + 2]
@@ -150,6 +154,8 @@ def render_gateway_children(owner: Owner, spec: ServiceSpec) -> list[dict[str, A
     children: list[dict[str, Any]] = []
     if wants_shoal_picker(spec):
         children += render_endpointslice_reader_rbac(owner, epp_name(owner), COMPONENT_EPP)
+        if prefill_scales_to_zero(spec):  # the prefill capacity request: this object only
+            children[-2]["rules"].append(capacity_request_rule(owner))
         children += [render_epp_deployment(owner, spec), render_epp_service(owner)]
     children.append(render_inference_pool(owner, spec))
     if wants_route(spec):

@@ -107,6 +107,13 @@ def router_pd_args(owner: Owner, spec: ServiceSpec) -> list[str]:
             "--pd-threshold", str(spec.prefill.threshold)]
 
 
+def prefill_scales_to_zero(spec: ServiceSpec) -> bool:
+    """spec.prefill.autoscaling.minReplicas 0: the router (or the picker) asks for a prefill
+    replica when a prompt wants one and none is ready."""
+    return spec.prefill is not None and spec.prefill.autoscaling is not None \
+        and spec.prefill.autoscaling.scales_to_zero
+
+
 def wants_pd_sidecar(spec: ServiceSpec) -> bool:
     """P/D through a gateway: the decode pods take the picker's requests through a sidecar."""
     return spec.prefill is not None and spec.routing.gateway.inference_pool

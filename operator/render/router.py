@@ -31,7 +31,7 @@ from shoal.operator.render.engine import (
     publishes_kv_events,
 )
 from shoal.operator.render.extras import render_endpointslice_reader_rbac
-from shoal.operator.render.pd import router_pd_args
+from shoal.operator.render.pd import prefill_scales_to_zero, router_pd_args
 from shoal.operator.spec.service import ServiceSpec
 
 SERVICE_PORT = 80
@@ -65,11 +65,16 @@ def scale_from_zero_args(owner: Owner, spec: ServiceSpec) -> list[str]:
     pool at zero holds nothing (the decode engine computes the prompt) but is asked for the
     same way."""
     decode = spec.autoscaling is not None and spec.autoscaling.scales_to_zero
-    prefill = spec.prefill is not None and spec.prefill.autoscaling is not None \
-        and spec.prefill.autoscaling.scales_to_zero
     hold = ["--hold-timeout", str(spec.autoscaling.hold_timeout_seconds)] \
         if decode and spec.autoscaling is not None else []
-    return hold + (["--capacity-request", owner.name] if decode or prefill else [])
+    return hold + (["--capacity-request", owner.name]
+                   if decode or prefill_scales_to_zero(spec) else [])
+
+
+def capacity_request_rule(owner: Owner) -> dict[str, Any]:
+    """The capacity request: patch this one InferenceService (its annotation), nothing else."""
+    return {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [owner.name],
+            "verbs": ["get", "patch"]}
 
 
 PROBE_TIMING = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 2}
@@ -152,9 +157,7 @@ def render_frontend_service(owner: Owner, spec: ServiceSpec) -> dict[str, Any]:
 def render_router_rbac(owner: Owner, spec: ServiceSpec | None = None) -> list[dict[str, Any]]:
     objects = render_endpointslice_reader_rbac(owner, router_name(owner), COMPONENT_ROUTER)
     if spec is not None and scale_from_zero_args(owner, spec):
-        # the capacity request: patch this one InferenceService (its annotation), nothing else
-        objects[1]["rules"].append({"apiGroups": [GROUP], "resources": [PLURAL],
-                                    "resourceNames": [owner.name], "verbs": ["get", "patch"]})
+        objects[1]["rules"].append(capacity_request_rule(owner))
     return objects
 
 

@@ -229,10 +229,10 @@ def _parse_prefill(p: SpecReader, runtime: RuntimeSpec, decode: ResourcesSpec,
                         "(the router decides per request whether a prefill engine runs)")
     autoscaling, replicas = _parse_scaled_replicas(p)
     if autoscaling is not None and autoscaling.scales_to_zero and \
-            routing.gateway.inference_pool:
+            routing.gateway.inference_pool and routing.gateway.endpoint_picker == "external":
         raise SpecError("spec.prefill.autoscaling.minReplicas",
-                        "0 needs the router: through spec.routing.gateway.inferencePool the "
-                        "Endpoint Picker does not ask for a prefill replica yet")
+                        "0 needs Shoal's router or Endpoint Picker: an external picker does "
+                        "not ask for a prefill replica, so the pool would stay at 0")
     if decode.gpus > 1 or resources.gpus > 1:
         raise SpecError("spec.prefill", "KV transfer runs on one rank: resources.gpus <= 1 "
                         "in both pools")

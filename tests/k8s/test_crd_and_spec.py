@@ -137,9 +137,11 @@ def test_an_autoscaled_prefill_pool_starts_at_its_minimum_and_may_reach_zero() -
     assert policy.target_waiting_requests == 2 and spec.autoscaling is None
     fixed = parse_spec({**base, "prefill": {}}).prefill
     assert fixed is not None and (fixed.replicas, fixed.autoscaling) == (1, None)
-    # through a gateway the picker cannot ask for a prefill replica: refused by the operator
+    # an external picker (llm-d's) would never ask for a prefill replica: refused
+    external = {"inferencePool": True, "endpointPicker": "external",
+                "endpointPickerRef": {"name": "llm-d-epp"}}
     with pytest.raises(SpecError, match="spec.prefill.autoscaling.minReplicas"):
-        parse_spec({**base, "routing": {"gateway": {"inferencePool": True}},
+        parse_spec({**base, "routing": {"gateway": external},
                     "prefill": {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}}})
 
 

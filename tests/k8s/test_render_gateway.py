@@ -228,3 +228,26 @@ def test_pd_through_the_gateway_puts_a_sidecar_on_the_decode_pods_and_the_picker
     engines = [c for c in render_children(OWNER, plain, 1) if c["kind"] == "Deployment"
                and c["metadata"]["name"] == "chat-engine"]
     assert [c["name"] for c in engines[0]["spec"]["template"]["spec"]["containers"]] == ["engine"]
+
+
+def test_a_picker_over_a_prefill_pool_that_scales_to_zero_may_ask_for_it() -> None:
+    """spec.prefill.autoscaling.minReplicas 0 through the gateway: Shoal's picker keeps
+    --capacity-request (it holds nothing: --hold-timeout stays the proxy's) and its Role may
+    patch this one InferenceService; with a fixed prefill pool it gets neither."""
+    base = {"model": {"uri": "builtin://default"}, "resources": {"gpus": 0},
+            "routing": {"gateway": {"inferencePool": True}}}
+
+    def picker(spec: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+        children = render_gateway_children(OWNER, parse_spec(spec))
+        deployment = next(c for c in children if c["kind"] == "Deployment")
+        role = next(c for c in children if c["kind"] == "Role")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"], role["rules"]
+
+    args, rules = picker({**base, "prefill": {"autoscaling": {"minReplicas": 0,
+                                                               "maxReplicas": 2}}})
+    assert args[args.index("--capacity-request") + 1] == "chat"
+    assert "--hold-timeout" not in args
+    assert {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"],
+            "resourceNames": ["chat"], "verbs": ["get", "patch"]} in rules
+    args, rules = picker({**base, "prefill": {"replicas": 1}})
+    assert "--capacity-request" not in args and len(rules) == 1

@@ -127,3 +127,31 @@ async def test_a_prefill_pool_at_zero_sends_the_prompt_to_decode_and_asks_for_a_
             (body, "failed", "no_prefill_replica")
     await asyncio.sleep(0)  # the ask runs in the background
     assert sent == ["asked"]  # three prompts, one request within the interval
+
+
+async def test_the_picker_over_a_prefill_pool_at_zero_names_none_and_asks_for_a_replica():
+    """Through a gateway: no prefill replica ready, so no x-prefiller-host-port (the decode
+    endpoint computes the prompt) and one prefill capacity request per interval."""
+    import json
+
+    from shoal.runtime.router.epp.picker import EndpointPicker
+    from shoal.runtime.router.policies.base import make_policy
+
+    sent: list[str] = []
+
+    async def send() -> None:
+        sent.append("asked")
+
+    decode = ReplicaPool()
+    decode.sync(["http://127.0.0.1:1"])
+    decode.replicas["http://127.0.0.1:1"].ready = True
+    picker = EndpointPicker(decode, make_policy("cache-affinity"), CONFIG,
+                            prefill_pool=ReplicaPool(), pd_threshold=4)
+    picker.prefill_asker = CapacityAsker(send, interval_s=60)
+    body = json.dumps({"model": "m", "prompt": list(range(100, 400))}).encode()
+    for _ in range(2):
+        pick = await picker.pick("/v1/completions", body, None)
+        assert pick.prefill is None and pick.url == "http://127.0.0.1:1"
+        picker.release(pick.url)
+    await asyncio.sleep(0)
+    assert sent == ["asked"]

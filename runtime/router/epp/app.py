@@ -21,6 +21,12 @@ from shoal.runtime.router.epp.protocol import PROTOCOL_VERSION
 from shoal.runtime.router.epp.server import EppLimits, EppServer
 from shoal.runtime.router.fleet_view import FleetView, policy_of, prefill_discovery
 from shoal.runtime.router.policies.request_keys import KeyConfig, PromptTokenizer
+from shoal.runtime.router.replicas.capacity_request import (
+    PREFILL_CAPACITY_ANNOTATION,
+    CapacityAsker,
+    CapacityRequester,
+)
+from shoal.runtime.router.replicas.discovery import KubernetesDiscovery
 from shoal.runtime.router.replicas.pool import ReplicaPool
 
 log = logging.getLogger("shoal.router.epp")
@@ -42,6 +48,11 @@ def build_picker(config: RouterConfig, shed_limit: int | None) -> tuple[Endpoint
     picker = EndpointPicker(fleet.pool, policy, key_config, tokenizer,
                             endpoints_per_pick=config.max_attempts, shed_limit=shed_limit,
                             prefill_pool=prefill, pd_threshold=config.pd_threshold)
+    discovery = fleet.discovery
+    if prefill is not None and config.capacity_request and \
+            isinstance(discovery, KubernetesDiscovery):  # a prefill pool that scales to zero
+        picker.prefill_asker = CapacityAsker(CapacityRequester(
+            discovery, config.capacity_request, annotation=PREFILL_CAPACITY_ANNOTATION))
     return picker, fleet
 
 

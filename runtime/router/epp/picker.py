@@ -43,6 +43,7 @@ from shoal.runtime.router.policies.request_keys import (
     RequestKeys,
     keys_of_body,
 )
+from shoal.runtime.router.replicas.capacity_request import CapacityAsker
 from shoal.runtime.router.replicas.pool import ReplicaPool
 from shoal.runtime.router.replicas.response_home import HomeGone, response_home
 
@@ -97,6 +98,9 @@ class EndpointPicker:
         self.shed_limit = shed_limit
         self.prefill_pool = prefill_pool  # P/D: None, every prompt is computed where it decodes
         self.pd_threshold = pd_threshold
+        # a prefill pool that scales to zero: a prompt that wanted a prefill replica and found
+        # none ready asks the operator for one (replicas/capacity_request.py)
+        self.prefill_asker: CapacityAsker | None = None
         # what the picker's /metrics (--epp-metrics-port) serves
         self.registry = CollectorRegistry()
         self.pd_decisions = pd_decisions_counter(self.registry)
@@ -173,6 +177,8 @@ class EndpointPicker:
         candidates = self.prefill_pool.available()
         if not candidates:  # the decode endpoint computes the prompt, as the proxy's fallback
             self.pd_decisions.labels("failed", REASON_NO_PREFILL).inc()
+            if self.prefill_asker is not None:
+                self.prefill_asker.ask()
             return None
         self.pd_decisions.labels("remote", choice.reason).inc()
         replica = self.prefill_pool.replicas[
