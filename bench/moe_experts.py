@@ -18,8 +18,14 @@ calls alternating, and reports the ratio of the medians. The native kernel
 too, alternating, with its speedup over the grouped path (``native x``). ``--threads`` sets torch's pool (the
 kernel's too); CPU time then counts every thread's.
 
+``--quantized``: the same weights quantized (round to nearest) and kept packed, through the
+native quantized-experts kernel (``moe_experts_cpu.experts_quantized``), alternating with
+the others: int4 in groups of 128 (one 16-bit scale a group, one zero point for all: 4.125
+bits a weight) and FP8 in 128-column blocks (a float32 scale per row and block); each with
+its speedup over the native kernel on the float weights (``int4 x``, ``fp8 x``).
+
     .venv/bin/python bench/moe_experts.py [--dtype bfloat16] [--tokens 1 8 64 256]
-        [--repeats 9] [--against REF] [--threads 1]
+        [--repeats 9] [--against REF] [--threads 1] [--quantized]
 """
 
 from __future__ import annotations
@@ -59,6 +65,31 @@ def _dense(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Ten
     return torch.mm(torch.nn.functional.silu(gate) * up, w2.t())
 
 
+def _quantized(w: torch.Tensor, fmt: str):
+    """``w [E, out, in]`` -> the experts kernel's packed ``IntPacked`` of ``[E * out, in]``."""
+    from shoal.kernels.int_matmul_cpu import (
+        FP8,
+        NO_OFFSET,
+        ZERO_CONST,
+        IntPacked,
+        compact,
+        pack_int4,
+    )
+
+    rows = w.reshape(-1, w.shape[-1]).float()
+    groups = rows.view(rows.shape[0], -1, 128)
+    if fmt == "fp8":
+        scales = groups.abs().amax(-1).clamp(min=1e-12) / 448.0
+        codes = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+        return IntPacked(codes.reshape(rows.shape), scales.contiguous(),
+                         torch.empty(0, dtype=torch.uint8), FP8, 128, rows.shape[1], NO_OFFSET)
+    scales = (groups.abs().amax(-1).clamp(min=1e-12) / 7.0).to(torch.bfloat16).float()
+    codes = (groups / scales.unsqueeze(-1)).round().clamp(-8, 7) + 8
+    return compact(IntPacked(pack_int4(codes.reshape(rows.shape).to(torch.uint8)),
+                             scales.contiguous(), torch.tensor([8], dtype=torch.uint8), 4, 128,
+                             rows.shape[1], ZERO_CONST))
+
+
 def _cpu_ms(fn, *args) -> float:
     start = time.process_time()
     fn(*args)
@@ -72,6 +103,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--against", metavar="REF")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quantized", action="store_true",
+                        help="also int4 and FP8 experts kept packed (native kernel)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -83,6 +116,12 @@ def main() -> None:
         versions[args.against] = _module_at(args.against).grouped_experts
     if unavailable_reason() is None:
         versions["native"] = moe_experts_cpu.experts
+        if args.quantized:
+            for fmt in ("int4", "fp8"):
+                q13, q2 = _quantized(w13, fmt), _quantized(w2, fmt)
+                versions[fmt] = (lambda x, _a, _b, wt, i, q13=q13, q2=q2:
+                                 moe_experts_cpu.experts_quantized(x, q13, q2, wt, i, EXPERTS))
+                print(f"{fmt}: {(q13.codes.nbytes + q13.scales.nbytes + q2.codes.nbytes + q2.scales.nbytes) / (w13.nbytes + w2.nbytes):.3f}x the {args.dtype} experts' bytes")
     weight_bytes = (w13.nbytes + w2.nbytes) // EXPERTS  # one expert's
     v13, v2 = torch.ones(EXPERTS, HIDDEN, 1, dtype=dtype), torch.ones(EXPERTS, SIZE, 1,
                                                                        dtype=dtype)
@@ -119,6 +158,10 @@ def main() -> None:
         if "native" in versions:
             ratio = statistics.median(times["this"]) / statistics.median(times["native"])
             cells.append(f"native {ratio:.2f}x")
+        for fmt in ("int4", "fp8"):
+            if fmt in versions:
+                ratio = statistics.median(times["native"]) / statistics.median(times[fmt])
+                cells.append(f"{fmt} {ratio:.2f}x")
         print(f"T={tokens:5d}  " + "  ".join(cells))
     sys.stdout.flush()
 
