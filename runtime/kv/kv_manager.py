@@ -246,7 +246,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         size, num_hashed, pool = self.block_size, self._num_hashed, self.pool
-        group_tables = self.group_tables
+        tables, group_tables = self.tables, self.group_tables[1:]  # group 0, the others
         unwritten = self._unwritten
         for seq, total in zip(seqs, num_tokens, strict=True):
             full = total // size
@@ -254,20 +254,24 @@ class KVCacheManager:
             if done is None or full <= done:
                 continue
             hashes = seq.block_hashes
+            table = tables[seq.req_id]
             if full == done + 1 and len(hashes) == done:  # one new block, not hashed before
                 parent = hashes[-1] if done else NONE_HASH
                 tokens = seq.all_token_ids[done * size:full * size]
                 block_hash = hash_block(parent, tokens, seq.extra_digest)
                 hashes.append(block_hash)
-                for g, tables in enumerate(group_tables):
-                    pool.cache_block(tables[seq.req_id][done], block_hash,
-                                     parent if done else None, size, tokens,
-                                     getattr(seq, "lora_name", None), g)
+                lora_name = getattr(seq, "lora_name", None)
+                pool.cache_block(table[done], block_hash, parent if done else None, size,
+                                 tokens, lora_name)
+                for g, other in enumerate(group_tables, 1):
+                    pool.cache_block(other[seq.req_id][done], block_hash, parent if done
+                                     else None, size, tokens, lora_name, g)
                 num_hashed[seq.req_id] = full
             else:
                 self.cache_full_blocks(seq, total)
-            for tables in group_tables:
-                unwritten.extend(tables[seq.req_id][done:full])
+            unwritten.extend(table[done:full])
+            for other in group_tables:
+                unwritten.extend(other[seq.req_id][done:full])
 
     def written(self) -> None:
         """The step in flight ran: its ahead-hashed blocks hold their K/V."""
@@ -359,16 +363,18 @@ class KVCacheManager:
             if needed > 0:
                 if len(table) + needed > max_blocks:
                     raise ValueError(f"{req_id!r}: {total} tokens exceed max_model_len")
-                growth.append((req_id, needed))
-        total = sum(n for _, n in growth) * self.num_groups
+                growth.append((req_id, table, needed))
+        total = sum(n for *_, n in growth) * self.num_groups
         if total > self.pool.free_list.num_free:
             return False
         rows = self.rows
         blocks = self.pool.allocate(total)
         at = 0
-        for group_tables, array in zip(self.group_tables, self.group_arrays, strict=True):
-            for req_id, needed in growth:
-                table = group_tables[req_id]
+        for g, (group_tables, array) in enumerate(zip(self.group_tables, self.group_arrays,
+                                                      strict=True)):
+            for req_id, table, needed in growth:
+                if g:
+                    table = group_tables[req_id]
                 start = len(table)
                 if needed == 1:
                     block = blocks[at]
