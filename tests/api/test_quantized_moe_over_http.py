@@ -102,19 +102,24 @@ def fp8_reference(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def test_ct_int4_experts_greedy_over_http_equal_transformers(start_server) -> None:
-    model_dir = _quant_dir("qwen3_moe", "ct-w4-group")
-    server = serve(start_server, model_dir, "--quantization", "compressed-tensors")
+def test_gptq_experts_greedy_over_http_equal_the_reference(start_server, tmp_path) -> None:
+    """The one server of the module serves GPTQ: its startup reads the config without
+    compressed-tensors' package, whose import (it pulls transformers' modeling stack) made a
+    compressed-tensors server start ~2.5x slower here; the other formats go through the same
+    engine offline below."""
+    model_dir = _quant_dir("qwen3_moe", "gptq-w4")
+    server = serve(start_server, model_dir, "--quantization", "gptq")
     try:
-        says_quantization(server, "compressed-tensors")
-        assert_greedy_equals_hf(server, model_dir, ct_reference)
+        says_quantization(server, "gptq")
+        assert_greedy_equals_hf(server, model_dir,
+                                lambda d: dequantized_reference(d, tmp_path / "dequantized"))
     finally:
         server.stop()
 
 
 @pytest.mark.parametrize("arch, fmt", [
-    ("mixtral", "ct-w4-group-asym"), ("qwen3_moe", "ct-fp8-dynamic"),
-    ("qwen3_moe", "fp8-block"), ("qwen3_moe", "gptq-w4"), ("mixtral", "awq-w4"),
+    ("qwen3_moe", "ct-w4-group"), ("mixtral", "ct-w4-group-asym"), ("qwen3_moe", "ct-fp8-dynamic"),
+    ("qwen3_moe", "fp8-block"), ("mixtral", "awq-w4"),
 ])
 def test_quantized_experts_offline_equal_the_reference(arch, fmt, tmp_path) -> None:
     from shoal.runtime.llm import LLM
