@@ -313,10 +313,6 @@ def check_quantized_experts(spec: QuantSpec, config: ModelConfig) -> None:
     if config.moe.gpt_oss_swiglu is not None:
         raise QuantizationError(f"{spec.method}: quantized gpt-oss experts (biases, "
                                 "interleaved gate/up) are not supported")
-    if isinstance(spec.scheme, IntWeightScheme) and spec.scheme.desc_act:
-        raise QuantizationError(f"{spec.method}: act-order (desc_act) experts of "
-                                f"{config.architecture} are not supported (each expert would "
-                                "need its own column order of the shared input)")
 
 
 def check_quantized_experts_device(device: torch.device) -> None:

@@ -92,6 +92,7 @@ class FusedExperts(nn.Module):
         self.interleaved = moe.gpt_oss_swiglu is not None
         self._set_loaders()
         self.quant_bits: int | None = None  # quantized experts: see ``quantize``
+        self.input_orders: torch.Tensor | None = None
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
         self.rank = parallel.rank
@@ -136,8 +137,10 @@ class FusedExperts(nn.Module):
     def finalize_quant(self) -> None:
         gate_up, down = self.gate_up_proj, self.down_proj
         gpu = torch.device(self.device).type == "cuda"
-        w13 = gate_up.packed(self.num_experts, gpu)  # type: ignore[operator]
-        w2 = down.packed(self.num_experts, gpu)  # type: ignore[operator]
+        # down first: its act-order column order (if any) reorders the gate and up rows
+        w2, down_orders = down.packed(self.num_experts, gpu)  # type: ignore[operator]
+        w13, input_orders = gate_up.packed(  # type: ignore[operator]
+            self.num_experts, gpu, down_orders)
         del self.gate_up_proj, self.down_proj
         for name, w in (("w13", w13), ("w2", w2)):  # packed on the host, kept on the device
             self.register_buffer(f"{name}_codes", w.codes.to(self.device))
@@ -145,6 +148,8 @@ class FusedExperts(nn.Module):
             self.register_buffer(f"{name}_offsets", w.offsets.to(self.device))
             setattr(self, f"{name}_layout", (w.group, w.in_features, w.zero_mode))
         self.quant_bits = w13.bits
+        self.input_orders = None if input_orders is None else torch.stack(input_orders).to(
+            self.device)  # [E, H]: GPTQ act-order experts' hidden columns, as packed
 
     def quantized_weights(self):
         """(w13, w2) as the kernels' ``IntPacked``, views of this module's buffers."""
@@ -199,13 +204,24 @@ class FusedExperts(nn.Module):
         weights, ids = routing
         if self.quant_bits is not None:
             w13, w2 = self.quantized_weights()
+            tokens, top_k = ids.shape
+            if self.input_orders is not None:
+                # act-order: each expert reads the hidden state in its own column order, so
+                # every (token, expert) pair becomes a one-expert item with its own copy
+                order = self.input_orders[ids.reshape(-1)]  # [T * K, H]
+                x = x.repeat_interleave(top_k, dim=0).gather(1, order)
+                weights, ids = weights.reshape(-1, 1), ids.reshape(-1, 1)
             if x.is_cuda:
                 from shoal.kernels.fused_moe import fused_moe_quantized
 
-                return fused_moe_quantized(x, w13, w2, weights, ids, self.num_experts)
-            from shoal.kernels.moe_experts_cpu import experts_quantized
+                out = fused_moe_quantized(x, w13, w2, weights, ids, self.num_experts)
+            else:
+                from shoal.kernels.moe_experts_cpu import experts_quantized
 
-            return experts_quantized(x, w13, w2, weights, ids, self.num_experts)
+                out = experts_quantized(x, w13, w2, weights, ids, self.num_experts)
+            if self.input_orders is not None:
+                out = out.view(tokens, top_k, -1).sum(dim=1)
+            return out
         if self.impl == "triton":
             from shoal.kernels.fused_moe import fused_moe
 

@@ -5,7 +5,8 @@ transformers' own loading of the same checkpoint, token for token, near-ties exc
 Checkpoints are tiny Qwen3-MoE / Mixtral models made by transformers' classes and quantized
 per expert as the publishers' tools write them (compressed-tensors by its own library with the
 routers ignored, as llm-compressor's MoE recipes do; FP8 blocks as Qwen3-30B-A3B-FP8; GPTQ
-and AWQ packed as AutoGPTQ / AutoAWQ pack)."""
+(act-order too: each expert's ``g_idx`` its own permutation) and AWQ packed as AutoGPTQ /
+AutoAWQ pack)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def test_gptq_experts_greedy_over_http_equal_the_reference(start_server, tmp_pat
 
 @pytest.mark.parametrize("arch, fmt", [
     ("qwen3_moe", "ct-w4-group"), ("mixtral", "ct-w4-group-asym"), ("qwen3_moe", "ct-fp8-dynamic"),
-    ("qwen3_moe", "fp8-block"), ("mixtral", "awq-w4"),
+    ("qwen3_moe", "fp8-block"), ("mixtral", "awq-w4"), ("mixtral", "gptq-w4-actorder"),
 ])
 def test_quantized_experts_offline_equal_the_reference(arch, fmt, tmp_path) -> None:
     from shoal.runtime.llm import LLM

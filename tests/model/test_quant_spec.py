@@ -190,17 +190,19 @@ def test_serve_refuses_a_mismatched_flag_before_the_engine_starts(fp8_dir: Path)
 
 def test_quantized_experts_refusals_name_the_reason(tmp_path: Path) -> None:
     """What the quantized experts cannot serve is refused at startup with the reason: GPTQ
-    act-order experts, a quantized tensor of the wrong shape, an expert missing a tensor."""
+    act-order experts whose gate and up orders differ, a quantized tensor of the wrong shape, an expert missing a tensor."""
     from shoal.runtime.model.make_quant_model import cached_quant_model
 
     gptq = cached_quant_model("qwen3_moe", "tiny", "gptq-w4")
 
-    def act_order(config: dict) -> None:
-        config["quantization_config"]["desc_act"] = True
+    def split_order(state: dict) -> None:  # an act-order expert whose gate and up differ
+        key = "model.layers.0.mlp.experts.2.up_proj.g_idx"
+        state[key] = state[key].flip(0).contiguous()
 
-    with pytest.raises(QuantizationError, match="act-order .desc_act. experts of "
-                                                "Qwen3MoeForCausalLM are not supported"):
-        _build(_copy_with(gptq, tmp_path / "act_order", act_order))
+    with pytest.raises(QuantizationError, match=r"experts\.2: gate_proj and up_proj have "
+                                                r"different g_idx"):
+        _build(_copy_with(cached_quant_model("qwen3_moe", "tiny", "gptq-w4-actorder"),
+                          tmp_path / "split_order", tensors_change=split_order))
 
     def short_scales(state: dict) -> None:
         key = "model.layers.1.mlp.experts.5.down_proj.scales"

@@ -12,10 +12,14 @@ native CPU kernel (``moe_experts_cpu.experts_quantized``) and the Triton fused M
 (``fused_moe``) read as one grouped computation per block.
 
 Formats: the int weight-only layouts (compressed-tensors pack-quantized and int-quantized,
-GPTQ without act-order, AWQ), FP8 in blocks (``weight_block_size``) and compressed-tensors
-FP8 per channel or tensor. Refused at startup with the reason: GPTQ act-order experts (each
-expert would need its own column order of the shared input), blocks or groups the packed
-layout cannot take (not whole multiples of 32 columns), gpt-oss's biased experts.
+GPTQ, AWQ), FP8 in blocks (``weight_block_size``) and compressed-tensors FP8 per channel or
+tensor. GPTQ act-order (``g_idx``): each part's columns are sorted by group; the down
+projection's order is applied to the expert's gate and up rows instead (they make its input,
+so the intermediate activations come out in that order), and the gate/up order, one per expert,
+gathers each (token, expert) pair's copy of the hidden state (``moe.FusedExperts``). Refused at
+startup with the reason: act-order groups of unequal size or gate/up parts of one expert with
+different ``g_idx``, blocks or groups the packed layout cannot take (not whole multiples of 32
+columns), gpt-oss's biased experts.
 """
 
 from __future__ import annotations
@@ -83,9 +87,14 @@ class ExpertTensors(nn.Module):
             return [shard]
         return load
 
-    def packed(self, num_experts: int, gpu: bool) -> IntPacked:
+    def packed(self, num_experts: int, gpu: bool,
+               row_orders: list[torch.Tensor] | None = None
+               ) -> tuple[IntPacked, list[torch.Tensor] | None]:
         """All experts' parts, each unpacked and checked, stacked on the output rows, in the
-        kernels' layout (``gpu``: float offsets, which the Triton kernel reads)."""
+        kernels' layout (``gpu``: float offsets, which the Triton kernel reads), and each
+        expert's input-column order when the parts are GPTQ act-order (else None).
+        ``row_orders``: each expert's rows of every part reordered so (the down projection's
+        act-order, applied to the gate and up rows that make its input)."""
         parts = [_unpack(self.spec, self.staged[(e, kind)], self.rows, self.in_features,
                          f"{self.prefix}.{e}.{PROJ_NAMES[kind]}")
                  for e in range(num_experts) for kind in self.kinds]
@@ -95,10 +104,14 @@ class ExpertTensors(nn.Module):
             from shoal.runtime.model.quant.int_weight import IntWeights
 
             ints = [p for p in parts if isinstance(p, IntWeights)]
+            if row_orders is not None:
+                ints = [_rows(w, row_orders[i // len(self.kinds)]) for i, w in enumerate(ints)]
+            ints, orders = _act_order(ints, len(self.kinds), self.in_features,
+                                      f"{self.spec.method}: {self.prefix}")
             return packed_int(IntWeights(
                 torch.cat([p.codes for p in ints]), torch.cat([p.scales for p in ints]),
                 torch.cat([p.zeros for p in ints]), ints[0].bits, ints[0].group_size),
-                zero_points=not gpu)
+                zero_points=not gpu), orders
         codes = torch.cat([p[0] for p in parts])  # type: ignore[index]
         scales = torch.cat([p[1] for p in parts])  # type: ignore[index]
         block = parts[0][2]  # type: ignore[index]
@@ -106,7 +119,42 @@ class ExpertTensors(nn.Module):
                                    torch.empty(0, dtype=torch.uint8), FP8, block,
                                    self.in_features, NO_OFFSET))
         packed.check()
-        return packed
+        return packed, None
+
+
+def _rows(weights, order: torch.Tensor):
+    from shoal.runtime.model.quant.int_weight import IntWeights
+
+    return IntWeights(weights.codes[order], weights.scales[order], weights.zeros[order],
+                      weights.bits, weights.group_size, weights.group_index)
+
+
+def _act_order(ints: list, per_expert: int, in_features: int, what: str):
+    """GPTQ act-order parts (``g_idx``: each input column's group) with their columns sorted
+    by group, so each group is contiguous as the packed layout needs, and each expert's
+    column order (one per expert: its gate and up parts share their input, and so its
+    order); None when no part has a ``g_idx``."""
+    from shoal.runtime.model.quant.int_weight import IntWeights
+
+    if all(w.group_index is None for w in ints):
+        return ints, None
+    trivial = torch.arange(in_features) // ints[0].group_size
+    sorted_parts, orders = [], []
+    for e in range(len(ints) // per_expert):
+        mine = ints[e * per_expert:(e + 1) * per_expert]
+        indexes = [trivial if w.group_index is None else w.group_index for w in mine]
+        if any(not torch.equal(i, indexes[0]) for i in indexes[1:]):
+            raise QuantizationError(f"{what}.{e}: gate_proj and up_proj have different g_idx "
+                                    "(act-order experts need one column order per expert)")
+        counts = torch.bincount(indexes[0], minlength=mine[0].scales.shape[1])
+        if not bool((counts == mine[0].group_size).all()):
+            raise QuantizationError(f"{what}.{e}: act-order groups of unequal size (g_idx) "
+                                    "are not supported")
+        order = torch.argsort(indexes[0], stable=True)
+        orders.append(order)
+        sorted_parts += [IntWeights(w.codes[:, order].contiguous(), w.scales, w.zeros, w.bits,
+                                    w.group_size) for w in mine]
+    return sorted_parts, orders
 
 
 def _checked(spec: QuantSpec, name: str, tensor: torch.Tensor, rows: int, in_features: int,
@@ -140,9 +188,6 @@ def _unpack(spec: QuantSpec, tensors: dict[str, torch.Tensor], rows: int, in_fea
         from shoal.runtime.model.quant.int_weight import layout_module
 
         weights = layout_module(scheme).unpack(scheme, tensors, rows, in_features)
-        if weights.group_index is not None:
-            raise QuantizationError(f"{spec.method}: {what} has act-order columns (g_idx); "
-                                    "act-order experts are not supported")
         if in_features % SUB or weights.group_size % SUB:
             raise QuantizationError(f"{spec.method}: {what}: {in_features} columns in groups "
                                     f"of {weights.group_size} (experts need multiples of "
