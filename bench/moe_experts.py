@@ -15,7 +15,9 @@ this thread reads all the experts' weights in a batched GEMV (``torch.bmm``, one
 ``--against REF`` times REF's ``moe_grouped.py`` (``git show``) in the same process too,
 calls alternating, and reports the ratio of the medians. The native kernel
 (``moe_experts_cpu.py``, what the native cpu backend runs, float32 and bfloat16) is timed
-too, alternating, with its speedup over the grouped path (``native x``). ``--threads`` sets torch's pool (the
+too, alternating, with its speedup over the grouped path (``native x``), and so is the kernel
+on weights prepacked once (``pack_experts``, what the loader keeps), with its speedup over
+the kernel packing per step (``prepacked/native x``). ``--threads`` sets torch's pool (the
 kernel's too); CPU time then counts every thread's.
 
 ``--quantized``: the same weights quantized (round to nearest) and kept packed, through the
@@ -116,6 +118,9 @@ def main() -> None:
         versions[args.against] = _module_at(args.against).grouped_experts
     if unavailable_reason() is None:
         versions["native"] = moe_experts_cpu.experts
+        packed = moe_experts_cpu.pack_experts(w13, w2)  # once, as the loader does
+        versions["prepacked"] = lambda x, _w13, _w2, weights, ids: \
+            moe_experts_cpu.experts_packed(x, *packed, weights, ids)
         if args.quantized:
             for fmt in ("int4", "fp8"):
                 q13, q2 = _quantized(w13, fmt), _quantized(w2, fmt)
@@ -158,6 +163,8 @@ def main() -> None:
         if "native" in versions:
             ratio = statistics.median(times["this"]) / statistics.median(times["native"])
             cells.append(f"native {ratio:.2f}x")
+            ratio = statistics.median(times["native"]) / statistics.median(times["prepacked"])
+            cells.append(f"prepacked/native {ratio:.2f}x")
         for fmt in ("int4", "fp8"):
             if fmt in versions:
                 ratio = statistics.median(times["native"]) / statistics.median(times[fmt])

@@ -28,7 +28,7 @@ from shoal.runtime.model.linear import (
     pack_cpu_linear_weights,
     use_native_bf16_linears,
 )
-from shoal.runtime.model.moe import expert_checkpoint_target
+from shoal.runtime.model.moe import expert_checkpoint_target, pack_cpu_experts
 from shoal.runtime.model.parallel import ParallelContext
 from shoal.runtime.model.quant.gguf_embedding import finalize_vocab, stage_vocab
 from shoal.runtime.model.quant.linear_method import finalize_quantized, quantize_linears
@@ -389,6 +389,8 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
             finalize_experts(model)
     if gguf_quantized:
         finalize_vocab(model)
+    if model.kernels.choice.moe == "native_cpu":
+        pack_cpu_experts(model)
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     elif model.kernels.choice.linear == "native_bf16":

@@ -96,6 +96,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
         self.rank = parallel.rank
+        self.prepacked = False  # the native kernel's panel order (pack_cpu_experts)
         if moe.gpt_oss_swiglu is not None:
             self.gate_up_proj_bias = _param((moe.num_experts, 2 * self.local), dtype, device)
             self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias  # type: ignore
@@ -229,11 +230,41 @@ class FusedExperts(nn.Module):
         if self.impl == "native_cpu":  # SiLU experts without biases (gpt-oss is "grouped")
             from shoal.kernels import moe_experts_cpu
 
+            if self.prepacked:
+                return moe_experts_cpu.experts_packed(x, self.gate_up_proj, self.down_proj,
+                                                      weights, ids)
             return moe_experts_cpu.experts(x, self.gate_up_proj, self.down_proj, weights, ids)
         # the down bias once over the ranks' partial sums: on rank 0 only
         b2 = self.down_proj_bias if self.rank == 0 else None
         return grouped_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act,
                                self.gate_up_proj_bias, b2)
+
+
+def pack_cpu_experts(model: nn.Module) -> int:
+    """After loading, on CPU: every block that runs the native experts kernel keeps its
+    experts' weights in the kernel's panel order (``moe_experts_cpu.pack_experts``), as
+    vLLM's CPU MoE prepacks its experts at load: no packing pass per step, and every expert
+    multiplies its panels whatever its row count. The parameters keep their names and bytes
+    (``[E, I/8, H, 16]`` and ``[E, H/16, I, 16]`` in place of ``[E, 2I, H]`` and ``[E, H, I]``);
+    the unpacked tensors are dropped, one block at a time, so resident memory is what it was
+    plus one block's experts while packing. Returns the blocks packed."""
+    from shoal.kernels import moe_experts_cpu
+
+    packed = 0
+    for module in model.modules():
+        if not isinstance(module, FusedExperts) or module.impl != "native_cpu" \
+                or module.prepacked or module.quant_bits is not None:
+            continue
+        w13, w2 = module.gate_up_proj.data, module.down_proj.data
+        probe = torch.empty(1, w13.shape[-1], dtype=w13.dtype, device=w13.device)
+        if not moe_experts_cpu.supports(probe, w13, w2):
+            continue  # the kernel sends this shape to the grouped path: keep it unpacked
+        w13p, w2p = moe_experts_cpu.pack_experts(w13, w2)
+        module.gate_up_proj = nn.Parameter(w13p, requires_grad=False)
+        module.down_proj = nn.Parameter(w2p, requires_grad=False)
+        module.prepacked = True
+        packed += 1
+    return packed
 
 
 def _slice3(st_slice, lo: int, hi: int) -> torch.Tensor:

@@ -14,6 +14,10 @@ round after each GEMM and the activation; both are within bfloat16 noise of HF's
 bfloat16, contiguous weights, H a multiple of 16 and I of 8); ``experts`` sends every other call to
 the grouped torch path, so a caller can use it unconditionally.
 
+``pack_experts`` lays the weights out in the kernel's panel order once (the loader does, in
+place of the plain layout: the same bytes), and ``experts_packed`` runs on them: no packing
+pass per step, and one row or hundreds, every expert multiplies its panels.
+
 ``experts_quantized``: the same with each projection's weights kept packed
 (``int_matmul_cpu.IntPacked``: int4 / int8 codes, or FP8, the E experts' rows stacked), each
 weight dequantized once per step into float32 inside the kernel; no torch fallback (the
@@ -33,6 +37,7 @@ from shoal.kernels.native_cpu import load
 
 HIDDEN_ALIGN = 16  # the down projection's items are 16 output features, with no tail
 INTER_ALIGN = 8  # the AVX2 loops take 8 float32 per step, with no tail
+PANEL = 16  # weight rows in a work item's panel (PW in the C file)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _scratch = threading.local()
@@ -67,8 +72,44 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     """``[T, H]`` in x's dtype: the kernel where ``supports``, else ``grouped_experts``."""
     if not supports(x, w13, w2):
         return grouped_experts(x, w13, w2, topk_weights, topk_ids)
-    tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
+    return _run("shoal_moe_experts", x, w13, w2, topk_weights, topk_ids, num_experts, hidden,
+                two_inter // 2)
+
+
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights in the kernel's panel order, once (at load; ``experts_packed`` reads
+    them): ``w13 [E, 2I, H]`` -> ``[E, I/8, H, 16]``, each 16-row panel item g's gate rows
+    8g..8g+7 then the same up rows, column by column; ``w2 [E, H, I]`` -> ``[E, H/16, I, 16]``.
+    The same bytes as the inputs (the caller drops those); packed expert by expert, so the
+    copy in flight is one expert's. Only for weights ``supports`` takes."""
+    num_experts, two_inter, hidden = w13.shape
+    inter, half = two_inter // 2, PANEL // 2
+    w13p = torch.empty(num_experts, inter // half, hidden, PANEL, dtype=w13.dtype)
+    w2p = torch.empty(num_experts, hidden // PANEL, inter, PANEL, dtype=w2.dtype)
+    for e in range(num_experts):
+        gate = w13[e, :inter].reshape(inter // half, half, hidden)
+        up = w13[e, inter:].reshape(inter // half, half, hidden)
+        w13p[e] = torch.cat([gate, up], 1).transpose(1, 2)
+        w2p[e] = w2[e].reshape(hidden // PANEL, PANEL, inter).transpose(1, 2)
+    return w13p, w2p
+
+
+def experts_packed(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``experts`` on weights from ``pack_experts`` (x in their dtype)."""
+    num_experts, groups, hidden, _ = w13p.shape
+    if x.dtype != w13p.dtype or x.shape[-1] != hidden:
+        raise ValueError(f"packed experts: x {tuple(x.shape)} {x.dtype} against weights "
+                         f"{tuple(w13p.shape)} {w13p.dtype}")
+    return _run("shoal_moe_experts_packed", x, w13p, w2p, topk_weights, topk_ids, num_experts,
+                hidden, groups * (PANEL // 2))
+
+
+def _run(entry: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+         topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, hidden: int,
+         inter: int) -> torch.Tensor:
+    tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype)
     library = load()
@@ -76,12 +117,12 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden, dtype=torch.float32)
-    sizes = (tokens, hidden, two_inter // 2, num_experts, top_k)
+    sizes = (tokens, hidden, inter, num_experts, top_k)
     nbytes = library.shoal_moe_experts_scratch_bytes(*sizes)
     scratch = _scratch_buffer(nbytes)
-    rc = library.shoal_moe_experts(xf.data_ptr(), *sizes, ids.data_ptr(), weights.data_ptr(),
-                                   w13.data_ptr(), w2.data_ptr(), int(x.dtype == torch.bfloat16),
-                                   scratch.data_ptr(), scratch.numel(), out.data_ptr())
+    rc = getattr(library, entry)(xf.data_ptr(), *sizes, ids.data_ptr(), weights.data_ptr(),
+                                 w13.data_ptr(), w2.data_ptr(), int(x.dtype == torch.bfloat16),
+                                 scratch.data_ptr(), scratch.numel(), out.data_ptr())
     if rc != 0:  # sized on this thread just above: cannot happen unless the pool changed
         raise RuntimeError(f"moe_experts_cpu: {scratch.numel()} bytes of scratch refused")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

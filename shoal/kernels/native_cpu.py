@@ -77,6 +77,8 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_moe_experts_scratch_bytes": (_i64, [_i64, _i64, _i64, _i64, _i64]),
     "shoal_moe_experts": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr,
                                          _ptr, _i64, _ptr, _i64, _ptr]),
+    "shoal_moe_experts_packed": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                                                _ptr, _ptr, _i64, _ptr, _i64, _ptr]),
     "shoal_moe_experts_q": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
                                            _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                                            _i64, _i64, _i64, _ptr, _i64, _ptr]),

@@ -165,6 +165,8 @@ def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
     assert moe == (arch in ("gpt_oss", "qwen3_moe"))
     if arch == "qwen3_moe":
         assert {layer.mlp.experts.impl for layer in model.model.layers} == {"native_cpu"}
+        # prepacked at load (moe.pack_cpu_experts): the panel order, the same bytes
+        assert all(layer.mlp.experts.prepacked for layer in model.model.layers)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     agree = steps = rerouted = 0

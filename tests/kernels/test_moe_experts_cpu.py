@@ -2,7 +2,7 @@
 (``moe_ref`` of ``shoal.kernels.reference``), for 1 to 300 tokens, uneven expert loads and experts
 that no token chose, with float32 and bfloat16 weights, hidden sizes over one column block,
 on both of the kernel's paths (dot products for an expert with few rows, a packed panel for
-one with many).
+one with many) and with the weights prepacked at load (every expert through its panels).
 
 The kernel sums in float32 in its own order, so results are compared with a tolerance
 relative to the output's size, never bit for bit; a bfloat16 output is rounded once, so its
@@ -91,6 +91,36 @@ def test_a_last_column_block_shorter_than_the_others(rng, dtype: torch.dtype) ->
                _reference(x, w13, w2, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, 300])
+def test_prepacked_experts_match_float64(rng, tokens: int, dtype: torch.dtype) -> None:
+    """Weights packed once (``pack_experts``, as the loader does) run every expert, one row
+    or hundreds, through their panels; hidden 1168 / intermediate 520 (not multiples of any
+    column block) and the bench shape with idle and heavy experts."""
+    for experts, hidden, inter, top_k in ((4, 1168, 520, 2), (64, 1024, 256, 8)):
+        if tokens == 300 and experts == 64:
+            tokens = 64  # the float64 reference's loop is the slow part
+        x, w13, w2, weights, ids = _problem(rng, tokens, experts, hidden, inter, top_k,
+                                            skewed=tokens % 2 == 1, dtype=dtype)
+        w13p, w2p = moe_experts_cpu.pack_experts(w13, w2)
+        assert w13p.numel() == w13.numel() and w2p.numel() == w2.numel()
+        assert w13p.dtype == w2p.dtype == dtype
+        _close(moe_experts_cpu.experts_packed(x, w13p, w2p, weights, ids),
+               _reference(x, w13, w2, weights, ids), dtype)
+
+
+def test_pack_experts_lays_out_each_work_items_panel(rng) -> None:
+    """Panel g of an expert: its gate rows 8g..8g+7 then the same up rows, column by
+    column; panel n of the down projection: rows 16n..16n+15, column by column."""
+    _, w13, w2, _, _ = _problem(rng, 1, 3, 32, 16, 1, skewed=False)
+    w13p, w2p = moe_experts_cpu.pack_experts(w13, w2)
+    assert w13p.shape == (3, 2, 32, 16) and w2p.shape == (3, 2, 16, 16)
+    e, g, c = 2, 1, 5
+    assert torch.equal(w13p[e, g, c, :8], w13[e, 8 * g:8 * g + 8, c])
+    assert torch.equal(w13p[e, g, c, 8:], w13[e, 16 + 8 * g:16 + 8 * g + 8, c])
+    assert torch.equal(w2p[e, 1, c], w2[e, 16:32, c])
+
+
 def test_scratch_is_reused_across_calls_and_grown_for_larger_ones(rng, monkeypatch) -> None:
     monkeypatch.delattr(moe_experts_cpu._scratch, "buffer", raising=False)  # earlier tests'
     x, w13, w2, weights, ids = _problem(rng, 40, 8, 64, 24, 2, skewed=False)
@@ -133,13 +163,17 @@ def test_portable_c_path_on_a_cpu_without_avx2(rng, tmp_path: Path, monkeypatch)
     here = Path(moe_experts_cpu.__file__)
     portable = portable_library(here.with_name("moe_experts_cpu.c"), tmp_path,
                                 ("shoal_moe_experts", "shoal_moe_experts_scratch_bytes",
-                                 "shoal_moe_experts_q"), (here.with_name("int_matmul_cpu.c"),))
+                                 "shoal_moe_experts_q", "shoal_moe_experts_packed"),
+                                (here.with_name("int_matmul_cpu.c"),))
     monkeypatch.setattr(moe_experts_cpu, "load", lambda: portable)
     for dtype in DTYPES:
         for tokens, hidden in ((1, 64), (4, 64), (50, 1168)):
             x, w13, w2, weights, ids = _problem(rng, tokens, 8, hidden, 24, 2, skewed=True,
                                                 dtype=dtype)
             _close(moe_experts_cpu.experts(x, w13, w2, weights, ids),
+                   _reference(x, w13, w2, weights, ids), dtype)
+            _close(moe_experts_cpu.experts_packed(x, *moe_experts_cpu.pack_experts(w13, w2),
+                                                  weights, ids),
                    _reference(x, w13, w2, weights, ids), dtype)
     # quantized experts: FP8 blocks and int4 with 4-bit zero points, the portable loops
     from shoal.kernels.int_matmul_cpu import FP8, NO_OFFSET, ZEROS_U4
