@@ -109,6 +109,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in RANGES:
             check_range(name, getattr(self, name))
+        if self.kv_transfer_config is not None:
+            # as vLLM does with a KV connector: a transfer moves one block table per request,
+            # so a model mixing sliding and full layers keeps one table for every layer
+            self.disable_hybrid_kv_cache_manager = True
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    default=True)
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for every layer of a model mixing sliding-window and "
-                   "full-attention layers (each layer keeps every block)")
+                   "full-attention layers (each layer keeps every block); on with --kv-transfer-config")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact KV block count (overrides the memory budget)")

@@ -220,12 +220,6 @@ class EngineCore:
         if self.config.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config needs --tensor-parallel-size 1 (KV transfer "
                              "between tensor-parallel engines is not supported yet)")
-        if self.kv_groups.hybrid:  # one table's blocks move; a request here has several
-            raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} mixes "
-                             "sliding-window and full-attention layers, whose KV lives in "
-                             f"{self.kv_groups.num_groups} KV cache groups; moving them "
-                             "between engines is not supported (--disable-hybrid-kv-cache-"
-                             "manager keeps one block table for every layer)")
         if self._hybrid:  # blocks move, but not the linear layers' per-request state
             raise ValueError(f"--kv-transfer-config: {self.model_config.architecture} keeps "
                              "linear-attention state outside the KV blocks; moving it between "

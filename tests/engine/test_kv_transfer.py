@@ -241,16 +241,27 @@ def test_a_transfer_needs_one_rank_and_a_decode_side_prefix_cache(tiny_llama):
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
 
 
-def test_a_model_mixing_sliding_and_full_layers_is_refused_naming_why():
-    """Gemma 2's KV lives in two KV cache groups (runtime/kv/kv_groups.py); only one table's
-    blocks travel, so P/D is refused at startup rather than moving half a request."""
+def test_a_model_mixing_sliding_and_full_layers_moves_with_one_table():
+    """Gemma 2 mixes sliding and full layers; with a KV connector it keeps one block table
+    for every layer (the hybrid KV cache manager off, as vLLM does), and its blocks move."""
     from shoal.runtime.model.make_family_model import cached_family_model
 
-    with pytest.raises(ValueError, match="--kv-transfer-config: Gemma2ForCausalLM mixes "
-                                         "sliding-window and full-attention layers"):
-        EngineCore(EngineConfig.from_kwargs(
-            str(cached_family_model("gemma2")), dtype="float32", device="cpu",
-            num_kv_blocks=16, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
+    model_dir = cached_family_model("gemma2")
+    prefill_engine = engine(model_dir, "kv_producer")
+    decode_engine = engine(model_dir, "kv_consumer")
+    try:
+        assert not prefill_engine.kv_groups.hybrid and not decode_engine.kv_groups.hybrid
+        prompt = prompt_of(40, 8)
+        params = prefill(prefill_engine, "p-8", prompt)
+        tokens, _ = run(decode_engine, request("d-8", prompt, 8, params))
+        assert decode_engine.stats().prompt_tokens_external == 2 * BLOCK
+        want, _ = run(prefill_engine, request("r-8", prompt, 8, salt="reference"))
+        assert tokens == want
+        settle(prefill_engine)
+        settle(decode_engine)
+    finally:
+        prefill_engine.shutdown()
+        decode_engine.shutdown()
 
 
 def test_a_latent_attention_cache_moves_too():
