@@ -40,7 +40,10 @@ def test_quantized_experts_match_the_float_kernel(rng, bits, group, tokens) -> N
     got = fused_moe_quantized(x, w13, w2, weights, ids, experts)
     want = fused_moe(x, w13_dense.view(experts, 2 * inter, hidden),
                      w2_dense.view(experts, hidden, inter), weights, ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # float32 sums in another order (a fresh seed each run: 1e-4 was missed by one element of
+    # 1216, 3.5e-4 on a value near 2.5, in a fresh-clone CI run); a wrong scale, offset or
+    # code is off by a percent or more
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_zero_points_are_refused_on_the_gpu_path(rng) -> None:

@@ -111,11 +111,16 @@ def test_cpu_backend_equals_the_torch_backend_on_prefill_chunks(rng, paged_batch
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=5e-5)
 
 
-@pytest.mark.parametrize(("head_dim", "native"), [(32, True), (24, False)])
+@pytest.mark.parametrize(("head_dim", "kernel_here", "native"),
+                         [(32, True, True), (24, True, False), (32, False, False)])
 def test_cpu_backend_sends_prefill_chunks_to_the_native_kernel_where_it_applies(
-        rng, paged_batch, monkeypatch, head_dim, native):
+        rng, paged_batch, monkeypatch, head_dim, kernel_here, native):
+    """Native for head sizes it takes on a CPU whose registers hold its tiles (AVX-512:
+    ``PREFILL_KERNEL_HERE``, set here both ways: the kernel runs on AVX2 too, only slowly),
+    else SDPA."""
     import shoal.runtime.attention.cpu_backend as cpu_backend
 
+    monkeypatch.setattr(cpu_backend, "PREFILL_KERNEL_HERE", kernel_here)
     calls: list[str] = []
     native_call = cpu_backend.paged_prefill_cpu.paged_prefill_attention
     sdpa_call = cpu_backend.attend_prefills
