@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from shoal.runtime.config import EngineConfig
@@ -241,50 +243,48 @@ def test_a_transfer_needs_one_rank_and_a_decode_side_prefix_cache(tiny_llama):
             enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(kv_role="kv_both")))
 
 
+@contextmanager
+def a_pair_of(model_dir: object) -> Iterator[tuple[EngineCore, EngineCore]]:
+    """A prefill and a decode engine of one model, shut down after the test."""
+    prefill_engine = engine(model_dir, "kv_producer")
+    decode_engine = engine(model_dir, "kv_consumer")
+    try:
+        yield prefill_engine, decode_engine
+    finally:
+        prefill_engine.shutdown()
+        decode_engine.shutdown()
+
+
+def assert_a_prompt_moves(prefill_engine: EngineCore, decode_engine: EngineCore) -> None:
+    """A 40-token prompt's two full blocks pulled, greedy equal to one engine, all released."""
+    prompt = prompt_of(40, 8)
+    params = prefill(prefill_engine, "p-8", prompt)
+    tokens, _ = run(decode_engine, request("d-8", prompt, 8, params))
+    assert decode_engine.stats().prompt_tokens_external == 2 * BLOCK
+    want, _ = run(prefill_engine, request("r-8", prompt, 8, salt="reference"))
+    assert tokens == want
+    settle(prefill_engine)
+    settle(decode_engine)
+
+
 def test_a_model_mixing_sliding_and_full_layers_moves_with_one_table():
     """Gemma 2 mixes sliding and full layers; with a KV connector it keeps one block table
     for every layer (the hybrid KV cache manager off, as vLLM does), and its blocks move."""
     from shoal.runtime.model.make_family_model import cached_family_model
 
-    model_dir = cached_family_model("gemma2")
-    prefill_engine = engine(model_dir, "kv_producer")
-    decode_engine = engine(model_dir, "kv_consumer")
-    try:
+    with a_pair_of(cached_family_model("gemma2")) as (prefill_engine, decode_engine):
         assert not prefill_engine.kv_groups.hybrid and not decode_engine.kv_groups.hybrid
-        prompt = prompt_of(40, 8)
-        params = prefill(prefill_engine, "p-8", prompt)
-        tokens, _ = run(decode_engine, request("d-8", prompt, 8, params))
-        assert decode_engine.stats().prompt_tokens_external == 2 * BLOCK
-        want, _ = run(prefill_engine, request("r-8", prompt, 8, salt="reference"))
-        assert tokens == want
-        settle(prefill_engine)
-        settle(decode_engine)
-    finally:
-        prefill_engine.shutdown()
-        decode_engine.shutdown()
+        assert_a_prompt_moves(prefill_engine, decode_engine)
 
 
 def test_a_latent_attention_cache_moves_too():
     """DeepSeek-V3's cache holds a latent and a rotary key per layer (different widths)."""
     from shoal.runtime.model.make_mla_model import cached_mla_model
 
-    model_dir = cached_mla_model("deepseek_v3")
-    prefill_engine = engine(model_dir, "kv_producer")
-    decode_engine = engine(model_dir, "kv_consumer")
-    try:
+    with a_pair_of(cached_mla_model("deepseek_v3")) as (prefill_engine, decode_engine):
         layout = decode_engine.executor.kv_block_io().layout()
         assert layout.k_shape != layout.v_shape
-        prompt = prompt_of(40, 8)
-        params = prefill(prefill_engine, "p-9", prompt)
-        tokens, _ = run(decode_engine, request("d-9", prompt, 8, params))
-        assert decode_engine.stats().prompt_tokens_external == 2 * BLOCK
-        want, _ = run(prefill_engine, request("r-9", prompt, 8, salt="reference"))
-        assert tokens == want
-        settle(prefill_engine)
-        settle(decode_engine)
-    finally:
-        prefill_engine.shutdown()
-        decode_engine.shutdown()
+        assert_a_prompt_moves(prefill_engine, decode_engine)
 
 
 def test_a_prefill_engine_dying_mid_transfer_falls_back_to_computing(engines):
