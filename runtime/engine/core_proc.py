@@ -26,12 +26,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine.core import freeze_gc_after_startup
 from shoal.runtime.engine.kv_events_topic import kv_events_topic
+from shoal.runtime.executor.progress import made_progress
 from shoal.runtime.log_limits import RateLimitedLog
 from shoal.runtime.wire.core_frames import (
     CoreMessageType,
@@ -130,27 +132,31 @@ def build_engine_core(config: EngineConfig, startup: _Startup):
 
 class LoopProgress:
     """How long the loop's current step has gone without computing, for the heartbeat
-    thread. A step on a shared machine can run for minutes (a long prefill while other
-    processes hold the cores: over 30 s at load 10 on 2 cores, measured) and still be
-    working, so stuck means no progress, not a long step: the process's CPU time (every
-    thread's) is read at each heartbeat, and the step counts as stalled since the last beat
-    at which it had advanced (or since it began). A step that waits on something else (a
-    stopped or deadlocked rank, a lock, a blocking read) uses no CPU and stalls from its
-    start, as before. The step's start is one tuple, replaced whole (atomic under the GIL)."""
-
-    # the share of a core a step must use between two heartbeats to count as progress: a
-    # computing step gets a tenth of a core or more even at load 10 on 2 cores; the
-    # heartbeat and ZeroMQ threads use about a thousandth
-    MIN_PROGRESS_SHARE = 0.02
+    thread (executor/progress.py: stuck means no progress, not a long step). The CPU time
+    of this process (every thread's) and of the executor's worker processes, if it has any
+    (tensor-parallel ranks: the core waits on them without CPU while they compute), is read
+    at each heartbeat, and the step counts as stalled since the last beat at which it had
+    advanced (or since it began). A step that waits on something that does not compute (a
+    stopped or deadlocked rank, a lock, a blocking read) stalls from its start. The step's
+    start is one tuple, replaced whole (atomic under the GIL)."""
 
     def __init__(self, clock=time.monotonic, cpu_clock=time.process_time) -> None:
         self._clock, self._cpu_clock = clock, cpu_clock
+        self._worker_cpu: Callable[[], float] = lambda: 0.0
         self.step: tuple[float, float] | None = None  # (wall, CPU) when it began
         # the step the last beat saw, that beat's (wall, CPU), when it last progressed
         self._seen: tuple[tuple[float, float] | None, float, float, float] = (None, 0, 0, 0)
 
+    def count_workers(self, worker_cpu: Callable[[], float]) -> None:
+        """Count the CPU seconds ``worker_cpu`` reports (the executor's worker processes)
+        as the step's progress too."""
+        self._worker_cpu = worker_cpu
+
+    def _cpu(self) -> float:
+        return self._cpu_clock() + self._worker_cpu()
+
     def begin_step(self) -> None:
-        self.step = (self._clock(), self._cpu_clock())
+        self.step = (self._clock(), self._cpu())
 
     def end_step(self) -> None:
         self.step = None
@@ -161,11 +167,11 @@ class LoopProgress:
         step = self.step
         if step is None:
             return 0.0
-        now, cpu = self._clock(), self._cpu_clock()
+        now, cpu = self._clock(), self._cpu()
         seen_step, then, then_cpu, progressed_at = self._seen
         if seen_step is not step:  # the first beat of this step: since its start
             then, then_cpu, progressed_at = step[0], step[1], step[0]
-        if now > then and cpu - then_cpu >= self.MIN_PROGRESS_SHARE * (now - then):
+        if made_progress(cpu - then_cpu, now - then):
             progressed_at = now
         self._seen = (step, now, cpu, progressed_at)
         return now - progressed_at
@@ -220,6 +226,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         startup = _Startup(send)
         core = build_engine_core(config, startup)
+        progress.count_workers(core.executor.workers_cpu_seconds)
         freeze_gc_after_startup()  # no full-GC pass over every KV block during serving
         startup.begin("ready", max_model_len=core.max_model_len,
                       num_kv_blocks=core.stats().num_kv_blocks,

@@ -59,6 +59,12 @@ class Executor(ABC):
         """The KV tensors as bytes, block by block, for a KV connector (one rank only)."""
         raise NotImplementedError("this executor cannot move KV blocks between engines")
 
+    def workers_cpu_seconds(self) -> float:
+        """CPU seconds used so far by the worker processes this executor runs apart from the
+        caller's (0 when the model runs in the caller's process): the engine's watchdog
+        counts them as the step's progress. Safe to call from another thread."""
+        return 0.0
+
     @abstractmethod
     def check_health(self, timeout_s: float | None = None) -> None:
         """Raise if a rank is dead, stopped or does not answer within ``timeout_s``

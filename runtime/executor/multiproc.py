@@ -4,7 +4,8 @@ Each step the executor encodes the plan once and writes the same bytes to every 
 socket; every rank answers (rank 0 with its sampled tokens, the others with "done"), so
 the executor sees each rank finish each step. A rank that exits or crashes is seen at once
 (its socket reaches EOF, or it sends its error); a rank that makes no progress for
-``rank_timeout`` seconds is declared hung. Either way the executor kills every rank and
+``rank_timeout`` seconds is declared hung (on CPU: the ranks used no CPU for that long, so a
+long step on busy cores is not a hang; on GPU: the step took that long, progress.py). Either way the executor kills every rank and
 raises ``RankFailure`` from then on: the engine core treats that as fatal.
 
 A step that raises on every rank (the ranks live on and report STEP_FAILED) is not a rank
@@ -34,11 +35,13 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn, cast
 
+import psutil
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.distributed.shardability import check_shardable
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.grammar_shipping import ShippedGrammars, with_compiled_grammars
 from shoal.runtime.executor.preflight import check_gpus_for_ranks
+from shoal.runtime.executor.progress import cpu_seconds, made_progress
 from shoal.runtime.model.config import ModelConfig, load_model_config
 from shoal.runtime.structured.backend import GrammarBackend
 from shoal.runtime.wire.plan import StepPlan, StepResult
@@ -55,6 +58,9 @@ STOP_GRACE_S = 5.0
 # point, at most seconds apart on a loaded machine); a rank still silent after it is stuck
 # in a collective its failed peer left, and the engine is failed
 STEP_FAILURE_GRACE_S = 10.0
+# how often a step's wait samples the ranks' CPU time (at most; a quarter of rank_timeout
+# when that is shorter)
+PROGRESS_POLL_S = 1.0
 
 
 class RankFailure(RuntimeError):
@@ -95,8 +101,6 @@ def _kill_ranks(ranks: list[_Rank], rendezvous_dir: str) -> None:
 
 def _stopped_rank(ranks: list[_Rank]) -> int | None:
     """The first rank whose process is stopped (SIGSTOP, traced) or already gone."""
-    import psutil
-
     for r in ranks:
         try:
             if psutil.Process(r.proc.pid).status() in (psutil.STATUS_STOPPED,
@@ -135,6 +139,7 @@ class _Rank:
         self.rank = rank
         self.proc = proc
         self.conn = conn
+        self.process = psutil.Process(proc.pid)  # for its CPU time (progress.py)
 
 
 class MultiprocExecutor(Executor):
@@ -145,7 +150,11 @@ class MultiprocExecutor(Executor):
         self.rank_timeout = float(config.rank_timeout)
         self._model_config = load_model_config(config.model, config.hf_overrides)
         check_shardable(self._model_config, self.world_size)  # before any process starts
-        check_gpus_for_ranks(self.world_size, _resolved_device(config.device), _visible_gpus())
+        device = _resolved_device(config.device)
+        check_gpus_for_ranks(self.world_size, device, _visible_gpus())
+        # a step is stuck when its ranks stop using CPU, not when it runs long (progress.py);
+        # on a GPU a waiting rank may spin, so there the step's deadline is wall time
+        self._steps_on_cpu = device.startswith("cpu")
         self._encoder = PlanEncoder(config.block_size)
         self._grammars: GrammarBackend | None = None
         self._shipped = ShippedGrammars()
@@ -220,19 +229,32 @@ class MultiprocExecutor(Executor):
 
     def _collect(self, expected: bytes | list[bytes], deadline: float, doing: str,
                  timeout_message: str | None = None,
-                 step_failures: dict[int, str] | None = None) -> dict[int, bytes]:
+                 step_failures: dict[int, str] | None = None,
+                 stall_s: float | None = None) -> dict[int, bytes]:
         """Wait for one message from every rank (``expected``: its kind, one for all or one
         per rank); payloads by rank. Any other outcome is a RankFailure, except a STEP_FAILED
         when ``step_failures`` is given: recorded there (rank -> message), and the ranks
-        still running get ``STEP_FAILURE_GRACE_S`` more to report theirs."""
+        still running get ``STEP_FAILURE_GRACE_S`` more to report theirs. With ``stall_s``
+        the deadline moves: it is ``stall_s`` after the ranks last used CPU (progress.py),
+        sampled a few times per ``stall_s``."""
         kinds = expected if isinstance(expected, list) else [expected] * len(self._ranks)
-        waited_s = deadline - time.monotonic()
+        waited_s = deadline - time.monotonic() if stall_s is None else stall_s
+        poll_s = None if stall_s is None else min(PROGRESS_POLL_S, stall_s / 4)
+        sampled = (time.monotonic(), self.workers_cpu_seconds())
         pending = {id(r.conn): r for r in self._ranks}
         replies: dict[int, bytes] = {}
         while pending:
             remaining = deadline - time.monotonic()
             conns = [r.conn for r in pending.values()]
-            ready = wait(conns, timeout=remaining) if remaining > 0 else []
+            timeout = remaining if poll_s is None else min(remaining, poll_s)
+            ready = wait(conns, timeout=timeout) if remaining > 0 else []
+            if not ready and stall_s is not None and not step_failures:
+                now, cpu = time.monotonic(), self.workers_cpu_seconds()
+                if made_progress(cpu - sampled[1], now - sampled[0]):
+                    deadline = max(deadline, now + stall_s)
+                sampled = (now, cpu)
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready and step_failures:
                 stalled = sorted(r.rank for r in pending.values())
                 failed = min(step_failures)
@@ -345,7 +367,8 @@ class MultiprocExecutor(Executor):
         failures: dict[int, str] = {}
         doing = f"step {plan.step_id}"
         replies = self._collect(kinds, time.monotonic() + self.rank_timeout, f"finish {doing}",
-                                step_failures=failures)
+                                step_failures=failures,
+                                stall_s=self.rank_timeout if self._steps_on_cpu else None)
         if failures:
             self._step_failed(doing, failures, finished=sorted(replies))
         return decode_result(replies[0], plan)
@@ -395,6 +418,9 @@ class MultiprocExecutor(Executor):
                 except subprocess.TimeoutExpired:
                     pass
         self._kill_all()
+
+    def workers_cpu_seconds(self) -> float:
+        return cpu_seconds([r.process for r in self._ranks])
 
     @property
     def pids(self) -> list[int]:

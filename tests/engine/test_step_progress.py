@@ -67,3 +67,17 @@ def test_each_step_counts_from_its_own_start() -> None:
     progress.begin_step()  # the next step, before any beat saw it compute
     clocks.advance(2.0)
     assert progress.step_stalled_s() == 2.0
+
+
+def test_a_step_whose_ranks_compute_is_not_stalled() -> None:
+    """With tensor parallelism the core waits on its ranks without CPU: their CPU counts."""
+    progress, clocks = _progress()
+    ranks = {"cpu": 0.0}
+    progress.count_workers(lambda: ranks["cpu"])
+    progress.begin_step()
+    for _ in range(120):
+        clocks.advance(0.5)
+        ranks["cpu"] += 0.2
+        assert progress.step_stalled_s() == 0.0
+    clocks.advance(0.5)  # the ranks stop (a stopped rank, its peer waiting in a collective)
+    assert progress.step_stalled_s() == 0.5

@@ -6,6 +6,8 @@ is armed by its own variable, read when the hook runs, so the plugin is inert el
   it is in raise (the engine must fail that request alone);
 - ``SHOAL_TEST_RANK_FAULT="RANK:PHASE"``: that rank fails while loading (``load``) or on its
   first plan (``step``);
+- ``SHOAL_TEST_RANK_SLOW_STEP="RANK:SECONDS"``: that rank computes (a busy loop) for that long
+  before its first plan that brings new requests: a step that runs long and is working;
 - ``SHOAL_TEST_RANK_POISON_STOP``: a request with this string among its ``stop`` strings makes
   every step it is in raise on every tensor-parallel rank (what a request whose content trips
   the model or the sampler does: the ranks run the same inputs, so they fail alike).
@@ -14,6 +16,7 @@ is armed by its own variable, read when the hook runs, so the plugin is inert el
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from shoal.runtime import debug_plugins
@@ -21,12 +24,14 @@ from shoal.runtime import debug_plugins
 SALT_MARKER_ENV = "SHOAL_TEST_FAULT_SALT_MARKER"
 RANK_FAULT_ENV = "SHOAL_TEST_RANK_FAULT"
 RANK_POISON_ENV = "SHOAL_TEST_RANK_POISON_STOP"
+RANK_SLOW_ENV = "SHOAL_TEST_RANK_SLOW_STEP"
 
 
 class Faults(debug_plugins.EngineHooks):
     def __init__(self) -> None:
         self.faulty: set[str] = set()
         self.poisoned: set[str] = set()  # on a rank: requests whose stop strings carry it
+        self.slowed = False  # on a rank: its slow step has run
 
     def request_added(self, request: Any) -> None:
         marker = os.environ.get(SALT_MARKER_ENV)
@@ -45,6 +50,7 @@ class Faults(debug_plugins.EngineHooks):
 
     def before_rank_step(self, rank: int, plan: Any) -> None:
         self._rank_fault(rank, "step")
+        self._slow_step(rank, plan)
         self.poisoned.difference_update(plan.finished_req_ids)
         marker = os.environ.get(RANK_POISON_ENV)
         if marker:
@@ -52,6 +58,15 @@ class Faults(debug_plugins.EngineHooks):
                                  if marker in new.sampling_params.stop)
         if self.poisoned and not self.poisoned.isdisjoint(plan.req_ids):
             raise RuntimeError(f"injected content fault on rank {rank} (test plugin)")
+
+    def _slow_step(self, rank: int, plan: Any) -> None:
+        target, _, seconds = os.environ.get(RANK_SLOW_ENV, "").partition(":")
+        if self.slowed or target != str(rank) or not plan.new_requests:
+            return
+        self.slowed = True
+        end = time.process_time() + float(seconds)  # CPU seconds: as long on a busy machine
+        while time.process_time() < end:
+            pass
 
     @staticmethod
     def _rank_fault(rank: int, phase: str) -> None:

@@ -71,6 +71,25 @@ def test_a_stopped_rank_is_declared_hung_after_the_rank_timeout(tiny_qwen3, make
     assert alive_after(pids, 5) == []
 
 
+def test_a_long_step_that_computes_is_not_a_hang(tiny_llama, make_engine, greedy,
+                                                 monkeypatch):
+    """On CPU the rank timeout is time without progress, not a step's length: a rank that
+    computes for 3 CPU-seconds in one step, against a 1 s rank timeout, finishes it (at load
+    10 on 2 cores a real prefill step runs past 30 s), and the request gets its tokens. The
+    stopped-rank test above is the other half: no CPU, declared hung after the timeout."""
+    monkeypatch.setenv("SHOAL_DEBUG_PLUGINS", FAULTS)
+    monkeypatch.setenv("SHOAL_TEST_RANK_SLOW_STEP", "1:3")
+    core = make_engine(tiny_llama, tp=2, rank_timeout=1.0)
+    core.add_request(greedy("r", [5, 6, 7, 8], max_tokens=4))
+    start = time.monotonic()
+    tokens = [t for out in core.step() for t in out.new_token_ids]
+    assert time.monotonic() - start >= 3.0  # the slow step ran, past three timeouts
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert len(tokens) == 4
+    core.executor.check_health()
+
+
 def test_an_idle_stopped_rank_fails_the_health_check(tiny_llama, make_engine, alive_after):
     core = make_engine(tiny_llama, tp=2, rank_timeout=3.0)
     core.executor.check_health()  # healthy ranks answer
