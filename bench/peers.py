@@ -227,21 +227,16 @@ class ServerProcess:
         """CPU time (user + system) of the server's whole process tree so far: on a shared
         machine the CPU a workload costs is steadier than the wall time it takes. Children
         that exited are not counted (none do while a server is healthy)."""
-        import psutil  # ours has it; the peer-side entry point never calls this
+        # ours has both; the peer-side entry point never calls this
+        import psutil
+        from shoal.runtime.executor.progress import cpu_seconds
 
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return float("nan")
-        total = 0.0
-        for proc in procs:
-            try:
-                times = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
-        return total
+        return cpu_seconds(procs)
 
     def resident_bytes(self) -> list[tuple[int, str, int]]:
         """(pid, name, resident set bytes) of each process of the server's tree, largest first:
