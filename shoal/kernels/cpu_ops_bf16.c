@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_cpu.h" /* bf16, widen, narrow */
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma omp declare simd notinbranch
 extern float expf(float);
@@ -24,23 +26,6 @@ extern float expf(float);
 
 /* below this many elements a parallel region costs more than it saves */
 #define PARALLEL_MIN 8192
-
-typedef uint16_t bf16;
-
-static inline float widen(bf16 h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline bf16 narrow(float f) {  /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (bf16)(bits >> 16);
-}
 
 /* One row: dst = narrow(narrow(src * inv_rms) * weight), as torch's
    F.rms_norm(x.float()).to(bfloat16) * weight. */

@@ -55,18 +55,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SHOAL_AVX2 1
-#endif
+#include "panel_cpu.h" /* load_w, the panel multiply (panel_rows), PW, PM, LANES */
 
 #define NR 4    /* weight rows per tile */
 #define MR 3    /* activation rows per register block: 3 x 4 accumulators + 3 x + 1 w */
 #define KC 512  /* columns per block: NR x KC float32 weights is 8 KB, L1-resident */
-#define LANES 8 /* float32 per vector; an accumulator block is MR * NR * LANES floats */
 #define ALIGN 64
-
-typedef uint16_t bf16;
 
 /* the experts' weights of one projection: float32 / bfloat16 [E * rows, cols], or packed
    (quant) codes with their group scales and offsets (int_matmul_cpu.c's layout) */
@@ -101,25 +95,6 @@ static inline const void *row_of(const wsrc_t *w, int64_t row, int64_t cols, flo
                           w->group, w->bits, w->fmt, stage);
     return stage;
 }
-
-#ifdef SHOAL_AVX2
-static inline __attribute__((always_inline)) __m256 load_w(const void *w, int64_t c,
-                                                           const int is_bf16) {
-    if (is_bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)w + c))),
-            16));
-    return _mm256_loadu_ps((const float *)w + c);
-}
-#else
-static inline float load_w1(const void *w, int64_t c, const int is_bf16) {
-    if (!is_bf16) return ((const float *)w)[c];
-    const uint32_t bits = (uint32_t)((const bf16 *)w)[c] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
 
 /* Columns [c0, c1) of the dot products xr[i] . wr[j] for i < mr, j < NR, added to the
    partial sums in acc (zero when first); when last, the sums go to outr[i][j], else back to
@@ -171,11 +146,9 @@ static inline __attribute__((always_inline)) void tile_mr(
     else tile(xr, wr, c0, c1, acc, first, last, outr, 1, is_bf16);
 }
 
-/* The packed path: panel[c * PW + j] = w_rows[j][c] in float32; PM rows x two vectors of
-   accumulators. Packing is one more pass over the weights, paid back from PACK_MIN rows
+/* The packed path: panel[c * PW + j] = w_rows[j][c] in float32, multiplied by panel_rows
+   (panel_cpu.h). Packing is one more pass over the weights, paid back from PACK_MIN rows
    (measured: 4, 8 and 16 alike at 64 tokens of the bench shape). */
-#define PW 16      /* weight rows an item: two vectors of panel */
-#define PM 6       /* rows per register block: 6 x 2 accumulators + 2 panel + 1 broadcast */
 #define PACK_MIN 8
 
 #ifdef SHOAL_AVX2
@@ -219,64 +192,6 @@ static inline __attribute__((always_inline)) void pack_rows(
 static void pack(const void *const *wr, int64_t len, float *panel, int is_bf16) {
     if (is_bf16) pack_rows(wr, len, panel, 1);
     else pack_rows(wr, len, panel, 0);
-}
-
-/* outr[i][0:PW] = xr[i][0:len] . panel, for i < mr; the panel in float32, or bfloat16 when
-   pbf16 (a prepacked one, widened in registers) */
-static inline __attribute__((always_inline)) void panel_block(
-        const float *const *xr, const void *panel, int64_t len, float *const *outr,
-        const int mr, const int pbf16) {
-#ifdef SHOAL_AVX2
-    /* named accumulators, not an array: gcc keeps an array's copy in memory every step */
-    const __m256 z = _mm256_setzero_ps();
-    __m256 l0 = z, h0 = z, l1 = z, h1 = z, l2 = z, h2 = z, l3 = z, h3 = z, l4 = z, h4 = z,
-           l5 = z, h5 = z;
-    const float *p0 = xr[0], *p1 = xr[mr > 1 ? 1 : 0], *p2 = xr[mr > 2 ? 2 : 0],
-                *p3 = xr[mr > 3 ? 3 : 0], *p4 = xr[mr > 4 ? 4 : 0], *p5 = xr[mr > 5 ? 5 : 0];
-    for (int64_t c = 0; c < len; ++c) {
-        const __m256 b0 = load_w(panel, c * PW, pbf16), b1 = load_w(panel, c * PW + 8, pbf16);
-#define STEP(i)                                                                             \
-        if (mr > i) {                                                                       \
-            const __m256 xi = _mm256_broadcast_ss(p##i + c);                                \
-            l##i = _mm256_fmadd_ps(xi, b0, l##i);                                           \
-            h##i = _mm256_fmadd_ps(xi, b1, h##i);                                           \
-        }
-        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
-#undef STEP
-    }
-#define OUT(i)                                                                              \
-    if (mr > i) {                                                                           \
-        _mm256_storeu_ps(outr[i], l##i);                                                    \
-        _mm256_storeu_ps(outr[i] + 8, h##i);                                                \
-    }
-    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
-#undef OUT
-#else
-    for (int i = 0; i < mr; ++i) {
-        float sum[PW] = {0};
-        for (int64_t c = 0; c < len; ++c)
-            for (int j = 0; j < PW; ++j) sum[j] += xr[i][c] * load_w1(panel, c * PW + j, pbf16);
-        for (int j = 0; j < PW; ++j) outr[i][j] = sum[j];
-    }
-#endif
-}
-
-static void panel_rows_as(const float *const *xr, const void *panel, int64_t len,
-                          float *const *outr, int mr, const int pbf16) {
-    switch (mr) {
-    case 6: panel_block(xr, panel, len, outr, 6, pbf16); break;
-    case 5: panel_block(xr, panel, len, outr, 5, pbf16); break;
-    case 4: panel_block(xr, panel, len, outr, 4, pbf16); break;
-    case 3: panel_block(xr, panel, len, outr, 3, pbf16); break;
-    case 2: panel_block(xr, panel, len, outr, 2, pbf16); break;
-    default: panel_block(xr, panel, len, outr, 1, pbf16); break;
-    }
-}
-
-static void panel_rows(const float *const *xr, const void *panel, int64_t len,
-                       float *const *outr, int mr, int pbf16) {
-    if (pbf16) panel_rows_as(xr, panel, len, outr, mr, 1);
-    else panel_rows_as(xr, panel, len, outr, mr, 0);
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }

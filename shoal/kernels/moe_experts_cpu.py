@@ -32,13 +32,13 @@ import threading
 import torch
 
 from shoal.kernels.int_matmul_cpu import IntPacked
+from shoal.kernels.linear_panels_cpu import DTYPES, PANEL
+from shoal.kernels.linear_panels_cpu import pack as pack_panels
 from shoal.kernels.moe_grouped import grouped_experts
 from shoal.kernels.native_cpu import load
 
 HIDDEN_ALIGN = 16  # the down projection's items are 16 output features, with no tail
 INTER_ALIGN = 8  # the AVX2 loops take 8 float32 per step, with no tail
-PANEL = 16  # weight rows in a work item's panel (PW in the C file)
-DTYPES = (torch.float32, torch.bfloat16)
 
 _scratch = threading.local()
 
@@ -91,7 +91,7 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, tor
         gate = w13[e, :inter].reshape(inter // half, half, hidden)
         up = w13[e, inter:].reshape(inter // half, half, hidden)
         w13p[e] = torch.cat([gate, up], 1).transpose(1, 2)
-        w2p[e] = w2[e].reshape(hidden // PANEL, PANEL, inter).transpose(1, 2)
+        w2p[e] = pack_panels(w2[e])  # a dense layer's panels (H is a multiple of PANEL)
     return w13p, w2p
 
 

@@ -1,6 +1,7 @@
 """The native CPU library (``paged_decode_cpu.c``, ``paged_prefill_cpu.c``, ``cpu_ops.c``,
 ``kv_fp8_cpu.c``, ``cpu_ops_bf16.c``, ``int_matmul_cpu.c``,
-``moe_experts_cpu.c``):
+``moe_experts_cpu.c``, ``linear_panels_cpu.c``; headers ``panel_cpu.h``, the panel multiply
+of the last two, and ``bf16_cpu.h``):
 prebuilt at install, else built on first use, via ctypes.
 
 Plain C with OpenMP, no torch headers: the C compiler builds it in about a second, so it is
@@ -43,7 +44,9 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the lib
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "cpu_ops.c",
                              "kv_fp8_cpu.c", "cpu_ops_bf16.c", "int_matmul_cpu.c",
-                             "moe_experts_cpu.c"))
+                             "moe_experts_cpu.c", "linear_panels_cpu.c"))
+# included by the sources above: part of the library's key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("panel_cpu.h", "bf16_cpu.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # libmvec (vector expf) where glibc ships it; plain libm otherwise
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
@@ -82,6 +85,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "shoal_moe_experts_q": (ctypes.c_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
                                            _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                                            _i64, _i64, _i64, _ptr, _i64, _ptr]),
+    "shoal_linear_panels": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]),
 }
 
 
@@ -122,7 +126,7 @@ def _library_name(compiler: str) -> str:
     """The file name: a key over the sources, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False, timeout=60).stdout
-    sources = [source.read_text() for source in SOURCES]
+    sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*sources, *FLAGS, version, _cpu_signature()])
                          .encode()).hexdigest()[:20]
     return f"shoal_cpu-{key}.so"
