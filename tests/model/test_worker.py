@@ -27,6 +27,29 @@ def test_kv_sizing_follows_the_model_config(tiny_qwen3, load_worker):
         torch.float32, tp_size=2)
 
 
+def test_a_cpu_kv_cache_is_zero_and_takes_memory_only_where_written(tiny_qwen3, load_worker):
+    """The cache's pages are zeroed by the kernel on first touch (``model_runner.zeroed``):
+    a large cache costs no resident memory (nor the CPU time of writing it) until blocks
+    land on it, and reads as zeros like ``torch.zeros``."""
+    import psutil
+
+    worker = load_worker(tiny_qwen3, num_blocks=8)
+    per_block = worker.kv_bytes_per_block()
+    blocks = (1 << 30) // per_block  # a 1 GiB cache
+    process = psutil.Process()
+    before = process.memory_info().rss
+    worker.init_kv_cache(blocks)
+    grown = process.memory_info().rss - before
+    assert grown < (1 << 30) // 8, f"allocating a 1 GiB cache made {grown >> 20} MiB resident"
+    k, v = worker.runner.kv_caches[0]
+    assert k.shape[0] == blocks and k.device.type == "cpu" and k.is_contiguous()
+    assert k.data_ptr() % 64 == 0 and v.data_ptr() % 64 == 0
+    for tensor in (k, v):
+        assert not tensor[[0, blocks // 2, blocks - 1]].any()
+    k[blocks // 2] = 1.0  # writable, and only where written
+    assert k[blocks // 2].all() and not k[blocks // 2 + 1].any() and not v[blocks // 2].any()
+
+
 def test_warmup_runs_a_full_size_step_and_leaves_no_state(tiny_llama, load_worker,
                                                           monkeypatch):
     from shoal.runtime.worker import worker as worker_module
