@@ -27,6 +27,20 @@ def gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any]]:
     return backend.to_str(), config
 
 
+def gguf_hf_tokenizer(path: Path) -> Any:
+    """The same tokenizer as transformers' fast tokenizer object, for what takes one
+    (xgrammar's ``TokenizerInfo``, in the worker's grammar backend).
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` converts the same vocabulary, but
+    first parses every metadata field with the gguf package's reader: 4.9 CPU-s for the
+    default model's file (49k tokens, 48k merges), against 0.7 s here."""
+    from transformers import PreTrainedTokenizerFast
+
+    source, config = gguf_tokenizer(path)
+    specials = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+                if isinstance(config.get(key), str)}
+    return PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(source), **specials)
+
+
 def _add_special_tokens(backend: HFTokenizer, config: dict[str, Any]) -> None:
     """BOS before / EOS after each sequence where the file's flags say so (as transformers'
     ``update_post_processor``)."""

@@ -222,12 +222,13 @@ class GrammarBackend:
     def _build_compiler(self) -> Any:
         if self._compiler is None:
             import xgrammar as xgr
+            from shoal.runtime.frontend.gguf_tokenizer import gguf_hf_tokenizer
             from transformers import AutoTokenizer
 
             started = time.perf_counter()
             gguf = gguf_file(self.model_dir)
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if gguf is None else \
-                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                gguf_hf_tokenizer(gguf)
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._tokenizer_info = info

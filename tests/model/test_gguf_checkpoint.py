@@ -117,6 +117,27 @@ def test_token_ids_and_chat_template_equal_transformers(gguf_files, name: str) -
         assert reference(TEXTS[0]).input_ids[0] == reference.bos_token_id
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_grammar_vocabulary_equals_xgrammars_reading_of_transformers_tokenizer(
+        gguf_files, name: str) -> None:
+    """Structured output on a GGUF file: the grammar backend's vocabulary (from
+    ``gguf_hf_tokenizer``) is what xgrammar reads from transformers' own tokenizer of it."""
+    xgr = pytest.importorskip("xgrammar")
+    from shoal.runtime.model.config import load_model_config
+    from shoal.runtime.structured.backend import GrammarBackend
+
+    path = gguf_files[name]
+    _, reference = hf_from_gguf(path)
+    config = load_model_config(path)
+    backend = GrammarBackend(str(path), config.vocab_size, config.eos_token_ids)
+    assert backend.prepare()
+    ours = backend._get_tokenizer_info()
+    want = xgr.TokenizerInfo.from_huggingface(reference, vocab_size=config.vocab_size,
+                                              stop_token_ids=config.eos_token_ids)
+    assert ours.dump_metadata() == want.dump_metadata()
+    assert ours.decoded_vocab == want.decoded_vocab
+
+
 def _native() -> bool:
     from shoal.kernels.native_cpu import unavailable_reason
 
