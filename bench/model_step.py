@@ -11,6 +11,10 @@ next to the measured matmul peak. The machine is shared: figures are noisy.
 
     .venv/bin/python bench/model_step.py [--arch llama] [--size bench] [--model-dir DIR]
         [--dtype float32] [--batch 128] [--context 400] [--prefill 4x512] [--threads 0]
+        [--linears auto]
+
+``--linears dense`` keeps the linear layers on the dense path (oneDNN, or linear_bf16_cpu)
+where the loader would give them panels (``ops.panel_linears_here``): run both to compare.
 """
 
 from __future__ import annotations
@@ -99,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=400, help="their context length")
     parser.add_argument("--prefill", default="4x512", help="REQUESTSxTOKENS in one step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--linears", default="auto", choices=["auto", "dense"])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.linears == "dense":
+        from shoal.runtime.model import ops
+
+        ops.panel_linears_here = lambda: False  # read when the worker chooses its kernels
     from shoal.runtime.model.make_model import cached_model
     from shoal.runtime.worker.worker import Worker
 
@@ -116,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         k_cache.normal_()
         v_cache.normal_()
     mc = worker.model_config()
-    print(f"model {model_dir.name} in {args.dtype}, torch threads {torch.get_num_threads()}")
+    choice = worker.runner.model.kernels.choice
+    print(f"model {model_dir.name} in {args.dtype}, torch threads {torch.get_num_threads()}, "
+          f"linears {'panels' if choice.linear_panels else choice.linear}")
     clock = ExpertsClock(worker.runner.model)
     moe = mc.moe if clock.blocks else None
 

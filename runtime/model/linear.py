@@ -19,6 +19,7 @@ from shoal.runtime.model.layers import _param
 from shoal.runtime.model.parallel import ParallelContext
 from torch import nn
 
+from shoal.kernels import linear_panels_cpu
 from shoal.kernels.linear_bf16_cpu import linear_bf16
 
 Loader = Callable[[nn.Parameter, object, object], None]
@@ -90,9 +91,12 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-            bias: torch.Tensor | None = None, native_bf16: bool = False) -> torch.Tensor:
-    """``x @ weight.T + bias``, through the oneDNN-packed copy when the layer has one, or
-    the native bfloat16 kernel when the layer was given it."""
+            bias: torch.Tensor | None = None, native_bf16: bool = False,
+            panels: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, through the layer's panels or oneDNN-packed copy when it has
+    one, or the native bfloat16 kernel when the layer was given it."""
+    if panels is not None:
+        return linear_panels_cpu.linear(x, panels, weight.shape[0], bias)
     if packed is not None:
         return onednn_linear(x, packed, bias)
     if native_bf16:
@@ -120,6 +124,8 @@ def _weight(shape: tuple[int, int], dtype: torch.dtype,
 
 
 class _Linear(nn.Module):
+    # set by use_panel_linears: the weight in linear_panels_cpu's panels (CPU only)
+    panels: torch.Tensor | None = None
     # set by pack_cpu_linear_weights: the weight in oneDNN's blocked layout (CPU only)
     packed: torch.Tensor | None = None
     # set by use_native_bf16_linears: bfloat16 on CPU through shoal/kernels/linear_bf16_cpu
@@ -138,7 +144,7 @@ class _Linear(nn.Module):
             return self.quant.apply(self, x, bias)
         weight = self.weight
         assert isinstance(weight, torch.Tensor)
-        return _matmul(x, weight, self.packed, bias, self.native_bf16)
+        return _matmul(x, weight, self.packed, bias, self.native_bf16, self.panels)
 
 
 class ReplicatedLinear(_Linear):
@@ -310,38 +316,82 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the vocabulary shard; logits gathered to the full vocabulary."""
 
-    packed: torch.Tensor | None = None  # as in _Linear
+    panels: torch.Tensor | None = None  # as in _Linear
+    packed: torch.Tensor | None = None
     native_bf16: bool = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             logits = self.quant.logits(self, hidden)
         else:
-            logits = _matmul(hidden, self.weight, self.packed, native_bf16=self.native_bf16)
+            logits = _matmul(hidden, self.weight, self.packed, native_bf16=self.native_bf16,
+                             panels=self.panels)
         if self.parallel.world_size > 1:
             logits = self.parallel.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits
 
 
-def use_native_bf16_linears(model: nn.Module) -> int:
-    """On CPU, bfloat16, where oneDNN cannot pack bfloat16: every linear layer (and the LM
-    head) multiplies through ``shoal.kernels.linear_bf16_cpu``, its weight kept as it is.
-    Returns the layers switched."""
-    switched = 0
+def _tied_weights(model: nn.Module) -> set[int]:
+    """ids of the embedding tables (a tied LM head's weight is one: lookups read its rows)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+            and not isinstance(m, ParallelLMHead)}
+
+
+def _dense_cpu_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]
+                       ) -> list[tuple[_Linear | ParallelLMHead, torch.Tensor]]:
+    """The linear layers and LM head, with their weight, whose weight is a dense CPU tensor
+    of one of ``dtypes`` (not quantized, not already repacked: a repacked layer's weight is
+    on the meta device)."""
+    found = []
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (isinstance(module, (_Linear, ParallelLMHead)) and isinstance(weight, torch.Tensor)
                 and not getattr(module, "quant", None)  # quantized: its own matmul
-                and weight.device.type == "cpu" and weight.dtype == torch.bfloat16):
-            module.native_bf16 = True
-            switched += 1
+                and weight.device.type == "cpu" and weight.dtype in dtypes):
+            found.append((module, weight))
+    return found
+
+
+def _drop_dense_weight(module: _Linear | ParallelLMHead, weight: torch.Tensor) -> None:
+    """The dense weight replaced by a meta tensor of its shape (the packed copy is the
+    layer's only one)."""
+    module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+
+
+def use_panel_linears(model: nn.Module) -> int:
+    """On CPU, float32 or bfloat16, where the native library runs and the panel kernel was
+    measured faster (``ops.panel_linears_here``): every linear layer and an untied LM head
+    multiply through ``shoal.kernels.linear_panels_cpu``, the weight held only as its panels.
+    A tied LM head keeps the embedding table and the dense path (``pack_cpu_linear_weights``
+    or ``use_native_bf16_linears``, which pass over the layers switched here). Returns the
+    layers switched."""
+    tied = _tied_weights(model)
+    switched = 0
+    for module, weight in _dense_cpu_linears(model, linear_panels_cpu.DTYPES):
+        if id(weight) in tied:
+            continue
+        module.panels = linear_panels_cpu.pack(weight)
+        _drop_dense_weight(module, weight)
+        switched += 1
+    return switched
+
+
+def use_native_bf16_linears(model: nn.Module) -> int:
+    """On CPU, bfloat16, where oneDNN cannot pack bfloat16: every linear layer (and the LM
+    head) not given panels multiplies through ``shoal.kernels.linear_bf16_cpu``, its weight
+    kept as it is. Returns the layers switched."""
+    switched = 0
+    for module, _ in _dense_cpu_linears(model, (torch.bfloat16,)):
+        module.native_bf16 = True
+        switched += 1
     return switched
 
 
 def pack_cpu_linear_weights(model: nn.Module) -> int:
     """On CPU, float32 (or bfloat16 where oneDNN has bfloat16 kernels for the CPU: AMX,
-    AVX512-BF16): give every linear layer its weight in oneDNN's blocked layout, the one
-    oneDNN's matmul reads directly (what inductor's CPU freezing and vLLM's CPU build use).
+    AVX512-BF16): give every linear layer not given panels its weight in oneDNN's blocked
+    layout, the one oneDNN's matmul reads directly (what inductor's CPU freezing and vLLM's
+    CPU build use).
     Against MKL's ``F.linear`` on the same weights: 1.2-1.7x at 16-2048 rows, 2-9x for the
     LM head at 1-16 rows (bench/linear_cpu.py); the sums round differently, within
     float32 tolerance. The dense weight is dropped (a meta tensor keeps its shape), except a
@@ -349,19 +399,11 @@ def pack_cpu_linear_weights(model: nn.Module) -> int:
     torch has no oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
-            and not isinstance(m, ParallelLMHead)}
+    tied = _tied_weights(model)
     packed = 0
-    for module in model.modules():
-        if not isinstance(module, (_Linear, ParallelLMHead)) or getattr(module, "quant", None):
-            continue
-        weight = module.weight
-        assert isinstance(weight, torch.Tensor)
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-            continue
+    for module, weight in _dense_cpu_linears(model, (torch.float32, torch.bfloat16)):
         module.packed = onednn_pack(weight)
         if id(weight) not in tied:
-            module.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
-                                         requires_grad=False)
+            _drop_dense_weight(module, weight)
         packed += 1
     return packed

@@ -27,6 +27,7 @@ from shoal.runtime.model.linear import (
     linear_weights_deferred,
     pack_cpu_linear_weights,
     use_native_bf16_linears,
+    use_panel_linears,
 )
 from shoal.runtime.model.moe import expert_checkpoint_target, pack_cpu_experts
 from shoal.runtime.model.parallel import ParallelContext
@@ -391,6 +392,8 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
         finalize_vocab(model)
     if model.kernels.choice.moe == "native_cpu":
         pack_cpu_experts(model)
+    if model.kernels.choice.linear_panels:
+        use_panel_linears(model)  # the two below then take only a tied LM head
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     elif model.kernels.choice.linear == "native_bf16":

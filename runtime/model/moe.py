@@ -23,7 +23,6 @@ from shoal.runtime.model.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    _matmul,
     _read,
     _weight,
 )
@@ -292,7 +291,7 @@ class _PartialRowLinear(RowParallelLinear):
     """A row-parallel projection whose partial sum is left for the block's one all-reduce."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.packed)
+        return self._forward_matmul(x)
 
 
 class SharedExpert(nn.Module):

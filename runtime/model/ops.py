@@ -10,6 +10,10 @@ they run on. The rule:
   ``torch`` backend keeps the whole model in plain torch, a reference;
 - Triton kernels (RMSNorm, SiLU-and-mul, per-head q/k norm + rotary) on CUDA with the
   triton attention backend;
+- on an AVX2 CPU (no AVX-512) where the native library runs, float32 and bfloat16 linear
+  layers on the native panel kernel (``shoal.kernels.linear_panels_cpu``, the weight held
+  only as its panels: ``linear.use_panel_linears``; measured faster than the paths below
+  there, docs/benchmarks.md), but a tied LM head, which keeps the path below;
 - oneDNN-packed linear weights on CPU in float32, and in bfloat16 where oneDNN has bfloat16
   kernels for this CPU (AMX, AVX512-BF16, AVX-NE-CONVERT: ``linear.pack_cpu_linear_weights``);
   elsewhere bfloat16 linears on the native kernel (``shoal.kernels.linear_bf16_cpu``: the
@@ -66,6 +70,8 @@ class KernelChoice:
     qk_norm_rotary: str
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
+    # linear layers on linear_panels_cpu (a tied LM head keeps ``linear``'s path)
+    linear_panels: bool = False
     # "triton" (shoal/kernels/fused_moe.py) | "native_cpu" (moe_experts_cpu.py, float32 and
     # bfloat16) | "grouped" (torch._grouped_mm)
     moe: str = "grouped"
@@ -76,8 +82,9 @@ class KernelChoice:
 
 def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
                    triton_available: bool, onednn_available: bool,
-                   onednn_bf16: bool = False) -> KernelChoice:
-    """``onednn_bf16``: oneDNN can pack bfloat16 weights on this CPU."""
+                   onednn_bf16: bool = False, panels_faster: bool = False) -> KernelChoice:
+    """``onednn_bf16``: oneDNN can pack bfloat16 weights on this CPU; ``panels_faster``: the
+    panel kernel beats those paths on this CPU (``panel_linears_here``)."""
     native = attention == "cpu"  # that backend runs only where the native library loaded
     # the position-wise C ops take float32 and bfloat16 (other types run torch's)
     native_ops = native and dtype in (torch.float32, torch.bfloat16)
@@ -97,10 +104,19 @@ def choose_kernels(device_type: str, dtype: torch.dtype, attention: str,
         qk_norm_rotary="triton" if triton else "native_cpu"
         if native_ops and dtype == torch.bfloat16 else "torch",
         linear=linear, attention=attention,
+        linear_panels=device_type == "cpu" and native_ops and panels_faster,
         moe="triton" if triton else "native_cpu"
         if native_ops and device_type == "cpu" else "grouped",
         lora="triton" if triton else "masked",
         linear_attention="triton" if triton else "torch")
+
+
+def panel_linears_here() -> bool:
+    """The panel linear kernel was measured faster than oneDNN (float32) and linear_bf16_cpu
+    (bfloat16) on this kind of CPU: AVX2 without AVX-512 (Zen 3; docs/benchmarks.md, "Dense
+    linears on the panel kernel"). Its loops are AVX2: against oneDNN's AVX-512 and AMX
+    kernels it is unmeasured, and elsewhere they are portable C."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def onednn_packs_bf16() -> bool:
@@ -113,7 +129,8 @@ def kernels_for(device: torch.device | str, dtype: torch.dtype, attention: str) 
     device_type = torch.device(device).type
     return Kernels(choose_kernels(device_type, dtype, attention, find_spec("triton") is not None,
                                   torch.backends.mkldnn.is_available(),
-                                  device_type == "cpu" and onednn_packs_bf16()))
+                                  device_type == "cpu" and onednn_packs_bf16(),
+                                  device_type == "cpu" and panel_linears_here()))
 
 
 @dataclass(frozen=True)

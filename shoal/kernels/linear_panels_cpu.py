@@ -5,13 +5,14 @@ the native library; the panel multiply is ``panel_cpu.h``'s, shared with the MoE
 weight's own dtype (float32 or bfloat16): each 16 output features column by column, the
 last panel padded with zero rows. ``linear(x, panels, out_features, bias)`` is ``x @ W.T +
 bias`` on it, summed in float32 (bfloat16 weights widened in registers, so read at half the
-bytes) and rounded once to x's dtype. The panels are meant to be the weight's one layout
-(packed once at load, the dense weight dropped).
+bytes) and rounded once to x's dtype. The loader (``linear.use_panel_linears``) keeps only
+the panels, the dense weight dropped, and runs every row count on them.
 
-Why: a decode step streams every weight once, and the panels stream each weight once for
-every 6 rows with no horizontal sums, bfloat16 at half the bytes. On a Zen 3 core
-(``bench/linear_cpu.py``, the llama bench shapes) they ran 1.0-1.4x oneDNN's packed float32
-linear and 1.0-5x ``linear_bf16_cpu`` at every row count from 1 to 2048.
+Why (docs/benchmarks.md, "Dense linears on the panel kernel"): a decode step streams every
+weight once, and the panels stream each weight once for every 6 rows with no horizontal
+sums, bfloat16 at half the bytes. On a Zen 3 core (``bench/linear_cpu.py``, the llama bench
+shapes) they ran 1.04-1.38x oneDNN's packed float32 linear and 1.04-5x ``linear_bf16_cpu``
+at every row count from 1 to 2048.
 """
 
 from __future__ import annotations

@@ -147,6 +147,7 @@ def first_routing_difference(engine: EngineRouting, req_id: str, hf,
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss", "qwen3_moe"])
 def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
                                                          tiny_moe_model_dirs):
+    from shoal.runtime.model.ops import panel_linears_here
     from transformers import AutoModelForCausalLM
 
     model_dir = {**tiny_model_dirs, **tiny_moe_model_dirs}[arch]
@@ -156,8 +157,10 @@ def test_bf16_greedy_agrees_with_hf_bf16_teacher_forced(arch, tiny_model_dirs,
     core = _bf16_engine(model_dir)
     model = core.executor.worker.runner.model
     # the native path ran: attention kernels over a bfloat16 cache, the bf16 linear kernel
+    # (the panel kernel on an AVX2 CPU such as this pool's)
     assert model.kernels.choice.attention == "cpu"
     assert model.kernels.choice.linear in ("native_bf16", "onednn")
+    assert model.kernels.choice.linear_panels == panel_linears_here()
     assert core.executor.worker.runner.kv_caches[0][0].dtype == torch.bfloat16
     routing = EngineRouting(core)
     tokens, logprobs = greedy_with_logprobs(core, prompts, 16)

@@ -80,6 +80,18 @@ def test_kernels_are_chosen_once_per_device_dtype_and_backend(device, dtype, att
     assert (choice.norm, choice.silu_and_mul, choice.qk_norm_rotary, choice.linear) == expected
 
 
+def test_linear_layers_take_the_panels_only_on_the_native_cpu_path_where_faster():
+    def panels(device, dtype, attention, faster=True):
+        return choose_kernels(device, dtype, attention, False, True,
+                              panels_faster=faster).linear_panels
+
+    assert panels("cpu", torch.float32, "cpu") and panels("cpu", torch.bfloat16, "cpu")
+    assert not panels("cpu", torch.float32, "cpu", faster=False)  # oneDNN stays
+    assert not panels("cpu", torch.float32, "torch")  # the plain-torch reference
+    assert not panels("cpu", torch.float16, "cpu")
+    assert not panels("cuda", torch.bfloat16, "cpu")
+
+
 def test_a_backend_lacking_a_feature_the_model_needs_is_passed_over_or_refused(caplog,
                                                                              monkeypatch):
     from shoal.runtime.attention import backend_choice

@@ -178,18 +178,34 @@ def test_missing_model_directory_names_the_path(tmp_path, engine_config):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_cpu_linear_layers_run_on_onednn_packed_weights_with_the_same_results(
-        arch, tiny_model_dirs, load_worker):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cpu_linear_layers_hold_one_repacked_weight_with_the_same_results(
+        arch, backend, tiny_model_dirs, load_worker, monkeypatch):
+    """The torch backend: oneDNN-packed weights. The native ``cpu`` backend where the panel
+    kernel is faster (``panel_linears_here``, forced here so any CPU runs the check): every
+    layer on panels but a tied LM head, which keeps oneDNN's copy next to the embedding."""
+    from shoal.runtime.model import ops
     from shoal.runtime.model.loader import load_weights
 
-    worker = load_worker(tiny_model_dirs[arch])
+    from shoal.kernels.native_cpu import unavailable_reason
+
+    if backend == "cpu" and unavailable_reason() is not None:
+        pytest.skip(f"native library: {unavailable_reason()}")
+    monkeypatch.setattr(ops, "panel_linears_here", lambda: True)
+    worker = load_worker(tiny_model_dirs[arch], attention_backend=backend)
     model = worker.runner.model
-    linears = [m for m in model.modules() if getattr(m, "packed", None) is not None]
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     layers = model.config.num_layers
-    assert len(linears) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the head
-    for module in linears:
+    packed = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+    panels = [m for m in model.modules() if getattr(m, "panels", None) is not None]
+    if backend == "torch":
+        assert not panels and len(packed) == 4 * layers + 1  # qkv, o, gate_up, down, head
+    else:
+        assert len(panels) == 4 * layers + (0 if tied else 1)
+        assert packed == ([model.lm_head] if tied else [])
+    for module in packed:
         assert module.packed.is_mkldnn, type(module).__name__
+    for module in packed + panels:
         # the dense copy is dropped (its shape kept), but a tied head is the embedding table
         assert module.weight.is_meta == (not (module is model.lm_head and tied))
     assert not model.model.embed_tokens.weight.is_meta  # lookups read rows
