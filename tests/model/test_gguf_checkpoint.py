@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,25 @@ def test_weights_and_config_equal_transformers_loading(gguf_files, name: str) ->
     assert config.hf_config.rope_parameters == ref.rope_parameters
     assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert config.eos_token_ids == [ref.eos_token_id]
+
+
+def test_the_file_reads_as_the_gguf_packages_reader_reads_it(gguf_files) -> None:
+    """``GGUFFile`` against ``gguf.GGUFReader``: every metadata value (type included) and
+    every tensor's name, type, dimensions and data view (dtype, shape, bytes)."""
+    from gguf import GGUFReader
+    from shoal.runtime.model.gguf_checkpoint import GGUFFile
+
+    for path in gguf_files.values():
+        want, ours = GGUFReader(str(path)), GGUFFile(path)
+        fields = {k: f.contents() for k, f in want.fields.items() if not k.startswith("GGUF.")}
+        assert fields == ours.fields
+        assert [type(v) for v in fields.values()] == [type(v) for v in ours.fields.values()]
+        assert len(want.tensors) == len(ours.tensors)
+        for a, b in zip(want.tensors, ours.tensors, strict=True):
+            assert (a.name, a.tensor_type, tuple(a.shape.tolist())) == (
+                b.name, b.tensor_type, b.dims)
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+            assert np.array_equal(a.data, b.data), a.name
 
 
 def test_raw_blocks_stay_reachable(gguf_files) -> None:
