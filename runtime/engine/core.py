@@ -18,6 +18,7 @@ import logging
 
 from shoal.runtime import debug_plugins
 from shoal.runtime.config import EngineConfig
+from shoal.runtime.engine.host_memory import describe, usable_memory
 from shoal.runtime.engine.isolation import RequestFailure, StepIsolation, is_engine_fault
 from shoal.runtime.engine.lora_registry import LoraRegistry
 from shoal.runtime.engine.remote_kv import RemoteKV
@@ -42,27 +43,36 @@ DEFAULT_KV_RAM_SHARE = 0.25  # ... capped at this share of the machine's memory
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile (inputs are read between)
 
 
-def default_kv_cache_bytes(max_num_seqs: int, kv_bytes_per_token: int) -> int:
-    import psutil
-
+def default_kv_cache_bytes(max_num_seqs: int, kv_bytes_per_token: int,
+                           memory_bytes: int) -> int:
     wanted = max_num_seqs * DEFAULT_KV_TOKENS_PER_SEQ * kv_bytes_per_token
-    return min(wanted, int(psutil.virtual_memory().total * DEFAULT_KV_RAM_SHARE))
+    return min(wanted, int(memory_bytes * DEFAULT_KV_RAM_SHARE))
 
 
 def resolve_num_kv_blocks(config: EngineConfig, kv_bytes_per_block: int,
-                          num_groups: int = 1) -> int:
+                          num_groups: int = 1, host_memory: int | None = None) -> int:
     """``num_groups``: KV cache groups (``kv/kv_groups.py``); a token of a short request
-    takes a block slot in each, so the default budget counts all of them per token."""
+    takes a block slot in each, so the default budget counts all of them per token.
+    ``host_memory``: on a CPU, the memory one rank's cache lives in (``host_memory.py``,
+    shared by the ranks): the default budget is a share of it and a cache that cannot fit
+    in it is refused; None on a GPU (its budget is device memory)."""
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:
         budget = config.kv_cache_memory
         if budget is None:
             budget = default_kv_cache_bytes(
-                config.max_num_seqs, kv_bytes_per_block * num_groups // config.block_size)
+                config.max_num_seqs, kv_bytes_per_block * num_groups // config.block_size,
+                usable_memory() if host_memory is None else host_memory)
         blocks = budget // kv_bytes_per_block
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block ({kv_bytes_per_block} bytes each)")
+    if host_memory is not None and blocks * kv_bytes_per_block > host_memory:
+        flag = "--num-kv-blocks" if config.num_kv_blocks is not None else "--kv-cache-memory"
+        raise ValueError(
+            f"the KV cache ({blocks} blocks, {describe(blocks * kv_bytes_per_block)} per "
+            f"rank) does not fit in memory ({describe(host_memory)} per rank: the machine's "
+            f"or the container's limit, whichever is lower); lower {flag}")
     return blocks
 
 
@@ -133,8 +143,12 @@ class EngineCore:
                     and config.kv_cache_memory is None else None)
         # sliding and full layers: a block table per group (the worker plans the same groups)
         self.kv_groups = kv_groups_of(self.model_config, config.disable_hybrid_kv_cache_manager)
-        num_blocks = profiled or resolve_num_kv_blocks(config, executor.kv_bytes_per_block(),
-                                                       self.kv_groups.num_groups)
+        from shoal.runtime.worker.worker import resolve_device  # torch: only where a core runs
+
+        on_cpu = resolve_device(config.device).type == "cpu"
+        num_blocks = profiled or resolve_num_kv_blocks(
+            config, executor.kv_bytes_per_block(), self.kv_groups.num_groups,
+            usable_memory() // config.tensor_parallel_size if on_cpu else None)
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token per rank%s", num_blocks,
                     config.block_size, executor.kv_bytes_per_block() // config.block_size,
                     " (latent + rotary key: multi-head latent attention)"

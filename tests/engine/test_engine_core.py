@@ -132,3 +132,32 @@ def test_aborting_a_waiting_request_leaves_no_trace(fake_engine):
     assert core.stats().num_waiting == 0
     drain(core)
     assert not core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("text, limit", [("max\n", None), ("4294967296\n", 4 << 30),
+                                         ("9223372036854771712\n", None), ("", None)])
+def test_a_cgroup_memory_limit_is_read_as_bytes_or_none(text, limit):
+    from shoal.runtime.engine.host_memory import parse_limit
+
+    assert parse_limit(text) == limit
+
+
+def test_on_cpu_the_kv_cache_is_sized_within_the_memory_it_lives_in():
+    config = EngineConfig(model="m", block_size=16, max_num_seqs=64)
+    host = 400 * 4096  # room for 400 blocks of 4096 bytes
+    # the default budget: a quarter of that memory, where max_num_seqs x 1k tokens wants more
+    assert resolve_num_kv_blocks(config, 4096, host_memory=host) == 100
+    assert resolve_num_kv_blocks(config.replace(kv_cache_memory=400 * 4096), 4096,
+                                 host_memory=host) == 400
+    with pytest.raises(ValueError, match="does not fit in memory.*lower --kv-cache-memory"):
+        resolve_num_kv_blocks(config.replace(kv_cache_memory=401 * 4096), 4096, host_memory=host)
+    with pytest.raises(ValueError, match="lower --num-kv-blocks"):
+        resolve_num_kv_blocks(config.replace(num_kv_blocks=401), 4096, host_memory=host)
+
+
+def test_an_engine_refuses_a_cpu_kv_cache_larger_than_the_machine(fake_engine):
+    import psutil
+
+    too_big = 2 * psutil.virtual_memory().total
+    with pytest.raises(ValueError, match="does not fit in memory"):
+        fake_engine(num_kv_blocks=None, kv_cache_memory=too_big, device="cpu")
