@@ -113,7 +113,9 @@ def test_an_exception_inside_a_rank_step_carries_its_message(tiny_llama, make_en
                                                               monkeypatch, alive_after):
     monkeypatch.setenv("SHOAL_DEBUG_PLUGINS", FAULTS)
     monkeypatch.setenv("SHOAL_TEST_RANK_FAULT", "1:step")
-    core = make_engine(tiny_llama, tp=2)
+    # rank 0 never reports (it waits in the collective rank 1 left): the engine fails once
+    # the other ranks' grace (min(STEP_FAILURE_GRACE_S, rank_timeout)) is over, 2 s here
+    core = make_engine(tiny_llama, tp=2, rank_timeout=2.0)
     pids = core.executor.pids
     core.add_request(greedy("r", [1, 2, 3], max_tokens=4))
     with pytest.raises(RankFailure, match="rank 1.*injected step fault on rank 1"):
