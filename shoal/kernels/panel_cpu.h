@@ -50,6 +50,46 @@ static inline __attribute__((always_inline)) void panel_block(
     const __m256 z = _mm256_setzero_ps();
     __m256 l0 = z, h0 = z, l1 = z, h1 = z, l2 = z, h2 = z, l3 = z, h3 = z, l4 = z, h4 = z,
            l5 = z, h5 = z;
+    if (mr <= 2) {
+        /* one or two rows are 2 or 4 FMA chains, each waiting out the FMA's latency every
+           column: odd columns sum apart (l2.. for row 0, l3.. for row 1), twice the chains */
+        const float *q0 = xr[0], *q1 = xr[mr > 1 ? 1 : 0];
+        int64_t c = 0;
+        for (; c + 2 <= len; c += 2) {
+            const __m256 b0 = load_w(panel, c * PW, pbf16),
+                         b1 = load_w(panel, c * PW + 8, pbf16),
+                         b2 = load_w(panel, c * PW + PW, pbf16),
+                         b3 = load_w(panel, c * PW + PW + 8, pbf16);
+            const __m256 x0 = _mm256_broadcast_ss(q0 + c), y0 = _mm256_broadcast_ss(q0 + c + 1);
+            l0 = _mm256_fmadd_ps(x0, b0, l0);
+            h0 = _mm256_fmadd_ps(x0, b1, h0);
+            l2 = _mm256_fmadd_ps(y0, b2, l2);
+            h2 = _mm256_fmadd_ps(y0, b3, h2);
+            if (mr > 1) {
+                const __m256 x1 = _mm256_broadcast_ss(q1 + c),
+                             y1 = _mm256_broadcast_ss(q1 + c + 1);
+                l1 = _mm256_fmadd_ps(x1, b0, l1);
+                h1 = _mm256_fmadd_ps(x1, b1, h1);
+                l3 = _mm256_fmadd_ps(y1, b2, l3);
+                h3 = _mm256_fmadd_ps(y1, b3, h3);
+            }
+        }
+        if (c < len) {
+            const __m256 b0 = load_w(panel, c * PW, pbf16), b1 = load_w(panel, c * PW + 8, pbf16);
+            const __m256 x0 = _mm256_broadcast_ss(q0 + c), x1 = _mm256_broadcast_ss(q1 + c);
+            l0 = _mm256_fmadd_ps(x0, b0, l0);
+            h0 = _mm256_fmadd_ps(x0, b1, h0);
+            l1 = _mm256_fmadd_ps(x1, b0, l1);
+            h1 = _mm256_fmadd_ps(x1, b1, h1);
+        }
+        _mm256_storeu_ps(outr[0], _mm256_add_ps(l0, l2));
+        _mm256_storeu_ps(outr[0] + 8, _mm256_add_ps(h0, h2));
+        if (mr > 1) {
+            _mm256_storeu_ps(outr[1], _mm256_add_ps(l1, l3));
+            _mm256_storeu_ps(outr[1] + 8, _mm256_add_ps(h1, h3));
+        }
+        return;
+    }
     const float *p0 = xr[0], *p1 = xr[mr > 1 ? 1 : 0], *p2 = xr[mr > 2 ? 2 : 0],
                 *p3 = xr[mr > 3 ? 3 : 0], *p4 = xr[mr > 4 ? 4 : 0], *p5 = xr[mr > 5 ? 5 : 0];
     for (int64_t c = 0; c < len; ++c) {
