@@ -197,8 +197,10 @@ async def test_scale_to_zero_and_back_with_held_requests(
         apiserver: SimpleNamespace, operator_process: Any, real_engines: Any,
         fake_kubelet_cls: type, engine_port: int, tmp_path: Path) -> None:
     api = apiserver.api
+    # the idle window starts when the engine is ready (the status turns Ready in the same
+    # round): 10 s is what the test has to see phase Ready, polling every 0.25 s
     body = isvc("lazy", replicas=1, autoscaling={
-        "minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": 20,
+        "minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": 10,
         "holdTimeoutSeconds": 180})
     (await api.post(ISVC_PATH, json=body)).raise_for_status()
     operator_process.start()
