@@ -283,6 +283,8 @@ class VocabParallelEmbedding(nn.Module):
 
     # set by quant/gguf_embedding.py: the table kept quantized, its rows and logits
     quant: Any = None
+    # set by use_panel_linears on a table tied to an LM head given panels: rows read there
+    panels: torch.Tensor | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext,
                  dtype: torch.dtype, device: torch.device | str):
@@ -306,18 +308,22 @@ class VocabParallelEmbedding(nn.Module):
         if self.quant is not None:
             return self.quant.embed(self, input_ids)
         if self.parallel.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(owned, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        out = self._rows(local) * owned.unsqueeze(-1).to(self.weight.dtype)
         return self.parallel.all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return linear_panels_cpu.rows(self.panels, ids)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the vocabulary shard; logits gathered to the full vocabulary."""
 
-    panels: torch.Tensor | None = None  # as in _Linear
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # as in _Linear (panels: the embedding's)
     native_bf16: bool = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -360,18 +366,20 @@ def _drop_dense_weight(module: _Linear | ParallelLMHead, weight: torch.Tensor) -
 
 def use_panel_linears(model: nn.Module) -> int:
     """On CPU, float32 or bfloat16, where the native library runs and the panel kernel was
-    measured faster (``ops.panel_linears_here``): every linear layer and an untied LM head
-    multiply through ``shoal.kernels.linear_panels_cpu``, the weight held only as its panels.
-    A tied LM head keeps the embedding table and the dense path (``pack_cpu_linear_weights``
-    or ``use_native_bf16_linears``, which pass over the layers switched here). Returns the
-    layers switched."""
-    tied = _tied_weights(model)
+    measured faster (``ops.panel_linears_here``): every linear layer and the LM head multiply
+    through ``shoal.kernels.linear_panels_cpu``, the weight held only as its panels (the
+    dense copy dropped, a meta tensor keeps its shape). A tied LM head's embedding table
+    reads its rows from the same panels, so the table too is held once. Returns the layers
+    switched."""
+    tables = {id(m.weight): m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+              and not isinstance(m, ParallelLMHead)}
     switched = 0
     for module, weight in _dense_cpu_linears(model, linear_panels_cpu.DTYPES):
-        if id(weight) in tied:
-            continue
         module.panels = linear_panels_cpu.pack(weight)
         _drop_dense_weight(module, weight)
+        table = tables.get(id(weight))
+        if table is not None:  # tied: the embedding shares the panels and the meta weight
+            table.panels, table.weight = module.panels, module.weight
         switched += 1
     return switched
 

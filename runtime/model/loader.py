@@ -393,7 +393,7 @@ def build_model(config: ModelConfig, model_dir: str | Path, backend: AttentionBa
     if model.kernels.choice.moe == "native_cpu":
         pack_cpu_experts(model)
     if model.kernels.choice.linear_panels:
-        use_panel_linears(model)  # the two below then take only a tied LM head
+        use_panel_linears(model)  # the two below then find no dense layer left
     if model.kernels.choice.linear == "onednn":
         pack_cpu_linear_weights(model)
     elif model.kernels.choice.linear == "native_bf16":

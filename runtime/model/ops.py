@@ -12,8 +12,8 @@ they run on. The rule:
   triton attention backend;
 - on an AVX2 CPU (no AVX-512) where the native library runs, float32 and bfloat16 linear
   layers on the native panel kernel (``shoal.kernels.linear_panels_cpu``, the weight held
-  only as its panels: ``linear.use_panel_linears``; measured faster than the paths below
-  there, docs/benchmarks.md), but a tied LM head, which keeps the path below;
+  only as its panels, a tied embedding's rows read there too: ``linear.use_panel_linears``;
+  measured faster than the paths below there, docs/benchmarks.md);
 - oneDNN-packed linear weights on CPU in float32, and in bfloat16 where oneDNN has bfloat16
   kernels for this CPU (AMX, AVX512-BF16, AVX-NE-CONVERT: ``linear.pack_cpu_linear_weights``);
   elsewhere bfloat16 linears on the native kernel (``shoal.kernels.linear_bf16_cpu``: the
@@ -70,7 +70,7 @@ class KernelChoice:
     qk_norm_rotary: str
     linear: str  # "onednn" (packed weights) | "native_bf16" (linear_bf16_cpu) | "torch"
     attention: str  # the attention backend's name
-    # linear layers on linear_panels_cpu (a tied LM head keeps ``linear``'s path)
+    # linear layers and the LM head on linear_panels_cpu (``linear``: any left dense)
     linear_panels: bool = False
     # "triton" (shoal/kernels/fused_moe.py) | "native_cpu" (moe_experts_cpu.py, float32 and
     # bfloat16) | "grouped" (torch._grouped_mm)

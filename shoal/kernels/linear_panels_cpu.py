@@ -63,3 +63,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                                    panels.data_ptr(), int(x.dtype == torch.bfloat16),
                                    None if bias is None else bias.data_ptr(), out.data_ptr())
     return out.reshape(*lead, out_features)
+
+
+def rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the dense ``[out, in]`` weight, read from its panels: an embedding
+    lookup in a table tied to an LM head held only as panels (``[*ids.shape, in]``)."""
+    flat = ids.reshape(-1)
+    return panels[flat // PANEL, :, flat % PANEL].reshape(*ids.shape, panels.shape[1])

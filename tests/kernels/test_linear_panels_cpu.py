@@ -66,6 +66,15 @@ def test_pack_lays_out_16_features_column_by_column_with_a_zero_tail(rng) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_read_back_from_the_panels_are_the_weights_rows(rng, dtype) -> None:
+    """A tied embedding's lookups: any id, the tail panel's included, any leading shape."""
+    w = torch.randn(37, 24, generator=rng).to(dtype)
+    ids = torch.tensor([[0, 15, 16], [36, 31, 32]])
+    got = linear_panels_cpu.rows(linear_panels_cpu.pack(w), ids)
+    assert got.shape == (2, 3, 24) and torch.equal(got, w[ids])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_views_leading_dimensions_and_no_rows(rng, dtype) -> None:
     wide = torch.randn(5, 2, 160, generator=rng).to(dtype)
     x = wide[..., :128]  # rows further apart than their width

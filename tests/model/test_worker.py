@@ -183,7 +183,7 @@ def test_cpu_linear_layers_hold_one_repacked_weight_with_the_same_results(
         arch, backend, tiny_model_dirs, load_worker, monkeypatch):
     """The torch backend: oneDNN-packed weights. The native ``cpu`` backend where the panel
     kernel is faster (``panel_linears_here``, forced here so any CPU runs the check): every
-    layer on panels but a tied LM head, which keeps oneDNN's copy next to the embedding."""
+    layer and the LM head on panels, a tied head's embedding reading its rows there too."""
     from shoal.runtime.model import ops
     from shoal.runtime.model.loader import load_weights
 
@@ -201,14 +201,16 @@ def test_cpu_linear_layers_hold_one_repacked_weight_with_the_same_results(
     if backend == "torch":
         assert not panels and len(packed) == 4 * layers + 1  # qkv, o, gate_up, down, head
     else:
-        assert len(panels) == 4 * layers + (0 if tied else 1)
-        assert packed == ([model.lm_head] if tied else [])
+        assert not packed and len(panels) == 4 * layers + 1 + tied  # a tied table shares one
     for module in packed:
         assert module.packed.is_mkldnn, type(module).__name__
     for module in packed + panels:
-        # the dense copy is dropped (its shape kept), but a tied head is the embedding table
-        assert module.weight.is_meta == (not (module is model.lm_head and tied))
-    assert not model.model.embed_tokens.weight.is_meta  # lookups read rows
+        # the dense copy is dropped (its shape kept), but oneDNN's tied head is the table
+        assert module.weight.is_meta == (not (module is model.lm_head and tied and packed))
+    embed = model.model.embed_tokens
+    assert embed.weight.is_meta == (tied and backend == "cpu")  # else lookups read its rows
+    if tied and backend == "cpu":
+        assert embed.panels is model.lm_head.panels and embed.weight is model.lm_head.weight
 
     # The same layers with the checkpoint's dense weights through MKL's F.linear: the sums
     # round differently, so equal to float32 tolerance, not bit for bit.
@@ -223,3 +225,5 @@ def test_cpu_linear_layers_hold_one_repacked_weight_with_the_same_results(
         torch.testing.assert_close(ours(rows), dense(rows), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.compute_logits(x), reference.compute_logits(x),
                                rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([[0, 1, 17], [model.config.vocab_size - 1, 16, 15]])
+    assert torch.equal(embed(ids), reference.model.embed_tokens(ids))
