@@ -126,20 +126,10 @@ def checkpoint(dense: Path, fmt: str | None) -> Path:
     return out
 
 
-def resident_bytes(model) -> int:
-    """Parameters and buffers, each storage once, plus oneDNN-packed copies (as
-    tests/model/test_quant_memory.py counts them)."""
-    seen = {}
-    for tensor in model.state_dict().values():
-        if tensor.device.type != "meta":
-            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)
-
-
 def start(mode: str, model_dir: Path, dtype: str, batches: list[int]):
     from shoal.runtime.llm import LLM
     from shoal.runtime.model import loader
+    from shoal.runtime.model.linear import resident_weight_bytes
 
     keeps = loader.keeps_gguf_quantized
     if mode == "gguf-f32":
@@ -151,7 +141,8 @@ def start(mode: str, model_dir: Path, dtype: str, batches: list[int]):
     finally:
         loader.keeps_gguf_quantized = keeps  # type: ignore[assignment]
     model = llm.engine.executor.worker.runner.model  # type: ignore[attr-defined]
-    print(f"{mode:>11} resident weights {resident_bytes(model) / 2**20:.1f} MiB", flush=True)
+    print(f"{mode:>11} resident weights {resident_weight_bytes(model) / 2**20:.1f} MiB",
+          flush=True)
     return llm
 
 

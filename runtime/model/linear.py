@@ -337,6 +337,22 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else logits
 
 
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: every parameter and persistent buffer off the
+    meta device, each storage once (a tied LM head is the embedding), plus the repacked
+    copies that replace dense weights: oneDNN's (an opaque tensor, counted by its elements)
+    and the panels (shared by a tied table: counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in model.state_dict().values():
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    repacked = {id(t): t.numel() * t.element_size() for m in model.modules()
+                for t in (getattr(m, "packed", None), getattr(m, "panels", None))
+                if isinstance(t, torch.Tensor)}
+    return sum(seen.values()) + sum(repacked.values())
+
+
 def _tied_weights(model: nn.Module) -> set[int]:
     """ids of the embedding tables (a tied LM head's weight is one: lookups read its rows)."""
     return {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)

@@ -173,12 +173,10 @@ def test_linear_weights_stay_in_their_q4_1_blocks(llm, gguf: Path, monkeypatch) 
     from shoal.runtime.attention.selector import get_attention_backend
     from shoal.runtime.model import loader
     from shoal.runtime.model.config import load_model_config
-    from shoal.runtime.model.linear import _Linear
+    from shoal.runtime.model.linear import _Linear, resident_weight_bytes
     from shoal.runtime.model.parallel import ParallelContext
 
     from shoal.kernels.native_cpu import unavailable_reason
-
-    from ..model.test_quant_memory import resident_weight_bytes
 
     if unavailable_reason() is not None:
         pytest.skip(f"native library: {unavailable_reason()}")
@@ -198,8 +196,8 @@ def test_linear_weights_stay_in_their_q4_1_blocks(llm, gguf: Path, monkeypatch) 
     print(f"default model resident weights: {kept / 2**20:.1f} MiB kept quantized, "
           f"{dequantized / 2**20:.1f} MiB dequantized to float32 ({kept / dequantized:.3f}x)")
     # the Q4_1 layers: 4-bit codes + the file's fp16 scale and min per 32 = 5 bits a weight; the
-    # Q8_0 table 9 bits, once, where dequantized it is float32 twice (the embedding and
-    # oneDNN's packed copy for the tied head)
+    # Q8_0 table 9 bits, once, where dequantized it is float32 (once, in panels, where this
+    # CPU runs the panel kernel; else twice: the embedding and oneDNN's copy for the head)
     embed = model.model.embed_tokens
     assert embed.int_packed_codes.shape == (49152, 576) and model.lm_head.quant is embed.quant
     assert kept / dequantized < 0.25

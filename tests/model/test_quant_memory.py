@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shoal.runtime.model.linear import resident_weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +31,6 @@ def dense_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dense")
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
     return out
-
-
-def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and persistent buffer (the kernels' packed weights), each
-    storage counted once (a tied LM head is the embedding), plus the oneDNN-packed copies
-    that replace dense weights where oneDNN packs this dtype (float32 anywhere, bfloat16
-    on CPUs with AMX or AVX512-BF16): the dense parameter is then on the meta device."""
-    seen: dict[int, int] = {}
-    for tensor in model.state_dict().values():
-        if tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    # an opaque oneDNN tensor has no storage to read; its elements are the weight's
-    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
-    return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)
 
 
 def _build(model_dir: Path) -> torch.nn.Module:
