@@ -204,10 +204,14 @@ def stopped_at_teardown(start: Callable[..., Server]) -> Iterator[Callable[..., 
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def server(start_server) -> Server:
-    """One shared server (API key on) for the functional tests of a module."""
-    return start_server(api_key=API_KEY)
+@pytest.fixture(scope="session")
+def server(start_session_server) -> Server:
+    """One server (API key on, the integration-test model) shared by the functional tests
+    of every module that asks for it (bad input, cancellation, greedy equivalence, the
+    OpenAI client, schemathesis, slow clients): the same flags, so one start for all of them,
+    as ``tiny_chat_server``. What they check is their own requests' answers, gauges (idle
+    afterwards) and growth from their own baseline (RSS), never a fresh server's counters."""
+    return start_session_server(api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
