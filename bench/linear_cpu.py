@@ -13,7 +13,7 @@ after the other: the machine's load moves all of them). Used to choose the packe
 its hint, and the rows the panels take.
 
     .venv/bin/python bench/linear_cpu.py [--arch llama] [--size bench] [--rows 1,8,32,128,512,2048]
-        [--hints 1,128,2048] [--threads 0] [--dtype float32]
+        [--hints 1,128,2048] [--threads 0] [--dtype float32] [--shapes 4096x4096,...]
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hints", default="1,128,2048")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--shapes", default="",
+                        help="INxOUT,... in place of the model's layers (e.g. 4096x4096)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; "
           "GFLOP/s, best of 5 turns (max |error| against float64); panels / best other")
-    for name, (k, n) in layer_shapes(args.arch, args.size).items():
+    shapes = ({shape: (int(shape.split("x")[0]), int(shape.split("x")[1]))
+               for shape in args.shapes.split(",")} if args.shapes
+              else layer_shapes(args.arch, args.size))
+    for name, (k, n) in shapes.items():
         weight = torch.randn(n, k).to(dtype)
         calls = {"F.linear": lambda x, w=weight: F.linear(x, w)}
         if dtype == torch.bfloat16:

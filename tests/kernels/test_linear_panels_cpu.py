@@ -1,6 +1,6 @@
 """The dense panel linear (``shoal.kernels.linear_panels_cpu``) against float64 math, float32
 and bfloat16 weights, with and without a bias, 1 to 300 rows (one register block of 6 rows,
-partial blocks, and row chunks: rows x in over the kernel's 192 KiB of activations), output
+partial blocks, and row chunks: 300 rows of 1000 columns are a chunk of 252 and one of 48), output
 sizes that are not a multiple of the 16-feature panel, views and leading dimensions, and the
 portable C loops.
 
