@@ -143,6 +143,10 @@ class LoopProgress:
     def __init__(self, clock=time.monotonic, cpu_clock=time.process_time) -> None:
         self._clock, self._cpu_clock = clock, cpu_clock
         self._worker_cpu: Callable[[], float] = lambda: 0.0
+        # the workers' CPU as the heartbeat last read it: a step's start takes this one, so
+        # the engine loop reads no /proc files (a step's first beat may then count some of
+        # the workers' CPU from before the step: only ever more lenient)
+        self._workers_read = 0.0
         self.step: tuple[float, float] | None = None  # (wall, CPU) when it began
         # the step the last beat saw, that beat's (wall, CPU), when it last progressed
         self._seen: tuple[tuple[float, float] | None, float, float, float] = (None, 0, 0, 0)
@@ -152,11 +156,8 @@ class LoopProgress:
         as the step's progress too."""
         self._worker_cpu = worker_cpu
 
-    def _cpu(self) -> float:
-        return self._cpu_clock() + self._worker_cpu()
-
     def begin_step(self) -> None:
-        self.step = (self._clock(), self._cpu())
+        self.step = (self._clock(), self._cpu_clock() + self._workers_read)
 
     def end_step(self) -> None:
         self.step = None
@@ -167,7 +168,8 @@ class LoopProgress:
         step = self.step
         if step is None:
             return 0.0
-        now, cpu = self._clock(), self._cpu()
+        self._workers_read = self._worker_cpu()
+        now, cpu = self._clock(), self._cpu_clock() + self._workers_read
         seen_step, then, then_cpu, progressed_at = self._seen
         if seen_step is not step:  # the first beat of this step: since its start
             then, then_cpu, progressed_at = step[0], step[1], step[0]
